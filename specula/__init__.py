@@ -1,0 +1,15 @@
+"""specula: lossless speculative decoding for any HuggingFace causal language model.
+
+    import specula
+    out = specula.generate(model, input_ids, proposer=specula.PromptLookup(), max_new_tokens=128)
+    out.sequences, out.stats
+"""
+
+from .generate import generate
+from .prompt_lookup import PromptLookup
+from .proposer import Draft, Proposer
+from .stats import GenerateOutput, SpecStats
+from .target import UnsupportedModelError
+
+__all__ = ["Draft", "GenerateOutput", "PromptLookup", "Proposer", "SpecStats", "UnsupportedModelError", "generate"]
+__version__ = "0.1.0"

@@ -1,0 +1,116 @@
+"""``specula.generate``: the speculation loop around any HF causal LM."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from .acceptance import accept_draft
+from .inputs import Request, prepare_request, vocab_size
+from .proposer import Draft, Proposer
+from .stats import GenerateOutput, SpecStats
+from .target import Target
+
+
+class _Sequence:
+    """Prompt + output on the host, in a buffer sized once; stops exactly at EOS or the length limit."""
+
+    def __init__(self, request: Request) -> None:
+        self.tokens = np.empty(request.max_length, dtype=np.int64)
+        self.length = len(request.prompt)
+        self.tokens[: self.length] = request.prompt
+        self.eos_token_ids = request.eos_token_ids
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.tokens[: self.length]
+
+    def append(self, new_tokens: list[int]) -> tuple[list[int], bool]:
+        """Append what fits, up to and including the first EOS; return the appended tokens and whether to stop."""
+        kept = new_tokens[: len(self.tokens) - self.length]
+        ended_by_eos = False
+        for index, token in enumerate(kept):
+            if token in self.eos_token_ids:
+                kept, ended_by_eos = kept[: index + 1], True
+                break
+        self.tokens[self.length : self.length + len(kept)] = kept
+        self.length += len(kept)
+        return kept, ended_by_eos or self.length == len(self.tokens)
+
+
+def _propose(proposer: Proposer | None, context: np.ndarray, budget: int, vocab: int, stats: SpecStats) -> list[int]:
+    """Ask the proposer for at most ``budget`` tokens and check what it returns."""
+    if proposer is None or budget <= 0:
+        return []
+    started = time.perf_counter()
+    draft = proposer.propose(context, budget)
+    stats.draft_time_s += time.perf_counter() - started
+    if not isinstance(draft, Draft):
+        raise TypeError(f"{proposer!r}.propose() must return a specula.Draft, got {type(draft).__name__}.")
+    tokens = draft.tokens[:budget].tolist()
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
+        raise ValueError(
+            f"{proposer!r} proposed token id {min(tokens) if min(tokens) < 0 else max(tokens)}, outside the target's "
+            f"vocabulary of {vocab} tokens; the proposer must use the target's tokenizer."
+        )
+    return tokens
+
+
+@torch.inference_mode()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    proposer: Proposer | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int | None = None,
+    eos_token_id: int | Iterable[int] | torch.Tensor | None = None,
+) -> GenerateOutput:
+    """Greedy decoding of ``model`` sped up by speculation; the tokens are exactly ``model.generate``'s.
+
+    Each step asks ``proposer`` for draft tokens, verifies ``[last token, d1..dK]`` in one forward pass of the
+    target, keeps the longest draft prefix the target agrees with plus the target's own next token, and rolls the KV
+    cache back past the rejected drafts. ``proposer=None`` decodes one token per pass through the same loop.
+
+    Args:
+        model: any HF decoder-only causal LM (``AutoModelForCausalLM``).
+        input_ids: the prompt, shape ``[1, length]`` (or ``[length]``); one sequence at a time.
+        proposer: where drafts come from, e.g. ``specula.PromptLookup()``; ``None`` for plain decoding.
+        attention_mask: as in HF; zeros mark left padding.
+        max_new_tokens: defaults to the model's ``generation_config`` (as ``model.generate``).
+        eos_token_id: token id(s) that end generation; defaults to the model's ``generation_config``.
+
+    Returns:
+        ``GenerateOutput`` with ``sequences`` (prompt + new tokens, ``[1, length]``) and ``stats``.
+    """
+    started = time.perf_counter()
+    request = prepare_request(model, input_ids, attention_mask, max_new_tokens, eos_token_id)
+    sequence = _Sequence(request)
+    stats = SpecStats(prompt_tokens=sequence.length)
+    if request.max_length > sequence.length:
+        target = Target(model, request.positions, request.attention_mask, rollback=proposer is not None)
+        vocab = vocab_size(model)
+        if proposer is not None:
+            proposer.begin(sequence.ids)
+        draft: list[int] = []
+        block = torch.from_numpy(request.prompt).to(request.device)  # the first pass is the prefill
+        while True:
+            logits = target.forward(block, num_logits=len(draft) + 1)
+            new_tokens = accept_draft(logits, draft)
+            target.rollback(len(draft) + 1 - len(new_tokens))
+            stats.record_step(drafted=len(draft), accepted=len(new_tokens) - 1)
+            if stats.steps == 1:
+                stats.prefill_time_s = time.perf_counter() - started
+            kept, finished = sequence.append(new_tokens)
+            if proposer is not None:
+                proposer.observe(kept, min(len(new_tokens) - 1, len(kept)))
+            if finished:
+                break
+            draft = _propose(proposer, sequence.ids, request.max_length - sequence.length - 1, vocab, stats)
+            block = torch.tensor([int(sequence.tokens[sequence.length - 1]), *draft], device=request.device)
+    stats.new_tokens = sequence.length - stats.prompt_tokens
+    stats.wall_time_s = time.perf_counter() - started
+    return GenerateOutput(sequences=torch.from_numpy(sequence.ids.copy())[None].to(request.device), stats=stats)

@@ -1,0 +1,144 @@
+"""Checking and normalising what a caller passes to :func:`specula.generate`, with errors that say what to do."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated generation request for one sequence."""
+
+    prompt: np.ndarray  # int64 token ids
+    max_length: int  # prompt + new tokens, never past the model's context
+    eos_token_ids: frozenset[int]
+    positions: torch.Tensor  # [1, max_length] position id of every slot, on the model's device
+    attention_mask: torch.Tensor | None  # [1, max_length], None when the prompt has no padding
+    device: torch.device
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the input embedding matrix: the token ids the model accepts."""
+    return model.get_input_embeddings().weight.shape[0]
+
+
+def context_limit(model: torch.nn.Module) -> int | None:
+    """The longest sequence the model's positions support, if its config says."""
+    config = model.config.get_text_config(decoder=True)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        limit = getattr(config, name, None)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+    return None
+
+
+def _token_tensor(value: object, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(np.asarray(value))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{name} must be a tensor of token ids, got {type(value).__name__}.") from error
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids (torch.long), got dtype {value.dtype}.")
+    if value.ndim == 1:
+        value = value[None]
+    if value.ndim != 2:
+        raise ValueError(f"{name} must have shape [1, sequence_length], got {tuple(value.shape)}.")
+    if value.shape[0] != 1:
+        raise ValueError(
+            f"{name} has batch size {value.shape[0]}; specula decodes one sequence at a time. "
+            "Call specula.generate once per prompt."
+        )
+    return value.long()
+
+
+def _eos_ids(model: torch.nn.Module, eos_token_id: int | Iterable[int] | torch.Tensor | None) -> frozenset[int]:
+    if eos_token_id is None:
+        generation_config = getattr(model, "generation_config", None)
+        eos_token_id = getattr(generation_config, "eos_token_id", None)
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.reshape(-1).tolist()
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"eos_token_id must be a token id or a list of token ids, got {eos_token_id!r}.")
+    return frozenset(ids)
+
+
+def _max_new_tokens(model: torch.nn.Module, max_new_tokens: int | None, prompt_length: int) -> int:
+    if max_new_tokens is None:
+        generation_config = getattr(model, "generation_config", None)
+        max_new_tokens = getattr(generation_config, "max_new_tokens", None)
+        if max_new_tokens is None:
+            max_new_tokens = max(getattr(generation_config, "max_length", 20) - prompt_length, 0)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
+    return max_new_tokens
+
+
+def prepare_request(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    max_new_tokens: int | None,
+    eos_token_id: int | Iterable[int] | torch.Tensor | None,
+) -> Request:
+    """Validate the arguments of ``specula.generate``; raise ``ValueError`` saying what is wrong and what to do."""
+    input_ids = _token_tensor(input_ids, "input_ids")
+    prompt_length = input_ids.shape[1]
+    if prompt_length == 0:
+        raise ValueError("input_ids is empty; give at least one prompt token (e.g. the BOS token).")
+    vocab = vocab_size(model)
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(
+            f"input_ids holds token id {low if low < 0 else high}, outside the model's vocabulary of {vocab} tokens; "
+            "was the prompt encoded with this model's tokenizer?"
+        )
+
+    limit = context_limit(model)
+    if limit is not None and prompt_length >= limit:
+        raise ValueError(
+            f"The prompt has {prompt_length} tokens but the model accepts at most {limit} positions; "
+            "shorten the prompt to leave room for new tokens."
+        )
+    max_length = prompt_length + _max_new_tokens(model, max_new_tokens, prompt_length)
+    if limit is not None and max_length > limit:
+        warnings.warn(
+            f"prompt ({prompt_length}) + max_new_tokens ({max_length - prompt_length}) exceeds the model's context "
+            f"of {limit} positions; generation stops at {limit} tokens.",
+            stacklevel=3,
+        )
+        max_length = limit
+
+    device = model.get_input_embeddings().weight.device
+    full_mask = torch.ones(1, max_length, dtype=torch.long)
+    if attention_mask is not None:
+        attention_mask = _token_tensor(attention_mask, "attention_mask")
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}; "
+                "they must match."
+            )
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (token).")
+        if int(attention_mask[0, -1]) != 1:
+            raise ValueError("The last prompt token is masked out (right padding); pad on the left or strip padding.")
+        full_mask[:, :prompt_length] = attention_mask.cpu()
+    # Position ids as model.generate computes them: count the unmasked tokens, padding gets position 0.
+    positions = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 0)
+    has_padding = bool((full_mask == 0).any())
+    return Request(
+        prompt=input_ids[0].cpu().numpy().astype(np.int64),
+        max_length=max_length,
+        eos_token_ids=_eos_ids(model, eos_token_id),
+        positions=positions.to(device),
+        attention_mask=full_mask.to(device) if has_padding else None,
+        device=device,
+    )

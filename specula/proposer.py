@@ -1,0 +1,76 @@
+"""The proposer interface: what a drafting method implements to plug into the speculation loop.
+
+A proposer sees one sequence at a time. The loop calls
+
+1. ``begin(prompt_ids)`` once, before decoding starts;
+2. ``propose(context_ids, max_tokens)`` before every target forward pass, and sends the returned draft to the target
+   for verification;
+3. ``observe(new_ids, num_accepted)`` after every verification, with the tokens appended to the sequence (the
+   accepted draft prefix followed by the target's own token) and how many of them came from the draft.
+
+``context_ids`` is a read-only numpy int64 view of prompt + output so far; it is only valid during the call (copy it
+to keep it). A proposer that keeps no state needs only ``propose``.
+
+Example, a proposer that always guesses the token that came before the last one::
+
+    class Echo(specula.Proposer):
+        def propose(self, context_ids, max_tokens):
+            return specula.Draft(context_ids[-2:-1])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Tokens a proposer guesses will come next, optionally with the distribution each was drawn from.
+
+    Args:
+        tokens: 1-D token ids (list, numpy array or tensor), at most the ``max_tokens`` the loop asked for.
+        probs: ``[len(tokens), vocab_size]`` probabilities the tokens were sampled from, for stochastic drafters;
+            ``None`` for deterministic proposers (their ``q`` is one-hot on the token).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        tokens = self.tokens
+        if not isinstance(tokens, torch.Tensor):
+            tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(-1))
+        if tokens.dtype != torch.long:
+            if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+                raise ValueError(f"Draft tokens must be integer token ids, got dtype {tokens.dtype}.")
+            tokens = tokens.long()
+        object.__setattr__(self, "tokens", tokens.reshape(-1))
+        if self.probs is not None and (self.probs.ndim != 2 or self.probs.shape[0] != len(self)):
+            raise ValueError(
+                f"Draft probs must have shape [num_tokens, vocab_size] = [{len(self)}, V], got {tuple(self.probs.shape)}."
+            )
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @classmethod
+    def empty(cls) -> "Draft":
+        return cls(torch.empty(0, dtype=torch.long))
+
+
+class Proposer:
+    """Base class for drafting methods; subclasses implement ``propose`` and, if they keep state, the other hooks."""
+
+    def begin(self, prompt_ids: np.ndarray) -> None:
+        """A new sequence starts with these prompt tokens."""
+
+    def propose(self, context_ids: np.ndarray, max_tokens: int) -> Draft:
+        """Guess up to ``max_tokens`` (>= 1) tokens that follow ``context_ids``; an empty draft means "no guess"."""
+        raise NotImplementedError
+
+    def observe(self, new_ids: Sequence[int], num_accepted: int) -> None:
+        """``new_ids`` were appended to the sequence; the first ``num_accepted`` of them were this proposer's draft."""

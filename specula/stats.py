@@ -1,0 +1,66 @@
+"""What one generation did: counts and timings, and the output returned by :func:`specula.generate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SpecStats:
+    """Counters of one ``specula.generate`` call.
+
+    ``steps`` counts every target forward pass, the prefill included, so plain decoding of N tokens takes N steps
+    and ``tokens_per_step`` is 1.0; ``accepted_per_position[i]`` counts the steps whose draft token i was accepted.
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    wall_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+    draft_time_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (0.0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """New tokens per target forward pass."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of wall time, prefill included."""
+        return self.new_tokens / self.wall_time_s if self.wall_time_s else 0.0
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        """One target forward pass verified ``drafted`` draft tokens and accepted the first ``accepted``."""
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted > len(self.accepted_per_position):
+            self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+    def __str__(self) -> str:
+        return (
+            f"{self.new_tokens} new tokens in {self.wall_time_s:.2f}s ({self.tokens_per_s:.1f} tok/s), "
+            f"{self.steps} target steps ({self.tokens_per_step:.2f} tok/step), "
+            f"accepted {self.accepted}/{self.drafted} drafted ({self.acceptance_rate:.0%})"
+        )
+
+
+@dataclass
+class GenerateOutput:
+    """``sequences``: prompt + new tokens, shape ``[1, prompt_len + new_tokens]``, as ``model.generate`` returns."""
+
+    sequences: torch.LongTensor
+    stats: SpecStats

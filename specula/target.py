@@ -1,0 +1,81 @@
+"""The target model behind the verifier: forward passes over new tokens, and a KV cache that can be rolled back."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or its cache) cannot be used for speculative decoding."""
+
+
+def _model_type(model: torch.nn.Module) -> str:
+    return f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r})"
+
+
+class Target:
+    """A HF causal LM with its own rollback-able KV cache, fed one block of new tokens at a time.
+
+    The cache is transformers' ``DynamicCache`` built from the model's config, exactly as ``model.generate`` builds
+    it, with past recording switched on: sliding-window layers (Gemma-3, Mistral ...) then keep the states a rollback
+    needs until :meth:`rollback` trims them back to the window, so speculation works past the window too.
+
+    Args:
+        model: the target model.
+        positions: ``[1, capacity]`` position id of every sequence slot (prompt slots follow its attention mask).
+        attention_mask: ``[1, capacity]`` mask of every slot, or ``None`` when the prompt has no padding.
+        rollback: whether the caller will roll the cache back; a model whose cache cannot be rolled back is then
+            refused after the prefill instead of silently producing wrong tokens.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        rollback: bool,
+    ) -> None:
+        config = model.config
+        supports_dynamic_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
+        if getattr(config, "is_encoder_decoder", False) or not supports_dynamic_cache:
+            raise UnsupportedModelError(
+                f"{_model_type(model)} is not a decoder-only model with a standard KV cache; specula cannot verify "
+                "drafts with it. Use model.generate() for this model."
+            )
+        parameters = inspect.signature(model.forward).parameters
+        self.model = model
+        self.positions = positions if "position_ids" in parameters else None
+        self.attention_mask = attention_mask
+        self.accepts_logits_to_keep = "logits_to_keep" in parameters
+        self.cache = DynamicCache(config=config.get_text_config(decoder=True))
+        self.cache.activate_past_recording()
+        self.cached_tokens = 0
+        self.needs_rollback = rollback
+
+    def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """Append ``token_ids`` (1-D) to the cache; return the logits of its last ``num_logits`` positions."""
+        start, end = self.cached_tokens, self.cached_tokens + token_ids.shape[0]
+        inputs = {"input_ids": token_ids[None], "past_key_values": self.cache, "use_cache": True}
+        if self.positions is not None:
+            inputs["position_ids"] = self.positions[:, start:end]
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask[:, :end]
+        if self.accepts_logits_to_keep:
+            inputs["logits_to_keep"] = num_logits
+        logits = self.model(**inputs).logits[0, -num_logits:]
+        self.cached_tokens = end
+        if start == 0 and self.needs_rollback and not self.cache.is_croppable:
+            raise UnsupportedModelError(
+                f"The KV cache of {_model_type(self.model)} cannot be rolled back (it keeps recurrent state), so "
+                "drafts cannot be verified. Use proposer=None or model.generate() for this model."
+            )
+        return logits
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` cached tokens. Always called after a forward pass, even with 0, because
+        that is when sliding-window layers drop the states past recording kept for a possible rollback."""
+        self.cache.crop(-num_tokens)
+        self.cached_tokens -= num_tokens
