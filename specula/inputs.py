@@ -75,8 +75,9 @@ def _max_new_tokens(model: torch.nn.Module, max_new_tokens: int | None, prompt_l
     if max_new_tokens is None:
         generation_config = getattr(model, "generation_config", None)
         max_new_tokens = getattr(generation_config, "max_new_tokens", None)
-        if max_new_tokens is None:
-            max_new_tokens = max(getattr(generation_config, "max_length", 20) - prompt_length, 0)
+        max_length = getattr(generation_config, "max_length", None)
+        if max_new_tokens is None:  # as model.generate: the config's max_length, else 20 new tokens
+            max_new_tokens = 20 if max_length is None else max(max_length - prompt_length, 0)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
     return max_new_tokens

@@ -51,9 +51,10 @@ class Target:
         self.attention_mask = attention_mask
         self.accepts_logits_to_keep = "logits_to_keep" in parameters
         self.cache = DynamicCache(config=config.get_text_config(decoder=True))
-        self.cache.activate_past_recording()
+        if rollback:
+            self.cache.activate_past_recording()
         self.cached_tokens = 0
-        self.needs_rollback = rollback
+        self.can_roll_back = rollback
 
     def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         """Append ``token_ids`` (1-D) to the cache; return the logits of its last ``num_logits`` positions."""
@@ -67,7 +68,7 @@ class Target:
             inputs["logits_to_keep"] = num_logits
         logits = self.model(**inputs).logits[0, -num_logits:]
         self.cached_tokens = end
-        if start == 0 and self.needs_rollback and not self.cache.is_croppable:
+        if start == 0 and self.can_roll_back and not self.cache.is_croppable:
             raise UnsupportedModelError(
                 f"The KV cache of {_model_type(self.model)} cannot be rolled back (it keeps recurrent state), so "
                 "drafts cannot be verified. Use proposer=None or model.generate() for this model."
@@ -77,5 +78,6 @@ class Target:
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` cached tokens. Always called after a forward pass, even with 0, because
         that is when sliding-window layers drop the states past recording kept for a possible rollback."""
-        self.cache.crop(-num_tokens)
+        if self.can_roll_back:
+            self.cache.crop(-num_tokens)
         self.cached_tokens -= num_tokens
