@@ -6,10 +6,11 @@
 """
 
 from .generate import generate
+from .ngram import NGramPredictor
 from .prompt_lookup import PromptLookup
 from .proposer import Draft, Proposer
 from .stats import GenerateOutput, SpecStats
 from .target import UnsupportedModelError
 
-__all__ = ["Draft", "GenerateOutput", "PromptLookup", "Proposer", "SpecStats", "UnsupportedModelError", "generate"]
+__all__ = ["Draft", "GenerateOutput", "NGramPredictor", "PromptLookup", "Proposer", "SpecStats", "UnsupportedModelError", "generate"]
 __version__ = "0.1.0"

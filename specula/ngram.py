@@ -1,0 +1,173 @@
+"""NGramPredictor: drafts from n-gram statistics of everything it has seen, no draft model needed."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from . import kernels
+from .proposer import Draft, Proposer
+
+_FORMAT = "specula.NGramPredictor/1"
+
+
+def _as_tokens(token_ids: object) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    array = np.asarray(token_ids).reshape(-1)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {array.dtype}.")
+    if array.size and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
+        raise ValueError("token ids must be in [0, 2**31).")
+    return array.astype(np.int64)
+
+
+class NGramPredictor(Proposer):
+    """Hashed n-gram frequency tables (orders 2..``max_order``) learnt from the prompt and every generated token.
+
+    ``predict`` chains the tables' own most likely continuations, the longest known context first, and stops as
+    soon as that continuation is not confident enough (seen fewer than ``min_count`` times, or in less than
+    ``min_share`` of its context's occurrences, per context length 1, 2, 3, ...). As a proposer it learns the
+    prompt in ``begin`` and each step's new tokens in ``observe``; kept across generations it keeps learning, and
+    ``save`` / ``load`` persist it.
+
+    Memory is fixed at construction: each order has ``capacity`` slots (a power of two) for its contexts and as many
+    for its (context, next token) pairs, about ``capacity * (max_order - 1) * (8 * max_order + 40)`` bytes in all
+    (14 MB for the defaults). A table holds at most ``capacity / 2`` pairs; when it is that full it ages: all its
+    counts are halved and what drops to zero is forgotten, so frequent patterns stay and rare ones make room.
+
+    Args:
+        max_order: longest n-gram (context of ``max_order - 1`` tokens), >= 2.
+        num_draft: most tokens proposed per step.
+        history: recent tokens kept so n-grams continue across ``update`` calls, >= ``max_order``.
+        capacity: slots per order and table (rounded up to a power of two).
+        min_count: least count of a drafted continuation, per context length (a single int applies to all).
+        min_share: least share of its context's occurrences, per context length (a single float applies to all).
+    """
+
+    def __init__(
+        self,
+        max_order: int = 4,
+        num_draft: int = 8,
+        history: int = 512,
+        capacity: int = 1 << 16,
+        min_count: int | Sequence[int] = (2, 1, 1),
+        min_share: float | Sequence[float] = (0.5, 0.5, 0.5),
+    ) -> None:
+        if not isinstance(max_order, int) or max_order < 2:
+            raise ValueError(f"max_order must be an integer >= 2 (bigrams), got {max_order!r}.")
+        if not isinstance(num_draft, int) or num_draft < 1:
+            raise ValueError(f"num_draft must be an integer >= 1, got {num_draft!r}.")
+        if not isinstance(history, int) or history < max_order:
+            raise ValueError(f"history must be an integer >= max_order ({max_order}), got {history!r}.")
+        if not isinstance(capacity, int) or capacity < 4:
+            raise ValueError(f"capacity must be an integer >= 4 slots, got {capacity!r}.")
+        rows = max_order - 1
+        self.max_order, self.num_draft, self.history = max_order, num_draft, history
+        self.min_count = self._per_row(min_count, rows, "min_count", np.int64)
+        self.min_share = self._per_row(min_share, rows, "min_share", np.float64)
+        if (self.min_count < 1).any() or ((self.min_share < 0) | (self.min_share > 1)).any():
+            raise ValueError("min_count must be >= 1 and min_share within [0, 1].")
+        slots = 1 << (capacity - 1).bit_length()
+        self.tables = {
+            "ctx_hash": np.zeros((rows, slots), np.uint64),
+            "ctx_keys": np.zeros((rows, slots, rows), np.int32),
+            "ctx_total": np.zeros((rows, slots), np.int64),
+            "ctx_best": np.zeros((rows, slots), np.int32),
+            "ctx_best_count": np.zeros((rows, slots), np.int64),
+            "pair_hash": np.zeros((rows, slots), np.uint64),
+            "pair_keys": np.zeros((rows, slots, rows + 1), np.int32),
+            "pair_count": np.zeros((rows, slots), np.int64),
+            "n_pairs": np.zeros(rows, np.int64),
+        }
+        self.recent = np.empty(0, np.int64)
+
+    @staticmethod
+    def _per_row(value, rows: int, name: str, dtype) -> np.ndarray:
+        values = np.atleast_1d(np.asarray(value, dtype=dtype))
+        if values.ndim != 1 or len(values) == 0:
+            raise ValueError(f"{name} must be a number or a sequence of numbers, got {value!r}.")
+        return np.resize(values, rows) if len(values) < rows else values[:rows].copy()  # last value repeats
+
+    @property
+    def capacity(self) -> int:
+        return self.tables["ctx_hash"].shape[1]
+
+    def update(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
+        """Learn every n-gram ending in ``token_ids``, continuing from the tokens seen before."""
+        new = _as_tokens(token_ids)
+        context = self.recent[-(self.max_order - 1) :] if self.max_order > 1 else self.recent[:0]
+        work = np.concatenate([context, new])
+        kernels.ngram_update(work, len(context), self.capacity // 2, *self.tables.values())
+        self.recent = work[-self.history :]
+
+    def reset_context(self) -> None:
+        """Start a new, unrelated sequence: n-grams will not span the boundary. The tables are kept."""
+        self.recent = np.empty(0, np.int64)
+
+    def predict(self, context_ids: Sequence[int] | np.ndarray | torch.Tensor, max_tokens: int) -> list[int]:
+        """Draft up to ``max_tokens`` tokens after ``context_ids`` by chaining predictions."""
+        context = _as_tokens(context_ids)[-(self.max_order - 1) :]
+        return self._predict(context, max_tokens).tolist()
+
+    def _predict(self, context: np.ndarray, max_tokens: int) -> np.ndarray:
+        t = self.tables
+        return kernels.ngram_predict(context, max_tokens, self.min_count, self.min_share, t["ctx_hash"],
+                                     t["ctx_keys"], t["ctx_total"], t["ctx_best"], t["ctx_best_count"])
+
+    def count(self, context: Sequence[int], token: int) -> int:
+        """How often ``token`` followed ``context`` (1 .. max_order - 1 tokens), after ageing."""
+        if not 1 <= len(context) < self.max_order:
+            raise ValueError(f"context must hold 1..{self.max_order - 1} tokens, got {len(context)}.")
+        pair = np.asarray([*context, token], dtype=np.int64)
+        return int(kernels.ngram_count(pair, self.tables["pair_hash"], self.tables["pair_keys"], self.tables["pair_count"]))
+
+    # Proposer hooks
+    def begin(self, prompt_ids: np.ndarray) -> None:
+        self.reset_context()
+        self.update(prompt_ids)
+
+    def propose(self, context_ids: np.ndarray, max_tokens: int) -> Draft:
+        return Draft(self._predict(context_ids[-(self.max_order - 1) :], min(self.num_draft, max_tokens)))
+
+    def observe(self, new_ids: Sequence[int], num_accepted: int) -> None:
+        self.update(new_ids)
+
+    # Persistence
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the tables and settings to ``path`` (a numpy ``.npz`` archive)."""
+        settings = np.array([self.max_order, self.num_draft, self.history])
+        with open(path, "wb") as file:
+            np.savez_compressed(file, format=np.array(_FORMAT), settings=settings, min_count=self.min_count,
+                                min_share=self.min_share, recent=self.recent, **self.tables)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "NGramPredictor":
+        """Read a predictor written by :meth:`save`; a corrupt or foreign file raises ``ValueError``."""
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                data = {name: archive[name] for name in archive.files}
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as error:
+            raise ValueError(f"{path} is not a readable NGramPredictor file ({error}).") from error
+        if data.get("format", np.array("")).item() != _FORMAT:
+            raise ValueError(f"{path} is not an NGramPredictor file of format {_FORMAT!r}.")
+        try:
+            max_order, num_draft, history = (int(v) for v in data["settings"])
+            predictor = cls(max_order, num_draft, history, data["ctx_hash"].shape[1],
+                            data["min_count"].tolist(), data["min_share"].tolist())
+            for name, empty in predictor.tables.items():
+                if data[name].shape != empty.shape or data[name].dtype != empty.dtype:
+                    raise ValueError(f"table {name} has shape {data[name].shape}, expected {empty.shape}")
+                predictor.tables[name] = data[name].copy()
+            predictor.recent = data["recent"].astype(np.int64)
+        except (KeyError, ValueError, TypeError) as error:
+            raise ValueError(f"{path} is an incompatible or corrupt NGramPredictor file ({error}).") from error
+        return predictor
+
+    def __repr__(self) -> str:
+        return (f"NGramPredictor(max_order={self.max_order}, num_draft={self.num_draft}, history={self.history}, "
+                f"capacity={self.capacity})")
