@@ -50,19 +50,23 @@ def prompt_lookup(tokens: np.ndarray, min_ngram: int, max_ngram: int, max_draft:
 
 # --- n-gram tables ------------------------------------------------------------------------------------------------
 #
-# NGramPredictor keeps, for every order k = 2..max_order (context of c = k - 1 tokens), two open-addressing hash
-# tables in preallocated arrays, indexed by table row o = c - 1:
-#   contexts: ctx_hash[o, slot] (0 = empty), ctx_keys[o, slot, :c] the context tokens, ctx_total[o, slot] how often
-#             the context was followed by anything, ctx_best / ctx_best_count its most frequent continuation;
-#   pairs:    pair_hash[o, slot], pair_keys[o, slot, :c + 1] context + next token, pair_count[o, slot].
-# Slots are found by the FNV-1a hash of the tokens, with linear probing; the stored tokens are compared too, so a
-# hash collision can never return another context's continuation. n_pairs[o] counts the pairs of a row; when it
-# reaches ``limit`` (half the slots), the row ages: every count is halved, entries that drop to 0 are forgotten, and
-# the row is rebuilt, until it is at most 3/4 of ``limit`` full. A continuation keeps being the best of its context
-# until another one is seen strictly more often (halving keeps that order).
+# NGramPredictor keeps, for every order k = 2..max_order (a context of c = k - 1 tokens, table row r = c - 1), two
+# open-addressing hash tables of int32 records, one record per slot so that a probe touches one cache line:
+#   contexts[r, slot] = [tag, total, best, best_count, t_1 .. t_c]   how often the context was followed by anything,
+#                                                                      and its most frequent continuation;
+#   pairs[r, slot]    = [tag, count, t_1 .. t_c, next]               how often ``next`` followed the context.
+# The slot comes from the low bits of the FNV-1a hash of the tokens (linear probing), the tag from its high bits
+# (0 marks an empty slot). The stored tokens are compared as well, so a hash collision can never return another
+# context's continuation. n_pairs[r] counts the pairs of a row; when it reaches ``limit`` (half the slots), or a
+# total nears the int32 range, the row ages: every count is halved, entries that drop to 0 are forgotten and the
+# row is rebuilt, until it holds at most 3/4 of ``limit`` pairs. A continuation stays the best of its context until
+# another one is seen strictly more often (halving keeps that order).
 
 FNV_OFFSET = np.uint64(14695981039346656037)
 FNV_PRIME = np.uint64(1099511628211)
+TAG, TOTAL, BEST, BEST_COUNT, CONTEXT_KEYS = 0, 1, 2, 3, 4  # context record fields
+COUNT, PAIR_KEYS = 1, 2  # pair record fields (TAG is field 0 too)
+MAX_TOTAL = 1 << 30
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -70,29 +74,29 @@ def _fnv1a(tokens: np.ndarray, start: int, length: int) -> np.uint64:
     h = FNV_OFFSET
     for i in range(start, start + length):
         h = (h ^ np.uint64(tokens[i])) * FNV_PRIME
-    return h if h != 0 else np.uint64(1)  # 0 marks an empty slot
+    return h
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _fnv1a_extend(h: np.uint64, token: int) -> np.uint64:
     """The FNV-1a hash of a context followed by ``token``, from the context's hash."""
-    h = (h ^ np.uint64(token)) * FNV_PRIME
-    return h if h != 0 else np.uint64(1)
+    return (h ^ np.uint64(token)) * FNV_PRIME
 
 
 @njit(cache=True, nogil=True)
-def _find(hashes, keys, row: int, h: np.uint64, tokens: np.ndarray, start: int, length: int) -> int:
-    """Slot holding ``tokens[start:start + length]`` in ``row``, or ``-(empty slot) - 1`` where it would go."""
-    mask = np.int64(hashes.shape[1] - 1)
+def _find(table, row: int, h: np.uint64, keys_at: int, tokens, start: int, length: int) -> int:
+    """Slot of ``table[row]`` holding ``tokens[start:start + length]``, or ``-(empty slot) - 1`` where it would go."""
+    mask = np.int64(table.shape[1] - 1)
     slot = np.int64(h & np.uint64(mask))
+    tag = np.int32(np.int64(h >> np.uint64(33)) | 1)
     while True:
-        stored = hashes[row, slot]
+        stored = table[row, slot, TAG]
         if stored == 0:
             return -slot - 1
-        if stored == h:
+        if stored == tag:
             same = True
             for j in range(length):
-                if keys[row, slot, j] != tokens[start + j]:
+                if table[row, slot, keys_at + j] != tokens[start + j]:
                     same = False
                     break
             if same:
@@ -100,52 +104,63 @@ def _find(hashes, keys, row: int, h: np.uint64, tokens: np.ndarray, start: int, 
         slot = (slot + 1) & mask
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _claim(table, row: int, slot: int, h: np.uint64, keys_at: int, tokens, start: int, length: int) -> None:
+    table[row, slot, :] = 0
+    table[row, slot, TAG] = np.int32(np.int64(h >> np.uint64(33)) | 1)
+    for j in range(length):
+        table[row, slot, keys_at + j] = tokens[start + j]
+
+
 @njit(cache=True, nogil=True)
-def _age_row(row, length, limit, ctx_hash, ctx_keys, ctx_total, ctx_best, ctx_best_count,
-             pair_hash, pair_keys, pair_count, n_pairs) -> None:
-    """Halve every count of ``row`` until at most 3/4 of ``limit`` pairs are left; rebuild the row's tables."""
-    slots = ctx_hash.shape[1]
-    while n_pairs[row] > (3 * limit) // 4:
-        old_ctx_keys = ctx_keys[row].copy()
-        old_ctx_hash = ctx_hash[row].copy()
-        old_best = ctx_best[row].copy()
-        old_best_count = ctx_best_count[row].copy()
-        old_pair_keys = pair_keys[row].copy()
-        old_pair_hash = pair_hash[row].copy()
-        old_pair_count = pair_count[row].copy()
-        ctx_hash[row, :] = 0
-        pair_hash[row, :] = 0
+def _age_row(row: int, limit: int, contexts, pairs, n_pairs) -> None:
+    """Halve every count of ``row`` until its pairs fit in 3/4 of ``limit`` and no total nears int32; rebuild it."""
+    length = row + 1
+    while True:
+        old_contexts = contexts[row].copy()
+        old_pairs = pairs[row].copy()
+        contexts[row, :, TAG] = 0
+        pairs[row, :, TAG] = 0
         n_pairs[row] = 0
-        for s in range(slots):
-            if old_ctx_hash[s] != 0 and old_best_count[s] // 2 > 0:
-                slot = -_find(ctx_hash, ctx_keys, row, old_ctx_hash[s], old_ctx_keys[s], 0, length) - 1
-                ctx_hash[row, slot] = old_ctx_hash[s]
-                ctx_keys[row, slot, :length] = old_ctx_keys[s, :length]
-                ctx_total[row, slot] = 0
-                ctx_best[row, slot] = old_best[s]
-                ctx_best_count[row, slot] = old_best_count[s] // 2
-        for s in range(slots):
-            count = old_pair_count[s] // 2
-            if old_pair_hash[s] != 0 and count > 0:
-                slot = -_find(pair_hash, pair_keys, row, old_pair_hash[s], old_pair_keys[s], 0, length + 1) - 1
-                pair_hash[row, slot] = old_pair_hash[s]
-                pair_keys[row, slot, : length + 1] = old_pair_keys[s, : length + 1]
-                pair_count[row, slot] = count
+        largest = 0
+        for s in range(old_contexts.shape[0]):
+            if old_contexts[s, TAG] != 0 and old_contexts[s, BEST_COUNT] // 2 > 0:
+                keys = old_contexts[s, CONTEXT_KEYS:]
+                h = _fnv1a(keys, 0, length)
+                slot = -_find(contexts, row, h, CONTEXT_KEYS, keys, 0, length) - 1
+                _claim(contexts, row, slot, h, CONTEXT_KEYS, keys, 0, length)
+                contexts[row, slot, BEST] = old_contexts[s, BEST]
+                contexts[row, slot, BEST_COUNT] = old_contexts[s, BEST_COUNT] // 2
+        for s in range(old_pairs.shape[0]):
+            count = old_pairs[s, COUNT] // 2
+            if old_pairs[s, TAG] != 0 and count > 0:
+                keys = old_pairs[s, PAIR_KEYS:]
+                context_h = _fnv1a(keys, 0, length)
+                h = _fnv1a_extend(context_h, keys[length])
+                slot = -_find(pairs, row, h, PAIR_KEYS, keys, 0, length + 1) - 1
+                _claim(pairs, row, slot, h, PAIR_KEYS, keys, 0, length + 1)
+                pairs[row, slot, COUNT] = count
                 n_pairs[row] += 1
-                context = _find(ctx_hash, ctx_keys, row, _fnv1a(old_pair_keys[s], 0, length), old_pair_keys[s], 0, length)
-                ctx_total[row, context] += count
+                context = _find(contexts, row, context_h, CONTEXT_KEYS, keys, 0, length)
+                contexts[row, context, TOTAL] += count
+                largest = max(largest, contexts[row, context, TOTAL])
+        if n_pairs[row] <= (3 * limit) // 4 and largest < MAX_TOTAL // 2:
+            return
 
 
 @njit(cache=True, nogil=True)
-def ngram_update(tokens, first, limit, ctx_hash, ctx_keys, ctx_total, ctx_best, ctx_best_count,
-                 pair_hash, pair_keys, pair_count, n_pairs) -> None:
+def ngram_update(tokens, first: int, limit: int, contexts, pairs, n_pairs) -> bool:
     """Count every n-gram that ends at a position >= ``first`` of ``tokens`` (earlier tokens are context only).
+    Returns False, learning nothing, if a token is outside [0, 2**31).
 
     Worked example, max_order=3 (rows 0 and 1: contexts of 1 and 2 tokens), ``tokens = [7, 8, 7, 8, 9]``,
     ``first=1``: row 0 counts 7->8 twice, 8->7 once, 8->9 once (best of [8]: 7, seen first); row 1 counts
     [7, 8]->7, [8, 7]->8, [7, 8]->9 (best of [7, 8]: 7, ties keep the earlier best).
     """
-    rows = ctx_hash.shape[0]
+    for i in range(first, tokens.shape[0]):
+        if tokens[i] < 0 or tokens[i] > 2147483647:
+            return False
+    rows = contexts.shape[0]
     for end in range(first, tokens.shape[0]):
         token = tokens[end]
         for row in range(min(rows, end)):
@@ -153,44 +168,39 @@ def ngram_update(tokens, first, limit, ctx_hash, ctx_keys, ctx_total, ctx_best, 
             start = end - length
             h = _fnv1a(tokens, start, length)
             pair_h = _fnv1a_extend(h, token)
-            slot = _find(pair_hash, pair_keys, row, pair_h, tokens, start, length + 1)
+            slot = _find(pairs, row, pair_h, PAIR_KEYS, tokens, start, length + 1)
             if slot < 0:
                 if n_pairs[row] >= limit:
-                    _age_row(row, length, limit, ctx_hash, ctx_keys, ctx_total, ctx_best, ctx_best_count,
-                             pair_hash, pair_keys, pair_count, n_pairs)
-                    slot = _find(pair_hash, pair_keys, row, pair_h, tokens, start, length + 1)
-                if slot < 0:
-                    slot = -slot - 1
-                    pair_hash[row, slot] = pair_h
-                    pair_keys[row, slot, : length + 1] = tokens[start : end + 1]
-                    pair_count[row, slot] = 0
-                    n_pairs[row] += 1
-            pair_count[row, slot] += 1
-            context = _find(ctx_hash, ctx_keys, row, h, tokens, start, length)
+                    _age_row(row, limit, contexts, pairs, n_pairs)
+                    slot = _find(pairs, row, pair_h, PAIR_KEYS, tokens, start, length + 1)
+                slot = -slot - 1
+                _claim(pairs, row, slot, pair_h, PAIR_KEYS, tokens, start, length + 1)
+                n_pairs[row] += 1
+            pairs[row, slot, COUNT] += 1
+            context = _find(contexts, row, h, CONTEXT_KEYS, tokens, start, length)
             if context < 0:
                 context = -context - 1
-                ctx_hash[row, context] = h
-                ctx_keys[row, context, :length] = tokens[start:end]
-                ctx_total[row, context] = 0
-                ctx_best[row, context] = -1
-                ctx_best_count[row, context] = 0
-            ctx_total[row, context] += 1
-            if pair_count[row, slot] > ctx_best_count[row, context]:
-                ctx_best[row, context] = token
-                ctx_best_count[row, context] = pair_count[row, slot]
+                _claim(contexts, row, context, h, CONTEXT_KEYS, tokens, start, length)
+                contexts[row, context, BEST] = -1
+            contexts[row, context, TOTAL] += 1
+            if pairs[row, slot, COUNT] > contexts[row, context, BEST_COUNT]:
+                contexts[row, context, BEST] = token
+                contexts[row, context, BEST_COUNT] = pairs[row, slot, COUNT]
+            if contexts[row, context, TOTAL] >= MAX_TOTAL:
+                _age_row(row, limit, contexts, pairs, n_pairs)
+    return True
 
 
 @njit(cache=True, nogil=True)
-def ngram_predict(context, max_tokens, min_count, min_share, ctx_hash, ctx_keys, ctx_total, ctx_best,
-                  ctx_best_count) -> np.ndarray:
+def ngram_predict(context, max_tokens: int, min_count, min_share, contexts) -> np.ndarray:
     """Chain up to ``max_tokens`` predictions after ``context``: at each step the longest context the tables know
     decides; its best continuation is drafted if seen at least ``min_count[row]`` times and in at least
     ``min_share[row]`` of the context's occurrences, otherwise drafting stops.
 
-    Worked example, tables from ``[7, 8, 7, 8, 9]`` as in :func:`ngram_update`, all thresholds 1 and 0.0:
+    Worked example, tables from ``[7, 8, 7, 8, 9]`` as in :func:`ngram_update`, thresholds 1 and 0.0:
     context ``[9, 7]``: [9, 7] unknown, [7] -> 8; then [7, 8] -> 7; then [8, 7] -> 8 ... -> ``[8, 7, 8, 7]``.
     """
-    rows = ctx_hash.shape[0]
+    rows = contexts.shape[0]
     buffer = np.empty(context.shape[0] + max_tokens, dtype=np.int64)
     buffer[: context.shape[0]] = context
     end = context.shape[0]
@@ -198,11 +208,12 @@ def ngram_predict(context, max_tokens, min_count, min_share, ctx_hash, ctx_keys,
         drafted = False
         for row in range(min(rows, end) - 1, -1, -1):
             length = row + 1
-            slot = _find(ctx_hash, ctx_keys, row, _fnv1a(buffer, end - length, length), buffer, end - length, length)
+            h = _fnv1a(buffer, end - length, length)
+            slot = _find(contexts, row, h, CONTEXT_KEYS, buffer, end - length, length)
             if slot >= 0:
-                best_count = ctx_best_count[row, slot]
-                if best_count >= min_count[row] and best_count >= min_share[row] * ctx_total[row, slot]:
-                    buffer[end] = ctx_best[row, slot]
+                best_count = contexts[row, slot, BEST_COUNT]
+                if best_count >= min_count[row] and best_count >= min_share[row] * contexts[row, slot, TOTAL]:
+                    buffer[end] = contexts[row, slot, BEST]
                     end += 1
                     drafted = True
                 break
@@ -212,9 +223,9 @@ def ngram_predict(context, max_tokens, min_count, min_share, ctx_hash, ctx_keys,
 
 
 @njit(cache=True, nogil=True)
-def ngram_count(pair, pair_hash, pair_keys, pair_count) -> int:
+def ngram_count(pair, pairs) -> int:
     """How often ``pair[-1]`` followed the context ``pair[:-1]`` (table row ``len(pair) - 2``)."""
     length = pair.shape[0] - 1
-    pair_h = _fnv1a_extend(_fnv1a(pair, 0, length), pair[length])
-    slot = _find(pair_hash, pair_keys, length - 1, pair_h, pair, 0, length + 1)
-    return pair_count[length - 1, slot] if slot >= 0 else 0
+    h = _fnv1a_extend(_fnv1a(pair, 0, length), pair[length])
+    slot = _find(pairs, length - 1, h, PAIR_KEYS, pair, 0, length + 1)
+    return pairs[length - 1, slot, COUNT] if slot >= 0 else 0

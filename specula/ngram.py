@@ -19,11 +19,11 @@ def _as_tokens(token_ids: object) -> np.ndarray:
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
     array = np.asarray(token_ids).reshape(-1)
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"token ids must be integers, got dtype {array.dtype}.")
-    if array.size and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
-        raise ValueError("token ids must be in [0, 2**31).")
-    return array.astype(np.int64)
+    if array.dtype.kind not in "iu":
+        if array.size:
+            raise ValueError(f"token ids must be integers, got dtype {array.dtype}.")
+        array = array.astype(np.int64)
+    return array.astype(np.int64, copy=False)
 
 
 class NGramPredictor(Proposer):
@@ -36,8 +36,8 @@ class NGramPredictor(Proposer):
     ``save`` / ``load`` persist it.
 
     Memory is fixed at construction: each order has ``capacity`` slots (a power of two) for its contexts and as many
-    for its (context, next token) pairs, about ``capacity * (max_order - 1) * (8 * max_order + 40)`` bytes in all
-    (14 MB for the defaults). A table holds at most ``capacity / 2`` pairs; when it is that full it ages: all its
+    for its (context, next token) pairs, about ``capacity * (max_order - 1) * (8 * max_order + 20)`` bytes in all
+    (10 MB for the defaults). A table holds at most ``capacity / 2`` pairs; when it is that full it ages: all its
     counts are halved and what drops to zero is forgotten, so frequent patterns stay and rare ones make room.
 
     Args:
@@ -52,7 +52,7 @@ class NGramPredictor(Proposer):
     def __init__(
         self,
         max_order: int = 4,
-        num_draft: int = 8,
+        num_draft: int = 10,
         history: int = 512,
         capacity: int = 1 << 16,
         min_count: int | Sequence[int] = (2, 1, 1),
@@ -73,15 +73,9 @@ class NGramPredictor(Proposer):
         if (self.min_count < 1).any() or ((self.min_share < 0) | (self.min_share > 1)).any():
             raise ValueError("min_count must be >= 1 and min_share within [0, 1].")
         slots = 1 << (capacity - 1).bit_length()
-        self.tables = {
-            "ctx_hash": np.zeros((rows, slots), np.uint64),
-            "ctx_keys": np.zeros((rows, slots, rows), np.int32),
-            "ctx_total": np.zeros((rows, slots), np.int64),
-            "ctx_best": np.zeros((rows, slots), np.int32),
-            "ctx_best_count": np.zeros((rows, slots), np.int64),
-            "pair_hash": np.zeros((rows, slots), np.uint64),
-            "pair_keys": np.zeros((rows, slots, rows + 1), np.int32),
-            "pair_count": np.zeros((rows, slots), np.int64),
+        self.tables = {  # record layouts: see specula.kernels
+            "contexts": np.zeros((rows, slots, kernels.CONTEXT_KEYS + rows), np.int32),
+            "pairs": np.zeros((rows, slots, kernels.PAIR_KEYS + rows + 1), np.int32),
             "n_pairs": np.zeros(rows, np.int64),
         }
         self.recent = np.empty(0, np.int64)
@@ -95,14 +89,15 @@ class NGramPredictor(Proposer):
 
     @property
     def capacity(self) -> int:
-        return self.tables["ctx_hash"].shape[1]
+        return self.tables["contexts"].shape[1]
 
     def update(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         """Learn every n-gram ending in ``token_ids``, continuing from the tokens seen before."""
         new = _as_tokens(token_ids)
         context = self.recent[-(self.max_order - 1) :] if self.max_order > 1 else self.recent[:0]
         work = np.concatenate([context, new])
-        kernels.ngram_update(work, len(context), self.capacity // 2, *self.tables.values())
+        if not kernels.ngram_update(work, len(context), self.capacity // 2, *self.tables.values()):
+            raise ValueError("token ids must be in [0, 2**31).")
         self.recent = work[-self.history :]
 
     def reset_context(self) -> None:
@@ -115,16 +110,14 @@ class NGramPredictor(Proposer):
         return self._predict(context, max_tokens).tolist()
 
     def _predict(self, context: np.ndarray, max_tokens: int) -> np.ndarray:
-        t = self.tables
-        return kernels.ngram_predict(context, max_tokens, self.min_count, self.min_share, t["ctx_hash"],
-                                     t["ctx_keys"], t["ctx_total"], t["ctx_best"], t["ctx_best_count"])
+        return kernels.ngram_predict(context, max_tokens, self.min_count, self.min_share, self.tables["contexts"])
 
     def count(self, context: Sequence[int], token: int) -> int:
         """How often ``token`` followed ``context`` (1 .. max_order - 1 tokens), after ageing."""
         if not 1 <= len(context) < self.max_order:
             raise ValueError(f"context must hold 1..{self.max_order - 1} tokens, got {len(context)}.")
         pair = np.asarray([*context, token], dtype=np.int64)
-        return int(kernels.ngram_count(pair, self.tables["pair_hash"], self.tables["pair_keys"], self.tables["pair_count"]))
+        return int(kernels.ngram_count(pair, self.tables["pairs"]))
 
     # Proposer hooks
     def begin(self, prompt_ids: np.ndarray) -> None:
@@ -157,7 +150,7 @@ class NGramPredictor(Proposer):
             raise ValueError(f"{path} is not an NGramPredictor file of format {_FORMAT!r}.")
         try:
             max_order, num_draft, history = (int(v) for v in data["settings"])
-            predictor = cls(max_order, num_draft, history, data["ctx_hash"].shape[1],
+            predictor = cls(max_order, num_draft, history, data["contexts"].shape[1],
                             data["min_count"].tolist(), data["min_share"].tolist())
             for name, empty in predictor.tables.items():
                 if data[name].shape != empty.shape or data[name].dtype != empty.dtype:

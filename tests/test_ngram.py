@@ -171,7 +171,7 @@ def test_bad_files_give_clear_errors(tmp_path) -> None:
     predictor.save(tmp_path / "good.npz")
     with np.load(tmp_path / "good.npz") as archive:
         data = dict(archive)
-    data["pair_keys"] = data["pair_keys"][:, :, :2]
+    data["pairs"] = data["pairs"][:, :, :3]
     np.savez(tmp_path / "broken.npz", **data)
     with pytest.raises(ValueError, match="incompatible or corrupt"):
         specula.NGramPredictor.load(tmp_path / "broken.npz")

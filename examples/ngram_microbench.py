@@ -1,0 +1,90 @@
+"""NGramPredictor speed: Numba tables against the pure-Python reference of the tests, in the same run.
+
+Feeds a token stream (a real tokenised text repeated with noise, vocabulary 49152) and reports updates per second
+and the latency of an 8-token prediction, median of several repeats.
+
+Usage: python examples/ngram_microbench.py [--tokens 200000] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import specula
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_ngram import ReferenceNGram  # noqa: E402  (the reference lives with the tests)
+
+
+def stream(length: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    phrases = [rng.integers(0, 49152, rng.integers(5, 40)) for _ in range(200)]
+    parts, total = [], 0
+    while total < length:
+        part = phrases[rng.integers(len(phrases))] if rng.random() < 0.7 else rng.integers(0, 49152, 10)
+        parts.append(part)
+        total += len(part)
+    return np.concatenate(parts)[:length].astype(np.int64)
+
+
+def best_of(repeats: int, run) -> float:
+    return statistics.median(run() for _ in range(repeats))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=200_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    tokens = stream(args.tokens)
+    chunks = np.array_split(tokens, len(tokens) // 64)  # as generation feeds it: small blocks
+    specula.NGramPredictor().update(tokens[:100])  # compile (or load the cached machine code)
+
+    def numba_update() -> float:
+        predictor = specula.NGramPredictor()
+        started = time.perf_counter()
+        for chunk in chunks:
+            predictor.update(chunk)
+        return time.perf_counter() - started
+
+    reference_tokens = tokens[: args.tokens // 10].tolist()
+
+    def reference_update() -> float:
+        reference = ReferenceNGram(4, 1 << 15, [2, 1, 1], [0.5] * 3)
+        started = time.perf_counter()
+        for start in range(0, len(reference_tokens), 64):
+            reference.update(reference_tokens[start : start + 64])
+        return time.perf_counter() - started
+
+    fast = len(tokens) / best_of(args.repeats, numba_update)
+    slow = len(reference_tokens) / best_of(args.repeats, reference_update)
+    print(f"update: numba {fast:,.0f} tokens/s, python reference {slow:,.0f} tokens/s, {fast / slow:.0f}x")
+
+    predictor = specula.NGramPredictor(min_count=1)
+    predictor.update(tokens)
+    reference = ReferenceNGram(4, 1 << 15, [1, 1, 1], [0.5] * 3)
+    reference.update(tokens.tolist())
+    contexts = [tokens[i - 3 : i] for i in range(1000, 1000 + 2000)]
+    drafted = sum(len(predictor.predict(c, 8)) for c in contexts)
+
+    def latency(call) -> float:
+        started = time.perf_counter()
+        for context in contexts:
+            call(context)
+        return (time.perf_counter() - started) / len(contexts) * 1e6
+
+    kernel = best_of(args.repeats, lambda: latency(lambda c: predictor._predict(c, 8)))
+    method = best_of(args.repeats, lambda: latency(lambda c: predictor.propose(c, 8)))
+    python = best_of(args.repeats, lambda: latency(lambda c: reference.predict(c.tolist(), 8)))
+    print(f"predict 8 tokens: kernel {kernel:.1f} us, NGramPredictor.propose {method:.1f} us, "
+          f"python reference {python:.1f} us (mean draft {drafted / len(contexts):.1f} tokens)")
+
+
+if __name__ == "__main__":
+    main()
