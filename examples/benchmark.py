@@ -1,10 +1,11 @@
 """specula vs HF generate on SmolLM2-135M-Instruct over the public workloads, fp32 and bf16, in one run.
 
 Methods, interleaved per prompt: hf-greedy (model.generate), hf-prompt-lookup (prompt_lookup_num_tokens=10),
-specula-none (specula's loop without drafts) and specula-prompt-lookup (PromptLookup defaults).
+specula-none (specula's loop without drafts), specula-prompt-lookup and specula-ngram (PromptLookup and
+NGramPredictor with their defaults, a fresh one per prompt).
 
 Usage: python examples/benchmark.py [--limit 4] [--max-new-tokens 128] [--repeats 3] [--dtypes fp32,bf16]
-                                    [--workloads DIR] [--model PATH] [--json OUT]
+                                    [--methods hf-greedy,...] [--workloads DIR] [--model PATH] [--json OUT]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--methods", default="hf-greedy,hf-prompt-lookup,specula-none,specula-prompt-lookup,specula-ngram")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -40,12 +42,14 @@ def main() -> None:
     all_rows = []
     for dtype_name in args.dtypes.split(","):
         model, tokenizer = load_model(args.model, dtype=DTYPES[dtype_name])
-        methods = {
+        available = {
             "hf-greedy": hf_method(model),
             "hf-prompt-lookup": hf_method(model, prompt_lookup_num_tokens=10),
             "specula-none": specula_method(model, lambda: None),
             "specula-prompt-lookup": specula_method(model, specula.PromptLookup),
+            "specula-ngram": specula_method(model, specula.NGramPredictor),
         }
+        methods = {name: available[name] for name in args.methods.split(",")}
         rows = run_bench(
             methods, tokenizer, workloads, args.max_new_tokens, args.repeats,
             progress=lambda message: print(f"[{dtype_name}] {message}", file=sys.stderr, flush=True),

@@ -30,13 +30,18 @@ def prompts() -> list[tuple[str, torch.Tensor]]:
     return [(row["id"], encode(tokenizer, row)) for row in rows]
 
 
+@functools.cache
+def reference(index: int) -> torch.Tensor:
+    model, _ = smollm2()
+    return hf_greedy(model, prompts()[index][1], 48, eos_token_id=model.generation_config.eos_token_id)
+
+
+@pytest.mark.parametrize("make_proposer", [specula.PromptLookup, specula.NGramPredictor], ids=["lookup", "ngram"])
 @pytest.mark.parametrize("index", range(5))
-def test_prompt_lookup_is_identical_to_generate(index: int) -> None:
+def test_greedy_output_is_identical_to_generate(index: int, make_proposer) -> None:
     model, _ = smollm2()
     name, prompt = prompts()[index]
-    expected = hf_greedy(model, prompt, 48, eos_token_id=model.generation_config.eos_token_id)
-    out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=48)
-    assert out.sequences.tolist() == expected.tolist(), name
+    out = specula.generate(model, prompt, make_proposer(), max_new_tokens=48)
+    assert out.sequences.tolist() == reference(index).tolist(), name
     if name.startswith(("code_edit", "summarize")):  # outputs that copy from the prompt
         assert out.stats.accepted > 0, str(out.stats)
-
