@@ -54,33 +54,36 @@ def prompt_lookup(tokens: np.ndarray, min_ngram: int, max_ngram: int, max_draft:
 # open-addressing hash tables of int32 records, one record per slot so that a probe touches one cache line:
 #   contexts[r, slot] = [tag, total, best, best_count, t_1 .. t_c]   how often the context was followed by anything,
 #                                                                      and its most frequent continuation;
-#   pairs[r, slot]    = [tag, count, t_1 .. t_c, next]               how often ``next`` followed the context.
-# The slot comes from the low bits of the FNV-1a hash of the tokens (linear probing), the tag from its high bits
-# (0 marks an empty slot). The stored tokens are compared as well, so a hash collision can never return another
-# context's continuation. n_pairs[r] counts the pairs of a row; when it reaches ``limit`` (half the slots), or a
-# total nears the int32 range, the row ages: every count is halved, entries that drop to 0 are forgotten and the
-# row is rebuilt, until it holds at most 3/4 of ``limit`` pairs. A continuation stays the best of its context until
-# another one is seen strictly more often (halving keeps that order).
+#   pairs[r, slot]    = [tag, count, context slot, t_1 .. t_c, next] how often ``next`` followed the context.
+# A context is hashed with FNV-1a over its tokens newest first (t_c, t_c-1, ... t_1), so the hash of the c-token
+# context extends the (c-1)-token one; a pair's hash extends its context's hash with ``next``. The slot comes from
+# the low bits of the hash (linear probing), the tag from its high bits (0 marks an empty slot). The stored tokens
+# are compared as well, so a hash collision can never return another context's continuation. n_pairs[r] counts the
+# pairs of a row; when it reaches ``limit`` (half the slots), or a total nears the int32 range, the row ages: every
+# count is halved, entries that drop to 0 are forgotten and the row is rebuilt, until it holds at most 3/4 of
+# ``limit`` pairs. A continuation stays the best of its context until another one is seen strictly more often
+# (halving keeps that order).
 
 FNV_OFFSET = np.uint64(14695981039346656037)
 FNV_PRIME = np.uint64(1099511628211)
 TAG, TOTAL, BEST, BEST_COUNT, CONTEXT_KEYS = 0, 1, 2, 3, 4  # context record fields
-COUNT, PAIR_KEYS = 1, 2  # pair record fields (TAG is field 0 too)
+COUNT, CONTEXT_SLOT, PAIR_KEYS = 1, 2, 3  # pair record fields (TAG is field 0 too)
 MAX_TOTAL = 1 << 30
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _fnv1a(tokens: np.ndarray, start: int, length: int) -> np.uint64:
-    h = FNV_OFFSET
-    for i in range(start, start + length):
-        h = (h ^ np.uint64(tokens[i])) * FNV_PRIME
-    return h
+def _fnv1a_extend(h: np.uint64, token: int) -> np.uint64:
+    """One FNV-1a step: XOR the token in, multiply by the prime."""
+    return (h ^ np.uint64(token)) * FNV_PRIME
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _fnv1a_extend(h: np.uint64, token: int) -> np.uint64:
-    """The FNV-1a hash of a context followed by ``token``, from the context's hash."""
-    return (h ^ np.uint64(token)) * FNV_PRIME
+def _context_hash(tokens, start: int, length: int) -> np.uint64:
+    """FNV-1a of ``tokens[start:start + length]``, newest token first."""
+    h = FNV_OFFSET
+    for i in range(start + length - 1, start - 1, -1):
+        h = _fnv1a_extend(h, tokens[i])
+    return h
 
 
 @njit(cache=True, nogil=True)
@@ -126,7 +129,7 @@ def _age_row(row: int, limit: int, contexts, pairs, n_pairs) -> None:
         for s in range(old_contexts.shape[0]):
             if old_contexts[s, TAG] != 0 and old_contexts[s, BEST_COUNT] // 2 > 0:
                 keys = old_contexts[s, CONTEXT_KEYS:]
-                h = _fnv1a(keys, 0, length)
+                h = _context_hash(keys, 0, length)
                 slot = -_find(contexts, row, h, CONTEXT_KEYS, keys, 0, length) - 1
                 _claim(contexts, row, slot, h, CONTEXT_KEYS, keys, 0, length)
                 contexts[row, slot, BEST] = old_contexts[s, BEST]
@@ -135,13 +138,14 @@ def _age_row(row: int, limit: int, contexts, pairs, n_pairs) -> None:
             count = old_pairs[s, COUNT] // 2
             if old_pairs[s, TAG] != 0 and count > 0:
                 keys = old_pairs[s, PAIR_KEYS:]
-                context_h = _fnv1a(keys, 0, length)
+                context_h = _context_hash(keys, 0, length)
                 h = _fnv1a_extend(context_h, keys[length])
                 slot = -_find(pairs, row, h, PAIR_KEYS, keys, 0, length + 1) - 1
                 _claim(pairs, row, slot, h, PAIR_KEYS, keys, 0, length + 1)
-                pairs[row, slot, COUNT] = count
-                n_pairs[row] += 1
                 context = _find(contexts, row, context_h, CONTEXT_KEYS, keys, 0, length)
+                pairs[row, slot, COUNT] = count
+                pairs[row, slot, CONTEXT_SLOT] = context
+                n_pairs[row] += 1
                 contexts[row, context, TOTAL] += count
                 largest = max(largest, contexts[row, context, TOTAL])
         if n_pairs[row] <= (3 * limit) // 4 and largest < MAX_TOTAL // 2:
@@ -163,25 +167,29 @@ def ngram_update(tokens, first: int, limit: int, contexts, pairs, n_pairs) -> bo
     rows = contexts.shape[0]
     for end in range(first, tokens.shape[0]):
         token = tokens[end]
+        h = FNV_OFFSET
         for row in range(min(rows, end)):
             length = row + 1
             start = end - length
-            h = _fnv1a(tokens, start, length)
+            h = _fnv1a_extend(h, tokens[start])  # the context grows by one older token per row
             pair_h = _fnv1a_extend(h, token)
             slot = _find(pairs, row, pair_h, PAIR_KEYS, tokens, start, length + 1)
-            if slot < 0:
+            if slot >= 0:
+                context = pairs[row, slot, CONTEXT_SLOT]
+            else:
                 if n_pairs[row] >= limit:
                     _age_row(row, limit, contexts, pairs, n_pairs)
                     slot = _find(pairs, row, pair_h, PAIR_KEYS, tokens, start, length + 1)
                 slot = -slot - 1
                 _claim(pairs, row, slot, pair_h, PAIR_KEYS, tokens, start, length + 1)
                 n_pairs[row] += 1
+                context = _find(contexts, row, h, CONTEXT_KEYS, tokens, start, length)
+                if context < 0:
+                    context = -context - 1
+                    _claim(contexts, row, context, h, CONTEXT_KEYS, tokens, start, length)
+                    contexts[row, context, BEST] = -1
+                pairs[row, slot, CONTEXT_SLOT] = context
             pairs[row, slot, COUNT] += 1
-            context = _find(contexts, row, h, CONTEXT_KEYS, tokens, start, length)
-            if context < 0:
-                context = -context - 1
-                _claim(contexts, row, context, h, CONTEXT_KEYS, tokens, start, length)
-                contexts[row, context, BEST] = -1
             contexts[row, context, TOTAL] += 1
             if pairs[row, slot, COUNT] > contexts[row, context, BEST_COUNT]:
                 contexts[row, context, BEST] = token
@@ -208,7 +216,7 @@ def ngram_predict(context, max_tokens: int, min_count, min_share, contexts) -> n
         drafted = False
         for row in range(min(rows, end) - 1, -1, -1):
             length = row + 1
-            h = _fnv1a(buffer, end - length, length)
+            h = _context_hash(buffer, end - length, length)
             slot = _find(contexts, row, h, CONTEXT_KEYS, buffer, end - length, length)
             if slot >= 0:
                 best_count = contexts[row, slot, BEST_COUNT]
@@ -226,6 +234,6 @@ def ngram_predict(context, max_tokens: int, min_count, min_share, contexts) -> n
 def ngram_count(pair, pairs) -> int:
     """How often ``pair[-1]`` followed the context ``pair[:-1]`` (table row ``len(pair) - 2``)."""
     length = pair.shape[0] - 1
-    h = _fnv1a_extend(_fnv1a(pair, 0, length), pair[length])
+    h = _fnv1a_extend(_context_hash(pair, 0, length), pair[length])
     slot = _find(pairs, length - 1, h, PAIR_KEYS, pair, 0, length + 1)
     return pairs[length - 1, slot, COUNT] if slot >= 0 else 0

@@ -36,8 +36,8 @@ class NGramPredictor(Proposer):
     ``save`` / ``load`` persist it.
 
     Memory is fixed at construction: each order has ``capacity`` slots (a power of two) for its contexts and as many
-    for its (context, next token) pairs, about ``capacity * (max_order - 1) * (8 * max_order + 20)`` bytes in all
-    (10 MB for the defaults). A table holds at most ``capacity / 2`` pairs; when it is that full it ages: all its
+    for its (context, next token) pairs, about ``capacity * (max_order - 1) * (8 * max_order + 24)`` bytes in all
+    (11 MB for the defaults). A table holds at most ``capacity / 2`` pairs; when it is that full it ages: all its
     counts are halved and what drops to zero is forgotten, so frequent patterns stay and rare ones make room.
 
     Args:

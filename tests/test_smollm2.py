@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import specula
 from specula.models import load_model
 from specula.workloads import encode, load_workloads
 
-WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
+WORKLOADS = Path(os.environ.get("SPECULA_WORKLOADS", Path(__file__).resolve().parents[2] / "shared" / "workloads"))
 pytestmark = pytest.mark.slow
 
 
