@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from . import kernels
-from .proposer import Draft, Proposer
+from .proposer import Draft, Proposer, check_int
 
 _FORMAT = "specula.NGramPredictor/1"
 
@@ -58,14 +58,10 @@ class NGramPredictor(Proposer):
         min_count: int | Sequence[int] = (2, 1, 1),
         min_share: float | Sequence[float] = (0.5, 0.5, 0.5),
     ) -> None:
-        if not isinstance(max_order, int) or max_order < 2:
-            raise ValueError(f"max_order must be an integer >= 2 (bigrams), got {max_order!r}.")
-        if not isinstance(num_draft, int) or num_draft < 1:
-            raise ValueError(f"num_draft must be an integer >= 1, got {num_draft!r}.")
-        if not isinstance(history, int) or history < max_order:
-            raise ValueError(f"history must be an integer >= max_order ({max_order}), got {history!r}.")
-        if not isinstance(capacity, int) or capacity < 4:
-            raise ValueError(f"capacity must be an integer >= 4 slots, got {capacity!r}.")
+        check_int("max_order", max_order, 2, " (bigrams)")
+        check_int("num_draft", num_draft, 1)
+        check_int("history", history, max_order, " (max_order)")
+        check_int("capacity", capacity, 4, " slots")
         rows = max_order - 1
         self.max_order, self.num_draft, self.history = max_order, num_draft, history
         self.min_count = self._per_row(min_count, rows, "min_count", np.int64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .kernels import prompt_lookup
-from .proposer import Draft, Proposer
+from .proposer import Draft, Proposer, check_int
 
 
 class PromptLookup(Proposer):
@@ -38,12 +38,9 @@ class PromptLookup(Proposer):
     """
 
     def __init__(self, num_draft: int = 10, min_ngram: int = 2, max_ngram: int = 3) -> None:
-        if not isinstance(num_draft, int) or num_draft < 1:
-            raise ValueError(f"num_draft must be an integer >= 1 (tokens proposed per step), got {num_draft!r}.")
-        if not isinstance(min_ngram, int) or min_ngram < 1:
-            raise ValueError(f"min_ngram must be an integer >= 1, got {min_ngram!r}.")
-        if not isinstance(max_ngram, int) or max_ngram < min_ngram:
-            raise ValueError(f"max_ngram must be an integer >= min_ngram ({min_ngram}), got {max_ngram!r}.")
+        check_int("num_draft", num_draft, 1, " (tokens proposed per step)")
+        check_int("min_ngram", min_ngram, 1)
+        check_int("max_ngram", max_ngram, min_ngram, " (min_ngram)")
         self.num_draft = num_draft
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram

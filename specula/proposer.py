@@ -62,6 +62,13 @@ class Draft:
         return cls(torch.empty(0, dtype=torch.long))
 
 
+def check_int(name: str, value: object, minimum: int, what: str = "") -> int:
+    """``value`` if it is an integer >= ``minimum``, else a ValueError naming the argument."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}{what}, got {value!r}.")
+    return value
+
+
 class Proposer:
     """Base class for drafting methods; subclasses implement ``propose`` and, if they keep state, the other hooks."""
 
