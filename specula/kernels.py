@@ -86,7 +86,7 @@ def _context_hash(tokens, start: int, length: int) -> np.uint64:
     return h
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _find(table, row: int, h: np.uint64, keys_at: int, tokens, start: int, length: int) -> int:
     """Slot of ``table[row]`` holding ``tokens[start:start + length]``, or ``-(empty slot) - 1`` where it would go."""
     mask = np.int64(table.shape[1] - 1)
