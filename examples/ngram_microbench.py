@@ -33,7 +33,7 @@ def stream(length: int, seed: int = 0) -> np.ndarray:
     return np.concatenate(parts)[:length].astype(np.int64)
 
 
-def best_of(repeats: int, run) -> float:
+def median_of(repeats: int, run) -> float:
     return statistics.median(run() for _ in range(repeats))
 
 
@@ -69,8 +69,9 @@ def main() -> None:
             reference.update(block)
         return time.perf_counter() - started
 
-    fast = sum(map(len, blocks)) / best_of(args.repeats, numba_update)
-    slow = sum(map(len, reference_blocks)) / best_of(args.repeats, reference_update)
+    timings = [(numba_update(), reference_update()) for _ in range(args.repeats)]  # interleaved: shared machines
+    fast = sum(map(len, blocks)) / statistics.median(t for t, _ in timings)
+    slow = sum(map(len, reference_blocks)) / statistics.median(t for _, t in timings)
     print(f"update: numba {fast:,.0f} tokens/s, python reference {slow:,.0f} tokens/s, {fast / slow:.0f}x")
 
     predictor = specula.NGramPredictor(min_count=1)
@@ -86,9 +87,9 @@ def main() -> None:
             call(context)
         return (time.perf_counter() - started) / len(contexts) * 1e6
 
-    kernel = best_of(args.repeats, lambda: latency(lambda c: predictor._predict(c, 8)))
-    method = best_of(args.repeats, lambda: latency(lambda c: predictor.propose(c, 8)))
-    python = best_of(args.repeats, lambda: latency(lambda c: reference.predict(c.tolist(), 8)))
+    kernel = median_of(args.repeats, lambda: latency(lambda c: predictor._predict(c, 8)))
+    method = median_of(args.repeats, lambda: latency(lambda c: predictor.propose(c, 8)))
+    python = median_of(args.repeats, lambda: latency(lambda c: reference.predict(c.tolist(), 8)))
     print(f"predict 8 tokens: kernel {kernel:.1f} us, NGramPredictor.propose {method:.1f} us, "
           f"python reference {python:.1f} us (mean draft {drafted / len(contexts):.1f} tokens)")
 

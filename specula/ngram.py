@@ -36,9 +36,9 @@ class NGramPredictor(Proposer):
     ``save`` / ``load`` persist it.
 
     Memory is fixed at construction: each order has ``capacity`` slots (a power of two) for its contexts and as many
-    for its (context, next token) pairs, about ``capacity * (max_order - 1) * (8 * max_order + 24)`` bytes in all
-    (11 MB for the defaults). A table holds at most ``capacity / 2`` pairs; when it is that full it ages: all its
-    counts are halved and what drops to zero is forgotten, so frequent patterns stay and rare ones make room.
+    for its (context, next token) pairs, 32-byte records up to ``max_order=5``: 12.6 MB for the defaults. A table
+    holds at most ``capacity / 2`` pairs; when it is that full it ages: all its counts are halved and what drops to
+    zero is forgotten, so frequent patterns stay and rare ones make room.
 
     Args:
         max_order: longest n-gram (context of ``max_order - 1`` tokens), >= 2.
@@ -69,9 +69,11 @@ class NGramPredictor(Proposer):
         if (self.min_count < 1).any() or ((self.min_share < 0) | (self.min_share > 1)).any():
             raise ValueError("min_count must be >= 1 and min_share within [0, 1].")
         slots = 1 << (capacity - 1).bit_length()
+        # Records are padded to a power-of-two width so that none straddles two cache lines.
+        width = 1 << (kernels.PAIR_KEYS + rows).bit_length()
         self.tables = {  # record layouts: see specula.kernels
-            "contexts": np.zeros((rows, slots, kernels.CONTEXT_KEYS + rows), np.int32),
-            "pairs": np.zeros((rows, slots, kernels.PAIR_KEYS + rows + 1), np.int32),
+            "contexts": np.zeros((rows, slots, width), np.int32),
+            "pairs": np.zeros((rows, slots, width), np.int32),
             "n_pairs": np.zeros(rows, np.int64),
         }
         self.recent = np.empty(0, np.int64)
