@@ -45,8 +45,9 @@ class NGramPredictor(Proposer):
         num_draft: most tokens proposed per step.
         history: recent tokens kept so n-grams continue across ``update`` calls, >= ``max_order``.
         capacity: slots per order and table (rounded up to a power of two).
-        min_count: least count of a drafted continuation, per context length (a single int applies to all).
-        min_share: least share of its context's occurrences, per context length (a single float applies to all).
+        min_count: least count of a drafted continuation, per context length 1, 2, ... (the last value applies to
+            longer contexts; a single int applies to all).
+        min_share: least share of its context's occurrences, per context length, likewise.
     """
 
     def __init__(
@@ -83,7 +84,8 @@ class NGramPredictor(Proposer):
         values = np.atleast_1d(np.asarray(value, dtype=dtype))
         if values.ndim != 1 or len(values) == 0:
             raise ValueError(f"{name} must be a number or a sequence of numbers, got {value!r}.")
-        return np.resize(values, rows) if len(values) < rows else values[:rows].copy()  # last value repeats
+        padding = np.repeat(values[-1:], max(0, rows - len(values)))  # the last value covers longer contexts
+        return np.concatenate([values, padding])[:rows]
 
     @property
     def capacity(self) -> int:
@@ -92,11 +94,11 @@ class NGramPredictor(Proposer):
     def update(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         """Learn every n-gram ending in ``token_ids``, continuing from the tokens seen before."""
         new = _as_tokens(token_ids)
-        context = self.recent[-(self.max_order - 1) :] if self.max_order > 1 else self.recent[:0]
-        work = np.concatenate([context, new])
-        if not kernels.ngram_update(work, len(context), self.capacity // 2, *self.tables.values()):
+        context = self.recent[-(self.max_order - 1) :]
+        if not kernels.ngram_update(np.concatenate([context, new]), len(context), self.capacity // 2,
+                                    *self.tables.values()):
             raise ValueError("token ids must be in [0, 2**31).")
-        self.recent = work[-self.history :]
+        self.recent = np.concatenate([self.recent, new])[-self.history :]
 
     def reset_context(self) -> None:
         """Start a new, unrelated sequence: n-grams will not span the boundary. The tables are kept."""
@@ -104,6 +106,7 @@ class NGramPredictor(Proposer):
 
     def predict(self, context_ids: Sequence[int] | np.ndarray | torch.Tensor, max_tokens: int) -> list[int]:
         """Draft up to ``max_tokens`` tokens after ``context_ids`` by chaining predictions."""
+        check_int("max_tokens", max_tokens, 0)
         context = _as_tokens(context_ids)[-(self.max_order - 1) :]
         return self._predict(context, max_tokens).tolist()
 

@@ -195,11 +195,21 @@ def test_bad_arguments(kwargs: dict, message: str) -> None:
         specula.NGramPredictor(**kwargs)
 
 
+def test_history_keeps_the_latest_tokens_across_small_updates() -> None:
+    predictor = specula.NGramPredictor(max_order=3, history=6)
+    for token in range(10):
+        predictor.update([token])
+    assert predictor.recent.tolist() == [4, 5, 6, 7, 8, 9]
+    assert predictor.count([8], 9) == 1 and predictor.count([7, 8], 9) == 1
+
+
 def test_bad_tokens() -> None:
     with pytest.raises(ValueError, match="integers"):
         specula.NGramPredictor().update([0.5, 1.5])
     with pytest.raises(ValueError, match="2\\*\\*31"):
         specula.NGramPredictor().update([-1])
+    with pytest.raises(ValueError, match="max_tokens"):
+        specula.NGramPredictor().predict([1, 2], -1)
 
 
 @functools.cache
