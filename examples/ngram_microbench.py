@@ -1,7 +1,10 @@
 """NGramPredictor speed: Numba tables against the pure-Python reference of the tests, in the same run.
 
 Feeds a synthetic token stream (200 random phrases recurring 70% of the time between random tokens, vocabulary
-49152) and reports updates per second and the latency of an 8-token prediction, median of several repeats.
+49152) and reports updates per second and the latency of an 8-token prediction, median of several repeats, for:
+  numba        specula's kernels, compiled;
+  interpreted  the very same table code run by the Python interpreter (NUMBA_DISABLE_JIT=1, in a subprocess);
+  dict         the independent pure-Python reference of the tests (Python dicts: a different, faster structure).
 
 Usage: python examples/ngram_microbench.py [--tokens 200000] [--repeats 5]
 """
@@ -9,6 +12,8 @@ Usage: python examples/ngram_microbench.py [--tokens 200000] [--repeats 5]
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import statistics
 import sys
 import time
@@ -41,6 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--interpreted-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     tokens = stream(args.tokens)
     specula.NGramPredictor().update(tokens[:100])  # compile (or load the cached machine code)
@@ -69,10 +75,26 @@ def main() -> None:
             reference.update(block)
         return time.perf_counter() - started
 
-    timings = [(numba_update(), reference_update()) for _ in range(args.repeats)]  # interleaved: shared machines
-    fast = sum(map(len, blocks)) / statistics.median(t for t, _ in timings)
-    slow = sum(map(len, reference_blocks)) / statistics.median(t for _, t in timings)
-    print(f"update: numba {fast:,.0f} tokens/s, python reference {slow:,.0f} tokens/s, {fast / slow:.0f}x")
+    if args.interpreted_child:  # the same kernels, interpreted: time a tenth of the blocks
+        timed = blocks[: len(blocks) // 10]
+        predictor = specula.NGramPredictor()
+        predictor.update(tokens[:half])
+        started = time.perf_counter()
+        for block in timed:
+            predictor.update(block)
+        print(sum(map(len, timed)) / (time.perf_counter() - started))
+        return
+    child = [sys.executable, "-W", "ignore", __file__, "--interpreted-child", "--tokens", str(args.tokens)]
+    environment = dict(os.environ, NUMBA_DISABLE_JIT="1")
+    timings = []
+    for _ in range(args.repeats):  # interleaved: these machines are shared and noisy
+        interpreted = float(subprocess.run(child, env=environment, capture_output=True, text=True, check=True).stdout)
+        timings.append((numba_update(), reference_update(), interpreted))
+    fast = sum(map(len, blocks)) / statistics.median(t for t, _, _ in timings)
+    dict_rate = sum(map(len, reference_blocks)) / statistics.median(t for _, t, _ in timings)
+    interpreted_rate = statistics.median(rate for _, _, rate in timings)
+    print(f"update: numba {fast:,.0f} tokens/s; same tables interpreted {interpreted_rate:,.0f} tokens/s "
+          f"({fast / interpreted_rate:.0f}x); dict reference {dict_rate:,.0f} tokens/s ({fast / dict_rate:.0f}x)")
 
     predictor = specula.NGramPredictor(min_count=1)
     predictor.update(tokens)
