@@ -9,8 +9,12 @@ from .generate import generate
 from .ngram import NGramPredictor
 from .prompt_lookup import PromptLookup
 from .proposer import Draft, Proposer
+from .sampling import Sampling
 from .stats import GenerateOutput, SpecStats
 from .target import UnsupportedModelError
 
-__all__ = ["Draft", "GenerateOutput", "NGramPredictor", "PromptLookup", "Proposer", "SpecStats", "UnsupportedModelError", "generate"]
+__all__ = [
+    "Draft", "GenerateOutput", "NGramPredictor", "PromptLookup", "Proposer", "Sampling", "SpecStats",
+    "UnsupportedModelError", "generate",
+]
 __version__ = "0.1.0"

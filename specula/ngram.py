@@ -11,6 +11,7 @@ import torch
 
 from . import kernels
 from .proposer import Draft, Proposer, check_int
+from .sampling import Sampling
 
 _FORMAT = "specula.NGramPredictor/1"
 
@@ -121,7 +122,7 @@ class NGramPredictor(Proposer):
         return int(kernels.ngram_count(pair, self.tables["pairs"]))
 
     # Proposer hooks
-    def begin(self, prompt_ids: np.ndarray) -> None:
+    def begin(self, prompt_ids: np.ndarray, sampling: Sampling) -> None:
         self.reset_context()
         self.update(prompt_ids)
 

@@ -2,7 +2,9 @@
 
 A proposer sees one sequence at a time. The loop calls
 
-1. ``begin(prompt_ids)`` once, before decoding starts;
+1. ``begin(prompt_ids, sampling)`` once, before decoding starts; ``sampling`` (a :class:`specula.Sampling`) says
+   how the target decodes: a drafter that samples must draw with ``sampling.probs`` and ``sampling.generator`` and
+   return the distributions it drew from as ``Draft.probs``;
 2. ``propose(context_ids, max_tokens)`` before every target forward pass, and sends the returned draft to the target
    for verification;
 3. ``observe(new_ids, num_accepted)`` after every verification, with the tokens appended to the sequence (the
@@ -25,6 +27,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
+
+from .sampling import Sampling
 
 
 @dataclass(frozen=True)
@@ -72,8 +76,8 @@ def check_int(name: str, value: object, minimum: int, what: str = "") -> int:
 class Proposer:
     """Base class for drafting methods; subclasses implement ``propose`` and, if they keep state, the other hooks."""
 
-    def begin(self, prompt_ids: np.ndarray) -> None:
-        """A new sequence starts with these prompt tokens."""
+    def begin(self, prompt_ids: np.ndarray, sampling: Sampling) -> None:
+        """A new sequence starts with these prompt tokens and is decoded with ``sampling``."""
 
     def propose(self, context_ids: np.ndarray, max_tokens: int) -> Draft:
         """Guess up to ``max_tokens`` (>= 1) tokens that follow ``context_ids``; an empty draft means "no guess"."""

@@ -52,9 +52,9 @@ class Recorder(specula.Proposer):
         self.prompts: list[list[int]] = []
         self.observed: list[tuple[list[int], int]] = []
 
-    def begin(self, prompt_ids):
+    def begin(self, prompt_ids, sampling):
         self.prompts.append(list(prompt_ids))
-        self.inner.begin(prompt_ids)
+        self.inner.begin(prompt_ids, sampling)
 
     def propose(self, context_ids, max_tokens):
         return self.inner.propose(context_ids, max_tokens)

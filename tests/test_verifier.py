@@ -60,7 +60,7 @@ def test_oracle_and_always_wrong_proposers(name: str) -> None:
     )
     assert oracle.sequences.tolist() == wrong.sequences.tolist() == ref.tolist()
     assert oracle.stats.acceptance_rate == 1.0
-    assert oracle.stats.steps == 1 + -(-(NEW_TOKENS - 1) // 8)  # prefill, then blocks of 7 drafts + 1 bonus
+    assert oracle.stats.steps == -(-NEW_TOKENS // 8)  # blocks of 7 drafts + 1 bonus, the prefill's included
     assert wrong.stats.accepted == 0 and wrong.stats.drafted > 0
     assert wrong.stats.steps == NEW_TOKENS
 
@@ -68,8 +68,8 @@ def test_oracle_and_always_wrong_proposers(name: str) -> None:
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_eos_inside_an_accepted_block_stops_exactly(name: str) -> None:
     ref = reference(name, "random")[0, len(RANDOM) :].tolist()
-    # Oracle blocks are [prefill token], then 8 tokens per step; pick an EOS whose first occurrence is mid-block.
-    candidates = [i for i, t in enumerate(ref) if ref.index(t) == i and i >= 2 and (i - 1) % 8 != 7]
+    # Oracle blocks are 8 tokens per step (the prefill drafts too); pick an EOS whose first occurrence is mid-block.
+    candidates = [i for i, t in enumerate(ref) if ref.index(t) == i and i >= 2 and i % 8 != 7]
     assert candidates, "the reference output has no usable token for this test"
     eos_position = candidates[len(candidates) // 2]
     eos = ref[eos_position]
