@@ -62,3 +62,59 @@ class Recorder(specula.Proposer):
     def observe(self, new_ids, num_accepted):
         self.observed.append((list(new_ids), num_accepted))
         self.inner.observe(new_ids, num_accepted)
+
+
+class NoisyModelDrafter(specula.Proposer):
+    """A stochastic drafter whose q is close to, but not, the target's p: the model's own logits plus fixed noise.
+
+    It drafts as a small model would: greedily when the target decodes greedily, else by sampling each token from
+    ``sampling.probs`` of its logits and returning those distributions as ``Draft.probs``. ``sampling`` replaces the
+    settings the loop gives it, to build a drafter that warps differently from the target.
+    """
+
+    def __init__(self, model, num_draft: int, noise: float = 1.0, sampling: specula.Sampling | None = None) -> None:
+        vocab = model.config.vocab_size
+        self.model = model
+        self.noise = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)) * noise
+        self.num_draft = num_draft
+        self.fixed_sampling = sampling
+
+    def begin(self, prompt_ids, sampling):
+        self.sampling = self.fixed_sampling or sampling
+
+    def propose(self, context_ids, max_tokens):
+        context, tokens, probs = [int(t) for t in context_ids], [], []
+        for _ in range(min(self.num_draft, max_tokens)):
+            logits = self.model(torch.tensor([context])).logits[0, -1:] + self.noise[context[-1]]
+            if self.sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                q = self.sampling.probs(logits)
+                token = int(self.sampling.sample(q))
+                probs.append(q[0])
+            tokens.append(token)
+            context.append(token)
+        return specula.Draft(tokens, torch.stack(probs) if probs else None)
+
+
+def chi_square_p_value(counts: dict, expected: dict, min_expected: float = 5.0) -> float:
+    """Goodness of fit of observed ``counts`` to the ``expected`` probabilities of the same outcomes.
+
+    Outcomes expected fewer than ``min_expected`` times are pooled into one cell (so the chi-square approximation
+    holds); an observed outcome with expected probability 0 makes the fit fail outright (p-value 0).
+    """
+    total = sum(counts.values())
+    if any(expected.get(outcome, 0.0) == 0.0 for outcome, count in counts.items() if count):
+        return 0.0
+    cells, pooled_observed, pooled_expected = [], 0.0, 0.0
+    for outcome, probability in expected.items():
+        if probability * total >= min_expected:
+            cells.append((counts.get(outcome, 0), probability * total))
+        else:
+            pooled_observed += counts.get(outcome, 0)
+            pooled_expected += probability * total
+    if pooled_expected > 0:
+        cells.append((pooled_observed, pooled_expected))
+    statistic = sum((observed - e) ** 2 / e for observed, e in cells)
+    degrees = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)))
