@@ -116,6 +116,19 @@ def test_accept_draft_emits_p_for_one_hot_and_stochastic_drafts(dtype) -> None:
         assert chi_square_p_value(counts, expected) > 0.001
 
 
+def test_the_bonus_token_comes_from_the_last_row() -> None:
+    torch.manual_seed(0)
+    sampling = specula.Sampling(temperature=1.0)
+    logits = torch.stack([torch.tensor([5.0, 0, 0, 0, 0]), torch.randn(5)])
+    expected = dict(enumerate(sampling.probs(logits)[1].tolist()))
+    counts = collections.Counter()
+    for _ in range(3000):
+        tokens = accept_draft(logits, specula.Draft([0]), sampling)
+        if len(tokens) == 2:
+            counts[tokens[1]] += 1
+    assert chi_square_p_value(counts, expected) > 0.001
+
+
 def test_zero_probability_corner_cases() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, -1.0, -2.0], [0.0] * 5])
     top2 = specula.Sampling(temperature=1.0, top_k=2)
@@ -204,9 +217,13 @@ def sample_first_two(make_proposer, settings_: dict, samples: int, seed: int = 1
     return counts, joint_of_two_tokens(prompt, tuple(settings_.items())), stats
 
 
-@pytest.mark.parametrize("settings_", [PLAIN, TRUNCATED], ids=["temperature", "temperature-top_k-top_p"])
-def test_prompt_lookup_samples_the_targets_distribution(settings_) -> None:
-    counts, expected, stats = sample_first_two(specula.PromptLookup, settings_, 3000)
+@pytest.mark.parametrize(
+    "settings_, num_draft",
+    [(PLAIN, 2), (TRUNCATED, 2), (TRUNCATED, 1)],
+    ids=["temperature", "temperature-top_k-top_p", "one-draft-then-bonus"],
+)
+def test_prompt_lookup_samples_the_targets_distribution(settings_, num_draft) -> None:
+    counts, expected, stats = sample_first_two(lambda: specula.PromptLookup(num_draft=num_draft), settings_, 3000)
     assert 0.2 < stats.acceptance_rate < 0.8, "the prompt must exercise both accepted and rejected drafts"
     assert chi_square_p_value(counts, expected) > 0.001
 
