@@ -18,24 +18,25 @@ Method = Callable[[torch.Tensor, int], tuple[list[int], float, object]]
 
 
 def hf_method(model: torch.nn.Module, **generate_kwargs) -> Method:
-    """``model.generate`` greedy, with extra HF arguments (e.g. ``prompt_lookup_num_tokens=10``)."""
+    """``model.generate`` (greedy unless ``do_sample=True`` is given), with extra HF arguments (e.g.
+    ``prompt_lookup_num_tokens=10``)."""
+    generate_kwargs.setdefault("do_sample", False)
 
     def run(prompt: torch.Tensor, max_new_tokens: int):
         started = time.perf_counter()
         out = model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=max_new_tokens,
-            **generate_kwargs,
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, **generate_kwargs
         )
         return out[0, prompt.shape[1] :].tolist(), time.perf_counter() - started, None
 
     return run
 
 
-def specula_method(model: torch.nn.Module, make_proposer: Callable[[], Proposer | None]) -> Method:
-    """``specula.generate`` with a fresh proposer per request."""
+def specula_method(model: torch.nn.Module, make_proposer: Callable[[], Proposer | None], **generate_kwargs) -> Method:
+    """``specula.generate`` with a fresh proposer per request and extra arguments (e.g. ``do_sample=True``)."""
 
     def run(prompt: torch.Tensor, max_new_tokens: int):
-        out = generate(model, prompt, make_proposer(), max_new_tokens=max_new_tokens)
+        out = generate(model, prompt, make_proposer(), max_new_tokens=max_new_tokens, **generate_kwargs)
         return out.sequences[0, prompt.shape[1] :].tolist(), out.stats.wall_time_s, out.stats
 
     return run
@@ -50,7 +51,7 @@ class BenchRow:
     seconds: float
     tokens_per_s: float
     speedup_vs_hf_greedy: float
-    identical_to_greedy: float  # share of prompts whose output equals hf-greedy's
+    identical_to_greedy: float | None  # share of prompts whose output equals the baseline's (None when sampling)
     acceptance_rate: float | None
     tokens_per_step: float | None
 
@@ -66,11 +67,13 @@ def run_bench(
     repeats: int = 3,
     baseline: str = "hf-greedy",
     progress: Callable[[str], None] | None = None,
+    compare_outputs: bool = True,
 ) -> list[BenchRow]:
     """Run every method on every prompt ``repeats`` times, rotating the order, and summarise per workload.
 
     Time per prompt is the median over repeats; a workload's tokens/s is its total new tokens over the summed
-    medians. Output identity is judged against ``baseline``'s output on the same prompt.
+    medians; speedups are against ``baseline``. With ``compare_outputs`` (greedy runs), output identity is judged
+    against ``baseline``'s output on the same prompt.
     """
     names = list(methods)
     warm = encode(tokenizer, next(iter(workloads.values()))[0])
@@ -115,7 +118,7 @@ def run_bench(
                     seconds=total["seconds"],
                     tokens_per_s=rate,
                     speedup_vs_hf_greedy=rate / base_rate,
-                    identical_to_greedy=total["same"] / len(requests),
+                    identical_to_greedy=total["same"] / len(requests) if compare_outputs else None,
                     acceptance_rate=total["accepted"] / total["drafted"] if total["drafted"] else None,
                     tokens_per_step=total["tokens"] / total["steps"] if total["steps"] else None,
                 )
@@ -129,9 +132,10 @@ def format_table(rows: list[BenchRow]) -> str:
     lines = [header, "-" * len(header)]
     for row in rows:
         accept = f"{row.acceptance_rate:.0%}" if row.acceptance_rate is not None else "-"
+        identical = f"{row.identical_to_greedy:.0%}" if row.identical_to_greedy is not None else "-"
         per_step = f"{row.tokens_per_step:.2f}" if row.tokens_per_step is not None else "-"
         lines.append(
             f"{row.workload:<11}{row.method:<20}{row.tokens_per_s:>8.1f}{row.speedup_vs_hf_greedy:>8.2f}x"
-            f"{row.identical_to_greedy:>10.0%} {accept:>8}{per_step:>10}"
+            f"{identical:>11}{accept:>8}{per_step:>10}"
         )
     return "\n".join(lines)
