@@ -2,7 +2,8 @@
 
 Methods, interleaved per prompt: hf-greedy (model.generate), hf-prompt-lookup (prompt_lookup_num_tokens=10),
 specula-none (specula's loop without drafts), specula-prompt-lookup and specula-ngram (PromptLookup and
-NGramPredictor with their defaults, a fresh one per prompt).
+NGramPredictor with their defaults, a fresh one per prompt); with --draft PATH also hf-assisted
+(model.generate(assistant_model=...)) and specula-draft (SmallModelDrafter with its defaults).
 
 With --temperature T > 0 every method samples (top_k/top_p: --top-k, --top-p, HF's defaults otherwise) and the
 baseline is hf-sample (model.generate(do_sample=True)); outputs are then not compared.
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft", default=None, help="draft model folder or .gguf: adds hf-assisted and specula-draft")
     parser.add_argument("--methods", default="hf-greedy,hf-prompt-lookup,specula-none,specula-prompt-lookup,specula-ngram")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=None)
@@ -55,12 +57,22 @@ def main() -> None:
     all_rows = []
     for dtype_name in args.dtypes.split(","):
         model, tokenizer = load_model(args.model, dtype=DTYPES[dtype_name])
+        drafters = {}
+        if args.draft:
+            draft_model, draft_tokenizer = load_model(args.draft, dtype=DTYPES[dtype_name])
+            drafters = {
+                "hf-assisted": hf_method(model, assistant_model=draft_model, **sampling),
+                "specula-draft": specula_method(
+                    model, lambda: specula.SmallModelDrafter(draft_model, tokenizer=draft_tokenizer), **sampling
+                ),
+            }
         available = {
             baseline: hf_method(model, **sampling),
             "hf-prompt-lookup": hf_method(model, prompt_lookup_num_tokens=10, **sampling),
             "specula-none": specula_method(model, lambda: None, **sampling),
             "specula-prompt-lookup": specula_method(model, specula.PromptLookup, **sampling),
             "specula-ngram": specula_method(model, specula.NGramPredictor, **sampling),
+            **drafters,
         }
         methods = {name: available[name] for name in args.methods.replace("hf-greedy", baseline).split(",")}
         rows = run_bench(

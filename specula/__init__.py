@@ -10,11 +10,12 @@ from .ngram import NGramPredictor
 from .prompt_lookup import PromptLookup
 from .proposer import Draft, Proposer
 from .sampling import Sampling
+from .small_model import SmallModelDrafter
 from .stats import GenerateOutput, SpecStats
-from .target import UnsupportedModelError
+from .cached_model import UnsupportedModelError
 
 __all__ = [
-    "Draft", "GenerateOutput", "NGramPredictor", "PromptLookup", "Proposer", "Sampling", "SpecStats",
+    "Draft", "GenerateOutput", "NGramPredictor", "PromptLookup", "Proposer", "Sampling", "SmallModelDrafter", "SpecStats",
     "UnsupportedModelError", "generate",
 ]
 __version__ = "0.1.0"

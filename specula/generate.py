@@ -13,7 +13,7 @@ from .inputs import Request, prepare_request, vocab_size
 from .proposer import Draft, Proposer
 from .sampling import resolve_sampling
 from .stats import GenerateOutput, SpecStats
-from .target import Target
+from .cached_model import CachedModel
 
 
 class _Sequence:
@@ -112,9 +112,10 @@ def generate(
     sequence = _Sequence(request)
     stats = SpecStats(prompt_tokens=sequence.length)
     if request.max_length > sequence.length:
-        target = Target(model, request.positions, request.attention_mask, rollback=proposer is not None)
+        target = CachedModel(model, request.positions, request.attention_mask, rollback=proposer is not None)
         vocab = vocab_size(model)
         if proposer is not None:
+            proposer.check_target(model)
             proposer.begin(sequence.ids, sampling)
         draft = _propose(proposer, sequence.ids, request.max_length - sequence.length - 1, vocab, stats)
         block = torch.from_numpy(request.prompt)  # the first pass is the prefill, with a draft already

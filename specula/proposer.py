@@ -2,12 +2,13 @@
 
 A proposer sees one sequence at a time. The loop calls
 
-1. ``begin(prompt_ids, sampling)`` once, before decoding starts; ``sampling`` (a :class:`specula.Sampling`) says
+1. ``check_target(model)`` with the target model (e.g. to check that a draft model shares its vocabulary);
+2. ``begin(prompt_ids, sampling)`` once, before decoding starts; ``sampling`` (a :class:`specula.Sampling`) says
    how the target decodes: a drafter that samples must draw with ``sampling.probs`` and ``sampling.generator`` and
    return the distributions it drew from as ``Draft.probs``;
-2. ``propose(context_ids, max_tokens)`` before every target forward pass, and sends the returned draft to the target
+3. ``propose(context_ids, max_tokens)`` before every target forward pass, and sends the returned draft to the target
    for verification;
-3. ``observe(new_ids, num_accepted)`` after every verification, with the tokens appended to the sequence (the
+4. ``observe(new_ids, num_accepted)`` after every verification, with the tokens appended to the sequence (the
    accepted draft prefix followed by the target's own token) and how many of them came from the draft.
 
 ``context_ids`` is a read-only numpy int64 view of prompt + output so far; it is only valid during the call (copy it
@@ -75,6 +76,9 @@ def check_int(name: str, value: object, minimum: int, what: str = "") -> int:
 
 class Proposer:
     """Base class for drafting methods; subclasses implement ``propose`` and, if they keep state, the other hooks."""
+
+    def check_target(self, model: torch.nn.Module) -> None:
+        """Raise ``ValueError`` if this proposer cannot draft for ``model``; called before every generation."""
 
     def begin(self, prompt_ids: np.ndarray, sampling: Sampling) -> None:
         """A new sequence starts with these prompt tokens and is decoded with ``sampling``."""

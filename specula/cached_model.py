@@ -1,4 +1,5 @@
-"""The target model behind the verifier: forward passes over new tokens, and a KV cache that can be rolled back."""
+"""A causal LM fed one block of new tokens at a time, with a KV cache that can be rolled back: the verifier's target,
+and a small drafter's own model."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def _model_type(model: torch.nn.Module) -> str:
     return f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r})"
 
 
-class Target:
+class CachedModel:
     """A HF causal LM with its own rollback-able KV cache, fed one block of new tokens at a time.
 
     The cache is transformers' ``DynamicCache`` built from the model's config, exactly as ``model.generate`` builds
@@ -25,7 +26,8 @@ class Target:
 
     Args:
         model: the target model.
-        positions: ``[1, capacity]`` position id of every sequence slot (prompt slots follow its attention mask).
+        positions: ``[1, capacity]`` position id of every sequence slot (prompt slots follow its attention mask);
+            ``None`` lets the model number the tokens 0, 1, 2, ...
         attention_mask: ``[1, capacity]`` mask of every slot, or ``None`` when the prompt has no padding.
         rollback: whether the caller will roll the cache back; a model whose cache cannot be rolled back is then
             refused after the prefill instead of silently producing wrong tokens.
@@ -34,7 +36,7 @@ class Target:
     def __init__(
         self,
         model: torch.nn.Module,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
         rollback: bool,
     ) -> None:
@@ -78,6 +80,6 @@ class Target:
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` cached tokens. Always called after a forward pass, even with 0, because
         that is when sliding-window layers drop the states past recording kept for a possible rollback."""
-        if self.can_roll_back:
+        if self.can_roll_back and self.cached_tokens:  # (an empty sliding-window cache cannot be cropped)
             self.cache.crop(-num_tokens)
         self.cached_tokens -= num_tokens

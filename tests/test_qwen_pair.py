@@ -1,0 +1,44 @@
+"""The real pair: Qwen2.5-Coder-0.5B-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct, fp32, on code prompts.
+
+The converted model folders come from ``../shared/scripts/get-models.sh`` (the README's test command runs it);
+``SPECULA_MODELS`` points elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import hf_greedy
+from test_smollm2 import WORKLOADS
+
+import specula
+from specula.models import load_model
+from specula.workloads import encode, load_workloads
+
+MODELS = Path(os.environ.get("SPECULA_MODELS", Path.home() / ".cache" / "specula-models"))
+pytestmark = pytest.mark.slow
+
+
+@functools.cache
+def qwen(size: str):
+    folder = MODELS / f"qwen2.5-coder-{size}"
+    assert (folder / "config.json").exists(), (
+        f"{folder} is missing: run `bash ../shared/scripts/get-models.sh {MODELS} qwen2.5-coder-0.5b qwen2.5-coder-1.5b`"
+    )
+    return load_model(folder, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_qwen_05b_drafting_for_15b_is_identical_in_fp32(index: int) -> None:
+    target, tokenizer = qwen("1.5b")
+    drafter_model, drafter_tokenizer = qwen("0.5b")
+    prompt = encode(tokenizer, load_workloads(WORKLOADS, 2, ["code"])["code"][index])
+    drafter = specula.SmallModelDrafter(drafter_model, tokenizer=drafter_tokenizer, target_tokenizer=tokenizer)
+    eos = target.generation_config.eos_token_id
+    out = specula.generate(target, prompt, drafter, max_new_tokens=32, eos_token_id=eos)
+    assert out.sequences.tolist() == hf_greedy(target, prompt, 32, eos_token_id=eos).tolist()
+    assert out.stats.acceptance_rate > 0.5 and out.stats.tokens_per_step > 2

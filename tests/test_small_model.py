@@ -1,0 +1,162 @@
+"""SmallModelDrafter: identical greedy output, its own cache kept in step, vocabulary checks, exact sampling."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import tokenizers
+import torch
+import transformers
+from helpers import chi_square_p_value, hf_greedy
+from test_sampling import TRUNCATED, VOCAB as SHARP_VOCAB, sample_first_two, sharp_model
+from tiny_models import CONFIGS, VOCAB, tiny_model
+
+import specula
+
+PROMPT = [1, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
+NEW_TOKENS = 40
+
+
+@functools.cache
+def model(name: str, seed: int = 0) -> torch.nn.Module:
+    return tiny_model(name, seed)
+
+
+def noisy_copy(target: torch.nn.Module, noise: float) -> torch.nn.Module:
+    """The target with every weight perturbed: a drafter that agrees often, but not always."""
+    drafter = transformers.AutoModelForCausalLM.from_config(target.config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for mine, theirs in zip(drafter.parameters(), target.parameters()):
+            mine.copy_(theirs + noise * torch.randn_like(theirs) * theirs.std())
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma3", "qwen2"])
+def test_the_target_drafting_for_itself_is_identical_and_accepted(name: str) -> None:
+    prompt = torch.tensor([PROMPT * 2])  # longer than gemma3's sliding window
+    drafter = specula.SmallModelDrafter(tiny_model(name), num_draft=4, min_confidence=0)
+    out = specula.generate(model(name), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    assert out.sequences.tolist() == hf_greedy(model(name), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
+    assert out.stats.acceptance_rate > 0.95
+    assert out.stats.tokens_per_step > 3
+
+
+@pytest.mark.parametrize("target, draft", [("llama", "gpt2"), ("gpt_neox", "llama"), ("mistral", "phi3")])
+def test_an_unrelated_drafter_changes_nothing(target: str, draft: str) -> None:
+    prompt = torch.tensor([PROMPT])
+    out = specula.generate(
+        model(target), prompt, specula.SmallModelDrafter(model(draft, 1)), max_new_tokens=NEW_TOKENS, eos_token_id=[]
+    )
+    assert out.sequences.tolist() == hf_greedy(model(target), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
+    assert out.stats.drafted > 0 and out.stats.acceptance_rate < 0.5
+
+
+class CheckedDrafter(specula.SmallModelDrafter):
+    """Checks, at every proposal, that the cache holds exactly the sequence so far and that the draft is what the
+    draft model decodes greedily from scratch."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.checked = 0
+
+    def propose(self, context_ids, max_tokens):
+        draft = super().propose(context_ids, max_tokens)
+        # The cache now holds the context and all draft tokens but the last.
+        assert self.cache.cached_tokens == self.cache.cache.get_seq_length() == len(context_ids) + len(draft) - 1
+        assert self.cached_ids == [*context_ids.tolist(), *draft.tokens.tolist()[:-1]]
+        context = torch.tensor([context_ids.tolist()])
+        scratch = self.model.generate(
+            context, attention_mask=torch.ones_like(context), do_sample=False, max_new_tokens=len(draft), pad_token_id=0
+        )
+        assert draft.tokens.tolist() == scratch[0, context.shape[1] :].tolist()
+        self.checked += 1
+        return draft
+
+
+def test_the_drafters_cache_follows_partial_acceptance() -> None:
+    prompt = torch.tensor([PROMPT])
+    drafter = CheckedDrafter(noisy_copy(model("llama"), 0.2), num_draft=3, min_confidence=0)
+    out = specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    assert out.sequences.tolist() == hf_greedy(model("llama"), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
+    assert 0.2 < out.stats.acceptance_rate < 0.9 and drafter.checked >= out.stats.steps - 1
+
+
+def test_draft_length_adapts_to_acceptance() -> None:
+    drafter = specula.SmallModelDrafter(model("llama"), num_draft=4, max_draft=9)
+    drafter.last_draft_length = 4
+    drafter.observe([5, 6, 7, 8, 9], 4)
+    assert drafter.num_draft == 6
+    for expected in (5, 4):
+        drafter.last_draft_length = drafter.num_draft
+        drafter.observe([5, 6], 1)
+        assert drafter.num_draft == expected
+    for _ in range(5):
+        drafter.last_draft_length = drafter.num_draft
+        drafter.observe([5] * (drafter.num_draft + 1), drafter.num_draft)
+    assert drafter.num_draft == 9
+    fixed = specula.SmallModelDrafter(model("llama"), num_draft=4, adaptive=False)
+    fixed.last_draft_length = 4
+    fixed.observe([5, 6, 7, 8, 9], 4)
+    assert fixed.num_draft == 4
+
+
+def test_a_drafter_in_another_dtype() -> None:
+    prompt = torch.tensor([PROMPT])
+    drafter = specula.SmallModelDrafter(tiny_model("llama").to(torch.bfloat16))
+    out = specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    assert out.sequences.tolist() == hf_greedy(model("llama"), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
+    assert out.stats.accepted > 0
+
+
+def tiny_with_vocab(vocab: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = CONFIGS["llama"]()
+    config.vocab_size = vocab
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def word_tokenizer(words: list[str]) -> transformers.PreTrainedTokenizerFast:
+    model = tokenizers.models.WordLevel({word: i for i, word in enumerate(words)}, unk_token=words[0])
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=words[0])
+
+
+def test_a_different_vocabulary_is_refused_naming_both() -> None:
+    drafter = specula.SmallModelDrafter(tiny_with_vocab(128))
+    with pytest.raises(ValueError, match=r"vocabulary of 128 tokens and the target LlamaForCausalLM has 96"):
+        specula.generate(model("llama"), torch.tensor([PROMPT]), drafter, max_new_tokens=4)
+    words = [f"w{i}" for i in range(VOCAB)]
+    with pytest.raises(ValueError, match=r"drafter's tokenizer .*96 tokens.* and the target's .*96 tokens.*different"):
+        specula.SmallModelDrafter(model("llama"), tokenizer=word_tokenizer(words), target_tokenizer=word_tokenizer(words[::-1]))
+
+
+def test_padding_rows_beyond_the_tokenizer_are_allowed_and_never_drafted() -> None:
+    """Qwen-style: embedding matrices of different sizes whose extra rows are padding past the real vocabulary."""
+    drafts = []
+
+    class Recording(specula.SmallModelDrafter):
+        def propose(self, context_ids, max_tokens):
+            draft = super().propose(context_ids, max_tokens)
+            drafts.extend(draft.tokens.tolist())
+            assert draft.probs is None or (draft.probs.shape[1] == VOCAB and float(draft.probs[:, 90:].sum()) == 0)
+            return draft
+
+    drafter = Recording(tiny_with_vocab(128), tokenizer=word_tokenizer([f"w{i}" for i in range(90)]))
+    prompt = torch.tensor([PROMPT])
+    out = specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    assert out.sequences.tolist() == hf_greedy(model("llama"), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
+    specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.5)
+    assert drafts and max(drafts) < 90
+
+
+
+
+def test_sampled_drafts_keep_the_targets_distribution() -> None:
+    drafter_model = noisy_copy(sharp_model(), 0.3)
+    make = lambda: specula.SmallModelDrafter(drafter_model, num_draft=2, adaptive=False)  # noqa: E731
+    counts, expected, stats = sample_first_two(make, TRUNCATED, 3000)
+    assert 0.2 < stats.acceptance_rate < 0.95, "q must differ from p for this test to exercise the residual"
+    assert chi_square_p_value(counts, expected) > 0.001
