@@ -3,7 +3,8 @@
 Methods, interleaved per prompt: hf-greedy (model.generate), hf-prompt-lookup (prompt_lookup_num_tokens=10),
 specula-none (specula's loop without drafts), specula-prompt-lookup and specula-ngram (PromptLookup and
 NGramPredictor with their defaults, a fresh one per prompt); with --draft PATH also hf-assisted
-(model.generate(assistant_model=...)) and specula-draft (SmallModelDrafter with its defaults).
+(model.generate(assistant_model=...)), specula-draft (SmallModelDrafter with its defaults),
+specula-draft-schedule (without the confidence stop) and specula-draft-fixed (5 drafts per step).
 
 With --temperature T > 0 every method samples (top_k/top_p: --top-k, --top-p, HF's defaults otherwise) and the
 baseline is hf-sample (model.generate(do_sample=True)); outputs are then not compared.
@@ -16,6 +17,7 @@ Usage: python examples/benchmark.py [--limit 4] [--max-new-tokens 128] [--repeat
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -60,12 +62,15 @@ def main() -> None:
         drafters = {}
         if args.draft:
             draft_model, draft_tokenizer = load_model(args.draft, dtype=DTYPES[dtype_name])
-            drafters = {
-                "hf-assisted": hf_method(model, assistant_model=draft_model, **sampling),
-                "specula-draft": specula_method(
-                    model, lambda: specula.SmallModelDrafter(draft_model, tokenizer=draft_tokenizer), **sampling
-                ),
+            variants = {  # the default, its draft-length schedule alone, and a fixed length of 5
+                "specula-draft": {},
+                "specula-draft-schedule": {"min_confidence": 0.0},
+                "specula-draft-fixed": {"min_confidence": 0.0, "adaptive": False},
             }
+            drafters = {"hf-assisted": hf_method(model, assistant_model=draft_model, **sampling)}
+            for name, options in variants.items():
+                make = functools.partial(specula.SmallModelDrafter, draft_model, tokenizer=draft_tokenizer, **options)
+                drafters[name] = specula_method(model, make, **sampling)
         available = {
             baseline: hf_method(model, **sampling),
             "hf-prompt-lookup": hf_method(model, prompt_lookup_num_tokens=10, **sampling),
