@@ -6,6 +6,7 @@
 """
 
 from .generate import generate
+from .hf import SpeculaGenerateOutput, custom_generate
 from .ngram import NGramPredictor
 from .prompt_lookup import PromptLookup
 from .proposer import Draft, Proposer
@@ -15,7 +16,7 @@ from .stats import GenerateOutput, SpecStats
 from .cached_model import UnsupportedModelError
 
 __all__ = [
-    "Draft", "GenerateOutput", "NGramPredictor", "PromptLookup", "Proposer", "Sampling", "SmallModelDrafter", "SpecStats",
+    "Draft", "GenerateOutput", "SpeculaGenerateOutput", "custom_generate", "NGramPredictor", "PromptLookup", "Proposer", "Sampling", "SmallModelDrafter", "SpecStats",
     "UnsupportedModelError", "generate",
 ]
 __version__ = "0.1.0"

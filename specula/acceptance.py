@@ -38,13 +38,16 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p)
 
 
-def accept_draft(target_logits: torch.Tensor, draft: Draft, sampling: Sampling) -> list[int]:
+def accept_draft(
+    target_logits: torch.Tensor, draft: Draft, sampling: Sampling, input_ids: torch.Tensor | None = None
+) -> list[int]:
     """Verify ``draft`` against the target's logits; return the new tokens.
 
     ``target_logits[i]`` is the target's prediction after the last verified token and ``draft.tokens[:i]``, so it has
     ``len(draft) + 1`` rows. Keeps the accepted draft prefix and appends the target's own token (its choice at the
     first rejection, or the bonus token when the whole draft was accepted): ``len(result) - 1`` of the returned
-    tokens came from the draft. One host-device synchronisation per call.
+    tokens came from the draft. ``input_ids`` (``[1, length]``: the sequence so far followed by the draft) is needed
+    when ``sampling.reads_tokens``. One host-device synchronisation per call.
 
     >>> logits = torch.eye(5)[[1, 2, 4]]                       # the target's argmax: 1, then 2, then 4
     >>> accept_draft(logits, Draft([1, 3]), Sampling())        # greedy: 1 agrees, 3 does not, correct to 2
@@ -52,13 +55,13 @@ def accept_draft(target_logits: torch.Tensor, draft: Draft, sampling: Sampling) 
     """
     draft_tokens = draft.tokens.tolist()
     if sampling.greedy:
-        target_tokens = target_logits.argmax(dim=-1).tolist()
+        target_tokens = sampling.scores(target_logits, input_ids).argmax(dim=-1).tolist()
         accepted = 0
         while accepted < len(draft_tokens) and draft_tokens[accepted] == target_tokens[accepted]:
             accepted += 1
         return draft_tokens[:accepted] + [target_tokens[accepted]]
 
-    p = sampling.probs(target_logits)
+    p = sampling.probs(target_logits, input_ids)
     num_draft, device = len(draft_tokens), p.device
     tokens = draft.tokens.to(device)
     if draft.probs is None:

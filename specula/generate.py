@@ -7,39 +7,55 @@ from typing import Iterable
 
 import numpy as np
 import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from .acceptance import accept_draft
+from .cached_model import CachedModel
 from .inputs import Request, prepare_request, vocab_size
 from .proposer import Draft, Proposer
-from .sampling import resolve_sampling
+from .sampling import Sampling, resolve_sampling
 from .stats import GenerateOutput, SpecStats
-from .cached_model import CachedModel
 
 
 class _Sequence:
-    """Prompt + output on the host, in a buffer sized once; stops exactly at EOS or the length limit."""
+    """Prompt + output on the host, in a buffer sized once; stops exactly at EOS, a stopping criterion, or the
+    length limit."""
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, stopping_criteria: StoppingCriteriaList | None = None) -> None:
         self.tokens = np.empty(request.max_length, dtype=np.int64)
         self.length = len(request.prompt)
         self.tokens[: self.length] = request.prompt
         self.eos_token_ids = request.eos_token_ids
+        self.stopping_criteria = stopping_criteria
 
     @property
     def ids(self) -> np.ndarray:
         return self.tokens[: self.length]
 
+    def with_draft(self, draft: Draft, device: torch.device) -> torch.Tensor:
+        """``[1, length + len(draft)]``: the sequence followed by the draft, what logits processors read."""
+        return torch.cat([torch.from_numpy(self.ids), draft.tokens])[None].to(device)
+
     def append(self, new_tokens: list[int]) -> tuple[list[int], bool]:
-        """Append what fits, up to and including the first EOS; return the appended tokens and whether to stop."""
-        kept = new_tokens[: len(self.tokens) - self.length]
-        ended_by_eos = False
+        """Append what fits, up to and including the first token that ends generation; return the appended tokens
+        and whether to stop."""
+        start = self.length
+        kept = new_tokens[: len(self.tokens) - start]
+        self.tokens[start : start + len(kept)] = kept
         for index, token in enumerate(kept):
-            if token in self.eos_token_ids:
-                kept, ended_by_eos = kept[: index + 1], True
-                break
-        self.tokens[self.length : self.length + len(kept)] = kept
-        self.length += len(kept)
-        return kept, ended_by_eos or self.length == len(self.tokens)
+            if token in self.eos_token_ids or self._criteria_met(start + index + 1):
+                self.length = start + index + 1
+                return kept[: index + 1], True
+        self.length = start + len(kept)
+        return kept, self.length == len(self.tokens)
+
+    def _criteria_met(self, length: int) -> bool:
+        """HF stopping criteria (stop strings, max time ...) on the first ``length`` tokens, as ``model.generate``
+        checks them after every token (``scores`` is ``None``)."""
+        if not self.stopping_criteria:
+            return False
+        return bool(self.stopping_criteria(torch.from_numpy(self.tokens[None, :length]), None).any())
 
 
 def _propose(proposer: Proposer | None, context: np.ndarray, budget: int, vocab: int, stats: SpecStats) -> Draft:
@@ -81,6 +97,9 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    streamer: BaseStreamer | None = None,
 ) -> GenerateOutput:
     """Decode with ``model``, sped up by speculation, without changing what it generates.
 
@@ -102,14 +121,34 @@ def generate(
             model's ``generation_config``, then transformers' defaults (1.0, 50, 1.0), as in ``model.generate``.
             ``temperature=0`` decodes greedily.
         generator: random source for sampling; ``None`` uses torch's global RNG.
+        logits_processor: extra HF logits processors (e.g. ``RepetitionPenaltyLogitsProcessor``), applied to every
+            verified position before the sampling warpers, as ``model.generate`` applies them.
+        stopping_criteria: extra HF stopping criteria (e.g. ``StopStringCriteria``), checked after every new token.
+        streamer: an HF streamer (``TextStreamer``, ``TextIteratorStreamer`` ...): gets the prompt, then the new
+            tokens of every step as soon as they are accepted.
 
     Returns:
         ``GenerateOutput`` with ``sequences`` (prompt + new tokens, ``[1, length]``) and ``stats``.
     """
-    started = time.perf_counter()
     request = prepare_request(model, input_ids, attention_mask, max_new_tokens, eos_token_id)
-    sampling = resolve_sampling(model, do_sample, temperature, top_k, top_p, generator)
-    sequence = _Sequence(request)
+    sampling = resolve_sampling(model, do_sample, temperature, top_k, top_p, generator, logits_processor)
+    if streamer is not None:
+        streamer.put(torch.from_numpy(request.prompt)[None])
+    return decode(model, request, proposer, sampling, stopping_criteria, streamer)
+
+
+@torch.inference_mode()
+def decode(
+    model: torch.nn.Module,
+    request: Request,
+    proposer: Proposer | None,
+    sampling: Sampling,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    streamer: BaseStreamer | None = None,
+) -> GenerateOutput:
+    """The speculation loop on a validated request (see :func:`generate`)."""
+    started = time.perf_counter()
+    sequence = _Sequence(request, stopping_criteria)
     stats = SpecStats(prompt_tokens=sequence.length)
     if request.max_length > sequence.length:
         target = CachedModel(model, request.positions, request.attention_mask, rollback=proposer is not None)
@@ -122,18 +161,23 @@ def generate(
         while True:
             block = torch.cat([block, draft.tokens]).to(request.device)
             logits = target.forward(block, num_logits=len(draft) + 1)
-            new_tokens = accept_draft(logits, draft, sampling)
+            input_ids = sequence.with_draft(draft, request.device) if sampling.reads_tokens else None
+            new_tokens = accept_draft(logits, draft, sampling, input_ids)
             target.rollback(len(draft) + 1 - len(new_tokens))
             stats.record_step(drafted=len(draft), accepted=len(new_tokens) - 1)
             if stats.steps == 1:
                 stats.prefill_time_s = time.perf_counter() - started
             kept, finished = sequence.append(new_tokens)
+            if streamer is not None:
+                streamer.put(torch.tensor(kept))
             if proposer is not None:
                 proposer.observe(kept, min(len(new_tokens) - 1, len(kept)))
             if finished:
                 break
             draft = _propose(proposer, sequence.ids, request.max_length - sequence.length - 1, vocab, stats)
             block = torch.from_numpy(sequence.tokens[sequence.length - 1 : sequence.length])
+    if streamer is not None:
+        streamer.end()
     stats.new_tokens = sequence.length - stats.prompt_tokens
     stats.wall_time_s = time.perf_counter() - started
     return GenerateOutput(sequences=torch.from_numpy(sequence.ids.copy())[None].to(request.device), stats=stats)

@@ -96,11 +96,12 @@ class SmallModelDrafter(Proposer):
         for index in range(min(self.num_draft, max_tokens)):
             logits = logits.float()
             logits[:, self.shared_vocab :] = float("-inf")  # padding rows: never drafted
+            scores = self.sampling.scores(logits, self._input_ids(tokens) if self.sampling.reads_tokens else None)
             if self.sampling.greedy:
-                token = logits.argmax(dim=-1)
-                stop = self.min_confidence > 0 and float(torch.softmax(logits, -1)[0, token]) < self.min_confidence
+                token = scores.argmax(dim=-1)
+                stop = self.min_confidence > 0 and float(torch.softmax(scores, -1)[0, token]) < self.min_confidence
             else:
-                q = self.sampling.probs(logits)
+                q = torch.softmax(scores, dim=-1)
                 token = self.sampling.sample(q)
                 probs.append(q[0])
                 stop = False
@@ -133,6 +134,10 @@ class SmallModelDrafter(Proposer):
         cached.extend(new.tolist())
         self.confirmed = len(cached)
         return self.cache.forward(torch.from_numpy(new.copy()).to(self.device), num_logits=1)
+
+    def _input_ids(self, drafted: list[torch.Tensor]) -> torch.Tensor:
+        """The sequence so far and the tokens drafted in this proposal, for processors that read them."""
+        return torch.tensor([self.cached_ids[: self.confirmed] + [int(token) for token in drafted]], device=self.device)
 
     def _over_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
         """The drafter's distributions as probabilities over the target's token ids (zero past the shared ones)."""

@@ -87,7 +87,7 @@ def test_the_analytic_check_catches_a_wrong_rule() -> None:
 def test_greedy_is_the_temperature_zero_case() -> None:
     logits = torch.randn(4, 10)
     draft = specula.Draft(logits[:3].argmax(-1))
-    for sampling in (specula.Sampling(), specula.Sampling(temperature=0.0, top_k=3)):
+    for sampling in (specula.Sampling(), specula.Sampling.from_settings(temperature=0.0, top_k=3)):
         assert accept_draft(logits, draft, sampling) == logits.argmax(-1).tolist()
 
 
@@ -101,7 +101,7 @@ def first_token_counts(logits, draft_for, sampling, samples) -> collections.Coun
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_accept_draft_emits_p_for_one_hot_and_stochastic_drafts(dtype) -> None:
     torch.manual_seed(0)
-    sampling = specula.Sampling(temperature=0.9, top_k=5, top_p=0.95)
+    sampling = specula.Sampling.from_settings(temperature=0.9, top_k=5, top_p=0.95)
     logits = (torch.randn(3, 7) * 2).to(dtype)
     p = sampling.probs(logits)[0].double()
     expected = {token: float(p[token]) for token in range(7)}
@@ -118,7 +118,7 @@ def test_accept_draft_emits_p_for_one_hot_and_stochastic_drafts(dtype) -> None:
 
 def test_the_bonus_token_comes_from_the_last_row() -> None:
     torch.manual_seed(0)
-    sampling = specula.Sampling(temperature=1.0)
+    sampling = specula.Sampling.from_settings(temperature=1.0)
     logits = torch.stack([torch.tensor([5.0, 0, 0, 0, 0]), torch.randn(5)])
     expected = dict(enumerate(sampling.probs(logits)[1].tolist()))
     counts = collections.Counter()
@@ -131,7 +131,7 @@ def test_the_bonus_token_comes_from_the_last_row() -> None:
 
 def test_zero_probability_corner_cases() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, -1.0, -2.0], [0.0] * 5])
-    top2 = specula.Sampling(temperature=1.0, top_k=2)
+    top2 = specula.Sampling.from_settings(temperature=1.0, top_k=2)
     # A draft token outside the target's top-k has p = 0: never accepted.
     assert all(accept_draft(logits, specula.Draft([3]), top2)[0] in (0, 1) for _ in range(200))
     # A drafter that gave its own token probability 0 (q(d) = 0) is accepted iff p(d) > 0, without dividing by 0.
@@ -268,9 +268,9 @@ def test_the_test_fails_when_the_ratio_is_inverted(monkeypatch) -> None:
 
 def test_the_test_fails_when_top_p_is_applied_to_q_only(monkeypatch) -> None:
     """The drafter samples with top-k and top-p, the verifier's p lacks top-p (warpers applied to one side only)."""
-    without_top_p = specula.Sampling(temperature=TRUNCATED["temperature"], top_k=TRUNCATED["top_k"])
+    without_top_p = specula.Sampling.from_settings(temperature=TRUNCATED["temperature"], top_k=TRUNCATED["top_k"])
     monkeypatch.setattr(sys.modules["specula.generate"], "resolve_sampling", lambda *args: without_top_p)
-    drafter = lambda: NoisyModelDrafter(sharp_model(), 2, sampling=specula.Sampling(**TRUNCATED))  # noqa: E731
+    drafter = lambda: NoisyModelDrafter(sharp_model(), 2, sampling=specula.Sampling.from_settings(**TRUNCATED))  # noqa: E731
     counts, expected, _ = sample_first_two(drafter, TRUNCATED, 1000)
     assert chi_square_p_value(counts, expected) < 0.001
 
@@ -321,11 +321,16 @@ def test_unset_settings_follow_generation_config_then_hf_defaults() -> None:
     assert HF_SAMPLING_DEFAULTS == {name: defaults[name] for name in HF_SAMPLING_DEFAULTS}
     model = tiny_model("llama")
     model.generation_config.top_p = 0.8
+    def warpers(sampling):
+        settings = ("temperature", "top_k", "top_p")
+        return [(type(w).__name__, *[getattr(w, name) for name in settings if hasattr(w, name)]) for w in sampling.processors]
+
     try:
         sampling = specula.sampling.resolve_sampling(model, True, None, None, None, None)
-        assert (sampling.temperature, sampling.top_k, sampling.top_p) == (1.0, 50, 0.8)
+        assert warpers(sampling) == [("TopKLogitsWarper", 50), ("TopPLogitsWarper", 0.8)]  # temperature 1.0: none
         sampling = specula.sampling.resolve_sampling(model, True, 0.5, 0, 1.0, None)
-        assert (sampling.temperature, sampling.top_k, sampling.top_p) == (0.5, 0, 1.0)
+        assert warpers(sampling) == [("TemperatureLogitsWarper", 0.5)]
+        assert specula.sampling.resolve_sampling(model, True, 0.0, None, None, None).greedy
     finally:
         model.generation_config.top_p = None
     with pytest.warns(UserWarning, match="do_sample=False"):

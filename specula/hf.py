@@ -1,0 +1,106 @@
+"""``specula.custom_generate``: specula's loop inside transformers' own ``model.generate``.
+
+``model.generate(input_ids, custom_generate=specula.custom_generate, proposer=specula.PromptLookup(), ...)`` does
+everything ``generate`` usually prepares (generation config, logits processors and warpers, stopping criteria, stop
+strings, streamer) and then decodes with specula instead of its own loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+
+from .generate import decode
+from .inputs import prepare_request
+from .proposer import Proposer
+from .sampling import Sampling
+from .stats import SpecStats
+
+_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+@dataclass
+class SpeculaGenerateOutput(GenerateDecoderOnlyOutput):
+    """``model.generate``'s output with ``return_dict_in_generate=True``, plus specula's ``stats``."""
+
+    stats: SpecStats | None = None
+
+
+def custom_generate(
+    model: torch.nn.Module,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer: BaseStreamer | None = None,
+    proposer: Proposer | None = None,
+    tokenizer=None,
+    **model_kwargs,
+) -> torch.LongTensor | SpeculaGenerateOutput:
+    """Decoding method for ``model.generate(custom_generate=specula.custom_generate, proposer=...)``.
+
+    Greedy or sampled per the generation config, with the logits processors, stopping criteria (EOS, max length,
+    ``stop_strings`` with ``tokenizer=``, custom ones) and streamer ``generate`` prepared; a stop inside an accepted
+    block ends the output exactly there. Returns the sequences, or with ``return_dict_in_generate=True`` a
+    ``SpeculaGenerateOutput`` (``sequences`` and specula's ``stats``). One sequence at a time.
+    """
+    del synced_gpus, tokenizer  # one process; the tokenizer already went into the stop-string criteria
+    if generation_config.num_beams > 1:
+        raise ValueError("specula.custom_generate does not do beam search; drop num_beams or custom_generate.")
+    asked = [name for name in _UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
+    if asked:
+        raise ValueError(f"specula.custom_generate cannot return {', '.join(asked)}; generate without them.")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("specula.custom_generate starts from the prompt; it cannot continue a filled past_key_values.")
+    if input_ids.shape[0] > 1:
+        raise ValueError(
+            f"specula.custom_generate decodes one sequence at a time, got a batch of {input_ids.shape[0]} "
+            "(num_return_sequences > 1 also makes a batch); call generate once per sequence."
+        )
+    request = prepare_request(
+        model,
+        input_ids,
+        model_kwargs.get("attention_mask"),
+        max(generation_config.max_length - input_ids.shape[1], 0),
+        generation_config.eos_token_id,
+    )
+    sampling = Sampling(do_sample=bool(generation_config.do_sample), processors=logits_processor)
+    out = decode(model, request, proposer, sampling, stopping_criteria, streamer)
+    if generation_config.return_dict_in_generate:
+        return SpeculaGenerateOutput(sequences=out.sequences, stats=out.stats)
+    return out.sequences
+
+
+def _keep_tokenizer_and_streamer(extract):
+    """transformers 5.x forwards only a callable's *own* extra arguments: ``tokenizer`` (which ``stop_strings``
+    needs) and ``streamer`` are dropped, so ``stop_strings`` fails and nothing is streamed. For
+    :func:`custom_generate` only, put them back, as ``generate`` passes them to its built-in decoding methods."""
+    signature = inspect.signature(extract)
+
+    @functools.wraps(extract)
+    def extract_keeping_them(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        tokenizer = bound.arguments["kwargs"].get("tokenizer")
+        mode_kwargs = extract(*args, **kwargs)
+        if bound.arguments["custom_generate"] is custom_generate:
+            for name, value in (("tokenizer", tokenizer), ("streamer", bound.arguments.get("streamer"))):
+                if value is not None:
+                    mode_kwargs[name] = value
+        return mode_kwargs
+
+    extract_keeping_them.keeps_tokenizer_and_streamer = True
+    return extract_keeping_them
+
+
+_extract = getattr(GenerationMixin, "_extract_generation_mode_kwargs", None)
+if _extract is not None and not getattr(_extract, "keeps_tokenizer_and_streamer", False):
+    if {"custom_generate", "kwargs", "streamer"} <= set(inspect.signature(_extract).parameters):
+        GenerationMixin._extract_generation_mode_kwargs = _keep_tokenizer_and_streamer(_extract)
