@@ -38,3 +38,23 @@ def tiny_model(name: str, seed: int = 0) -> torch.nn.Module:
     config = CONFIGS[name]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
+
+
+def tiny_tokenizer():
+    """A real BPE tokenizer (Metaspace, like SentencePiece models) with exactly VOCAB tokens, for the tiny models."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    text = [
+        "the quick brown fox jumps over the lazy dog", "print hello world", "def foo(bar, baz): return bar + baz",
+        "stop here please", "speculative decoding verifies drafts in one pass", "JSON keys and values, 0123456789",
+    ] * 10
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
+    tokenizer.train_from_iterator(text, trainer)
+    assert tokenizer.get_vocab_size() == VOCAB
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
