@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -119,9 +118,8 @@ def test_missing_default_model_says_how_to_install_it(monkeypatch) -> None:
 
 
 def test_help_of_the_installed_command() -> None:
-    for argv in ([], ["generate"], ["bench"]):
-        result = subprocess.run([sys.executable, "-m", "specula.cli", *argv, "--help"], capture_output=True, text=True)
-        assert result.returncode == 0 and "usage: specula" in result.stdout
+    result = subprocess.run(["specula", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "usage: specula" in result.stdout and "generate" in result.stdout
     generate_help = subprocess.run(["specula", "generate", "--help"], capture_output=True, text=True).stdout
     for option in ("--input", "--output", "--prompt", "--proposer", "draft:PATH", "--max-new-tokens",
                    "--temperature", "--strict", "--model"):
