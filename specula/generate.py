@@ -12,10 +12,13 @@ from transformers.generation.streamers import BaseStreamer
 
 from .acceptance import accept_draft
 from .cached_model import CachedModel
+from .draft_length import DraftLength
 from .inputs import Request, prepare_request, vocab_size
 from .proposer import Draft, Proposer
 from .sampling import Sampling, resolve_sampling
 from .stats import GenerateOutput, SpecStats
+
+MAX_DRAFT = 32  # the longest draft the loop sends, whatever the proposer's own limit
 
 
 class _Sequence:
@@ -58,17 +61,22 @@ class _Sequence:
         return bool(self.stopping_criteria(torch.from_numpy(self.tokens[None, :length]), None).any())
 
 
-def _propose(proposer: Proposer | None, context: np.ndarray, budget: int, vocab: int, stats: SpecStats) -> Draft:
+def _propose(
+    proposer: Proposer | None, context: np.ndarray, budget: int, vocab: int, stats: SpecStats,
+    lengths: DraftLength | None,
+) -> Draft:
     """Ask the proposer for at most ``budget`` tokens and check what it returns."""
     if proposer is None or budget <= 0:
         return Draft.empty()
     started = time.perf_counter()
     draft = proposer.propose(context, budget)
-    stats.draft_time_s += time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    stats.draft_time_s += seconds
+    if lengths is not None:
+        lengths.record_draft_time(seconds)
     if not isinstance(draft, Draft):
         raise TypeError(f"{proposer!r}.propose() must return a specula.Draft, got {type(draft).__name__}.")
-    if len(draft) > budget:
-        draft = Draft(draft.tokens[:budget], None if draft.probs is None else draft.probs[:budget])
+    draft = draft.head(budget)
     if len(draft) and (int(draft.tokens.min()) < 0 or int(draft.tokens.max()) >= vocab):
         bad = int(draft.tokens.min()) if int(draft.tokens.min()) < 0 else int(draft.tokens.max())
         raise ValueError(
@@ -100,6 +108,7 @@ def generate(
     logits_processor: LogitsProcessorList | None = None,
     stopping_criteria: StoppingCriteriaList | None = None,
     streamer: BaseStreamer | None = None,
+    adaptive_draft: bool = True,
 ) -> GenerateOutput:
     """Decode with ``model``, sped up by speculation, without changing what it generates.
 
@@ -126,6 +135,8 @@ def generate(
         stopping_criteria: extra HF stopping criteria (e.g. ``StopStringCriteria``), checked after every new token.
         streamer: an HF streamer (``TextStreamer``, ``TextIteratorStreamer`` ...): gets the prompt, then the new
             tokens of every step as soon as they are accepted.
+        adaptive_draft: choose each step's draft length from measured step costs and running acceptance, and stop
+            sending drafts that do not pay (:mod:`specula.draft_length`); ``False`` verifies every draft as proposed.
 
     Returns:
         ``GenerateOutput`` with ``sequences`` (prompt + new tokens, ``[1, length]``) and ``stats``.
@@ -134,7 +145,7 @@ def generate(
     sampling = resolve_sampling(model, do_sample, temperature, top_k, top_p, generator, logits_processor)
     if streamer is not None:
         streamer.put(torch.from_numpy(request.prompt)[None])
-    return decode(model, request, proposer, sampling, stopping_criteria, streamer)
+    return decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft)
 
 
 @torch.inference_mode()
@@ -145,6 +156,7 @@ def decode(
     sampling: Sampling,
     stopping_criteria: StoppingCriteriaList | None = None,
     streamer: BaseStreamer | None = None,
+    adaptive_draft: bool = True,
 ) -> GenerateOutput:
     """The speculation loop on a validated request (see :func:`generate`)."""
     started = time.perf_counter()
@@ -156,15 +168,28 @@ def decode(
         if proposer is not None:
             proposer.check_target(model)
             proposer.begin(sequence.ids, sampling)
-        draft = _propose(proposer, sequence.ids, request.max_length - sequence.length - 1, vocab, stats)
+        lengths = DraftLength(MAX_DRAFT) if proposer is not None and adaptive_draft else None
+
+        def next_draft() -> Draft:
+            remaining = request.max_length - sequence.length - 1
+            budget = remaining if lengths is None else lengths.budget(remaining)
+            return _propose(proposer, sequence.ids, budget, vocab, stats, lengths)
+
+        draft = next_draft()
         block = torch.from_numpy(request.prompt)  # the first pass is the prefill, with a draft already
         while True:
-            block = torch.cat([block, draft.tokens]).to(request.device)
-            logits = target.forward(block, num_logits=len(draft) + 1)
-            input_ids = sequence.with_draft(draft, request.device) if sampling.reads_tokens else None
-            new_tokens = accept_draft(logits, draft, sampling, input_ids)
-            target.rollback(len(draft) + 1 - len(new_tokens))
-            stats.record_step(drafted=len(draft), accepted=len(new_tokens) - 1)
+            step_started = time.perf_counter()
+            sent = draft if lengths is None else draft.head(lengths.best_length(len(draft), draft.source))
+            block = torch.cat([block, sent.tokens]).to(request.device)
+            logits = target.forward(block, num_logits=len(sent) + 1)
+            input_ids = sequence.with_draft(sent, request.device) if sampling.reads_tokens else None
+            new_tokens = accept_draft(logits, sent, sampling, input_ids)
+            target.rollback(len(sent) + 1 - len(new_tokens))
+            if lengths is not None:
+                if stats.steps:  # (the prefill is not a verification step)
+                    lengths.record_step(len(block), time.perf_counter() - step_started)
+                lengths.record_outcome(draft.tokens.tolist(), new_tokens, draft.source)
+            stats.record_step(drafted=len(sent), accepted=len(new_tokens) - 1)
             if stats.steps == 1:
                 stats.prefill_time_s = time.perf_counter() - started
             kept, finished = sequence.append(new_tokens)
@@ -174,7 +199,7 @@ def decode(
                 proposer.observe(kept, min(len(new_tokens) - 1, len(kept)))
             if finished:
                 break
-            draft = _propose(proposer, sequence.ids, request.max_length - sequence.length - 1, vocab, stats)
+            draft = next_draft()
             block = torch.from_numpy(sequence.tokens[sequence.length - 1 : sequence.length])
     if streamer is not None:
         streamer.end()

@@ -42,6 +42,7 @@ def custom_generate(
     streamer: BaseStreamer | None = None,
     proposer: Proposer | None = None,
     tokenizer=None,
+    adaptive_draft: bool = True,
     **model_kwargs,
 ) -> torch.LongTensor | SpeculaGenerateOutput:
     """Decoding method for ``model.generate(custom_generate=specula.custom_generate, proposer=...)``.
@@ -49,7 +50,8 @@ def custom_generate(
     Greedy or sampled per the generation config, with the logits processors, stopping criteria (EOS, max length,
     ``stop_strings`` with ``tokenizer=``, custom ones) and streamer ``generate`` prepared; a stop inside an accepted
     block ends the output exactly there. Returns the sequences, or with ``return_dict_in_generate=True`` a
-    ``SpeculaGenerateOutput`` (``sequences`` and specula's ``stats``). One sequence at a time.
+    ``SpeculaGenerateOutput`` (``sequences`` and specula's ``stats``). One sequence at a time. ``adaptive_draft`` as
+    in :func:`specula.generate`.
     """
     del synced_gpus, tokenizer  # one process; the tokenizer already went into the stop-string criteria
     if generation_config.num_beams > 1:
@@ -73,7 +75,7 @@ def custom_generate(
         generation_config.eos_token_id,
     )
     sampling = Sampling(do_sample=bool(generation_config.do_sample), processors=logits_processor)
-    out = decode(model, request, proposer, sampling, stopping_criteria, streamer)
+    out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft)
     if generation_config.return_dict_in_generate:
         return SpeculaGenerateOutput(sequences=out.sequences, stats=out.stats)
     return out.sequences

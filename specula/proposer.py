@@ -40,10 +40,13 @@ class Draft:
         tokens: 1-D token ids (list, numpy array or tensor), at most the ``max_tokens`` the loop asked for.
         probs: ``[len(tokens), vocab_size]`` probabilities the tokens were sampled from, for stochastic drafters;
             ``None`` for deterministic proposers (their ``q`` is one-hot on the token).
+        source: a hashable label of how the draft was made (e.g. ``("match", 3)``), for proposers whose drafts
+            differ in quality: the loop learns acceptance per label and sends each kind as far as it pays.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    source: object = None
 
     def __post_init__(self) -> None:
         tokens = self.tokens
@@ -61,6 +64,12 @@ class Draft:
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def head(self, num_tokens: int) -> "Draft":
+        """The first ``num_tokens`` tokens (and their probabilities)."""
+        if num_tokens >= len(self):
+            return self
+        return Draft(self.tokens[:num_tokens], None if self.probs is None else self.probs[:num_tokens], self.source)
 
     @classmethod
     def empty(cls) -> "Draft":

@@ -43,7 +43,8 @@ def test_custom_generate_greedy_is_identical(name, make_proposer) -> None:
 
 
 def test_return_dict_in_generate_carries_the_stats() -> None:
-    out = specula_hf_generate(model(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS, return_dict_in_generate=True)
+    out = specula_hf_generate(model(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS, return_dict_in_generate=True,
+                              adaptive_draft=False)
     assert isinstance(out, specula.SpeculaGenerateOutput)
     assert out.sequences.shape == (1, PROMPT.shape[1] + NEW_TOKENS)
     assert out.stats.new_tokens == NEW_TOKENS and out.stats.accepted > 0
@@ -128,11 +129,11 @@ def test_logits_processors_are_applied_at_every_verified_position() -> None:
     for proposer in (specula.PromptLookup(), Oracle(expected, 7)):
         out = specula_hf_generate(
             model(), proposer, max_new_tokens=NEW_TOKENS, repetition_penalty=1.5, no_repeat_ngram_size=4,
-            return_dict_in_generate=True,
+            return_dict_in_generate=True, adaptive_draft=False,
         )
         assert out.sequences.tolist() == expected.tolist() and out.stats.drafted > 0
         direct = specula.generate(model(), PROMPT, proposer, max_new_tokens=NEW_TOKENS, eos_token_id=[],
-                                  logits_processor=processors)
+                                  logits_processor=processors, adaptive_draft=False)
         assert direct.sequences.tolist() == expected.tolist()
     assert direct.stats.acceptance_rate == 1.0
 

@@ -202,14 +202,14 @@ def copyable_prompt(settings_items: tuple) -> tuple[int, ...]:
     return tuple(candidates[int(balance.argmax()), :6].tolist())
 
 
-def sample_first_two(make_proposer, settings_: dict, samples: int, seed: int = 1234):
+def sample_first_two(make_proposer, settings_: dict, samples: int, seed: int = 1234, adaptive: bool = False):
     prompt = copyable_prompt(tuple(settings_.items()))
     torch.manual_seed(seed)
     counts, stats = collections.Counter(), specula.SpecStats()
     for _ in range(samples):
         out = specula.generate(
             sharp_model(), torch.tensor([prompt]), make_proposer(), max_new_tokens=3, eos_token_id=[],
-            do_sample=True, **settings_,
+            do_sample=True, adaptive_draft=adaptive, **settings_,
         )
         counts[tuple(out.sequences[0, len(prompt) : len(prompt) + 2].tolist())] += 1
         stats.drafted += out.stats.drafted

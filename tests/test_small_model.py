@@ -37,7 +37,8 @@ def noisy_copy(target: torch.nn.Module, noise: float) -> torch.nn.Module:
 def test_the_target_drafting_for_itself_is_identical_and_accepted(name: str) -> None:
     prompt = torch.tensor([PROMPT * 2])  # longer than gemma3's sliding window
     drafter = specula.SmallModelDrafter(tiny_model(name), num_draft=4, min_confidence=0)
-    out = specula.generate(model(name), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    out = specula.generate(model(name), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[],
+                           adaptive_draft=False)
     assert out.sequences.tolist() == hf_greedy(model(name), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
     assert out.stats.acceptance_rate > 0.95
     assert out.stats.tokens_per_step > 3
@@ -47,7 +48,8 @@ def test_the_target_drafting_for_itself_is_identical_and_accepted(name: str) -> 
 def test_an_unrelated_drafter_changes_nothing(target: str, draft: str) -> None:
     prompt = torch.tensor([PROMPT])
     out = specula.generate(
-        model(target), prompt, specula.SmallModelDrafter(model(draft, 1)), max_new_tokens=NEW_TOKENS, eos_token_id=[]
+        model(target), prompt, specula.SmallModelDrafter(model(draft, 1)), max_new_tokens=NEW_TOKENS, eos_token_id=[],
+        adaptive_draft=False,
     )
     assert out.sequences.tolist() == hf_greedy(model(target), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
     assert out.stats.drafted > 0 and out.stats.acceptance_rate < 0.5
@@ -78,7 +80,8 @@ class CheckedDrafter(specula.SmallModelDrafter):
 def test_the_drafters_cache_follows_partial_acceptance() -> None:
     prompt = torch.tensor([PROMPT])
     drafter = CheckedDrafter(noisy_copy(model("llama"), 0.2), num_draft=3, min_confidence=0)
-    out = specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    out = specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[],
+                           adaptive_draft=False)
     assert out.sequences.tolist() == hf_greedy(model("llama"), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
     assert 0.2 < out.stats.acceptance_rate < 0.9 and drafter.checked >= out.stats.steps - 1
 
@@ -105,7 +108,8 @@ def test_draft_length_adapts_to_acceptance() -> None:
 def test_a_drafter_in_another_dtype() -> None:
     prompt = torch.tensor([PROMPT])
     drafter = specula.SmallModelDrafter(tiny_model("llama").to(torch.bfloat16))
-    out = specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    out = specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[],
+                           adaptive_draft=False)
     assert out.sequences.tolist() == hf_greedy(model("llama"), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
     assert out.stats.accepted > 0
 
@@ -146,7 +150,8 @@ def test_padding_rows_beyond_the_tokenizer_are_allowed_and_never_drafted() -> No
 
     drafter = Recording(tiny_with_vocab(128), tokenizer=word_tokenizer([f"w{i}" for i in range(90)]))
     prompt = torch.tensor([PROMPT])
-    out = specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    out = specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[],
+                           adaptive_draft=False)
     assert out.sequences.tolist() == hf_greedy(model("llama"), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
     specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.5)
     assert drafts and max(drafts) < 90

@@ -32,7 +32,8 @@ def reference(name: str, prompt: str) -> torch.Tensor:
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_prompt_lookup_matches_hf_greedy(name: str, prompt: str) -> None:
     out = specula.generate(
-        model(name), torch.tensor([PROMPTS[prompt]]), specula.PromptLookup(), max_new_tokens=NEW_TOKENS, eos_token_id=[]
+        model(name), torch.tensor([PROMPTS[prompt]]), specula.PromptLookup(), max_new_tokens=NEW_TOKENS, eos_token_id=[],
+        adaptive_draft=False,
     )
     assert out.sequences.tolist() == reference(name, prompt).tolist()
     stats = out.stats
@@ -54,9 +55,10 @@ def test_plain_decoding_matches_hf_greedy(name: str) -> None:
 def test_oracle_and_always_wrong_proposers(name: str) -> None:
     ref = reference(name, "random")
     prompt = torch.tensor([RANDOM])
-    oracle = specula.generate(model(name), prompt, Oracle(ref, 7), max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    oracle = specula.generate(model(name), prompt, Oracle(ref, 7), max_new_tokens=NEW_TOKENS, eos_token_id=[],
+                              adaptive_draft=False)
     wrong = specula.generate(
-        model(name), prompt, AlwaysWrong(ref, 7, VOCAB), max_new_tokens=NEW_TOKENS, eos_token_id=[]
+        model(name), prompt, AlwaysWrong(ref, 7, VOCAB), max_new_tokens=NEW_TOKENS, eos_token_id=[], adaptive_draft=False
     )
     assert oracle.sequences.tolist() == wrong.sequences.tolist() == ref.tolist()
     assert oracle.stats.acceptance_rate == 1.0
@@ -99,7 +101,8 @@ def test_sliding_window_rollback_past_the_window(name: str) -> None:
     prompt = torch.tensor([REPETITIVE * 3])
     assert prompt.shape[1] > 4 * window
     expected = hf_greedy(model(name), prompt, 120)
-    out = specula.generate(model(name), prompt, specula.PromptLookup(), max_new_tokens=120, eos_token_id=[])
+    out = specula.generate(model(name), prompt, specula.PromptLookup(), max_new_tokens=120, eos_token_id=[],
+                           adaptive_draft=False)
     assert out.sequences.tolist() == expected.tolist()
     assert out.stats.accepted > 0 and out.stats.accepted < out.stats.drafted  # rollbacks happened
 

@@ -1,0 +1,120 @@
+"""How good are a proposer's drafts? An offline replay over real outputs, with a step-cost table.
+
+Greedy decoding is deterministic, so what a proposer would gain can be replayed without the model: generate each
+prompt's output once (``--outputs`` caches them), then walk through it as ``specula.generate`` does, asking the
+proposer for drafts, choosing how many to send with the same ``DraftLength`` rule, and advancing by accepted + 1.
+The step costs come from ``--costs`` (seconds of a pass over n = 1, 2, ... tokens, relative to one token; the
+default is SmolLM2-135M bf16 on a 2-core CPU), so the estimated speedup over one-token decoding is printed too.
+
+Usage: python examples/draft_replay.py --outputs outputs.json [--proposers prompt-lookup,ngram,oracle] [--fixed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import specula
+from specula.draft_length import DraftLength
+from specula.generate import MAX_DRAFT
+from specula.models import load_model
+from specula.proposers import PROPOSER_NAMES, proposer_factory
+from specula.workloads import encode, load_workloads
+
+DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
+BF16_COSTS = "1.00,0.99,1.02,0.97,1.03,1.04,1.04,1.04,1.10,1.15,1.19,1.20,1.21,1.22,1.23,1.25,1.28,1.31,1.34,1.37"
+
+
+def replay(proposer: specula.Proposer, prompt: list[int], output: list[int], costs: np.ndarray, adaptive: bool):
+    """(target steps, drafted tokens, estimated seconds) to produce ``output`` with ``proposer``."""
+    lengths = DraftLength(MAX_DRAFT) if adaptive else None
+    proposer.begin(np.asarray(prompt, dtype=np.int64), specula.Sampling())
+    context = list(prompt)
+    steps = drafted = 0
+    seconds = 0.0
+    while len(context) - len(prompt) < len(output):
+        remaining = len(output) - (len(context) - len(prompt)) - 1
+        budget = remaining if lengths is None else lengths.budget(remaining)
+        proposed = proposer.propose(np.asarray(context, dtype=np.int64), budget) if budget else specula.Draft([])
+        draft = proposed.tokens[:budget].tolist()
+        sent = draft if lengths is None else draft[: lengths.best_length(len(draft), proposed.source)]
+        done = len(context) - len(prompt)
+        accepted = 0
+        while accepted < len(sent) and sent[accepted] == output[done + accepted]:
+            accepted += 1
+        new = output[done : done + accepted + 1]
+        cost = costs[min(len(sent), len(costs) - 1)]
+        if lengths is not None:
+            if steps:
+                lengths.record_step(len(sent) + 1, cost)
+            lengths.record_outcome(draft, new, proposed.source)
+        proposer.observe(new, accepted)
+        context += new
+        steps, drafted, seconds = steps + 1, drafted + len(sent), seconds + cost
+    return steps, drafted, seconds
+
+
+class Oracle(specula.Proposer):
+    """Proposes the known output: the upper bound of any proposer."""
+
+    def __init__(self, prompt_length: int, output: list[int], num_draft: int) -> None:
+        self.prompt_length, self.output, self.num_draft = prompt_length, output, num_draft
+
+    def propose(self, context_ids, max_tokens):
+        start = len(context_ids) - self.prompt_length
+        return specula.Draft(self.output[start : start + min(max_tokens, self.num_draft)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
+    parser.add_argument("--limit", type=int, default=12)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--outputs", type=Path, required=True, help="cache of outputs (JSON), made when missing")
+    parser.add_argument("--proposers", default="prompt-lookup,ngram,oracle",
+                        help=f"comma-separated: {', '.join(PROPOSER_NAMES)}, oracle")
+    parser.add_argument("--costs", default=BF16_COSTS, help="relative cost of a pass over n = 1, 2, ... tokens")
+    parser.add_argument("--fixed", action="store_true", help="send every draft as proposed (no DraftLength)")
+    args = parser.parse_args()
+
+    cached = json.loads(args.outputs.read_text()) if args.outputs.exists() else {}
+    model = tokenizer = None
+    runs: dict[str, list[tuple[list[int], list[int]]]] = {}
+    for workload, rows in load_workloads(args.workloads, args.limit).items():
+        for row in rows:
+            key = f"{workload}/{row['id']}"
+            if key not in cached:
+                if model is None:
+                    model, tokenizer = load_model(args.model, dtype=torch.bfloat16)
+                prompt = encode(tokenizer, row)
+                out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=args.max_new_tokens)
+                cached[key] = [prompt[0].tolist(), out.sequences[0, prompt.shape[1] :].tolist()]
+                args.outputs.write_text(json.dumps(cached))
+            runs.setdefault(workload, []).append(cached[key])
+    costs = np.array([float(c) for c in args.costs.split(",")])
+
+    print(f"tokens per target step / estimated speedup, {args.limit} prompts per workload, "
+          f"{'drafts as proposed' if args.fixed else 'DraftLength'}")
+    print(f"{'proposer':<24}" + "".join(f"{w:>14}" for w in runs))
+    for spec in args.proposers.split(","):
+        cells = []
+        for pairs in runs.values():
+            tokens = steps = seconds = 0
+            for prompt, output in pairs:
+                if spec.startswith("oracle"):
+                    proposer = Oracle(len(prompt), output, int(spec.partition(":")[2] or 10))
+                else:
+                    proposer = proposer_factory(spec, None, torch.float32, "cpu")()
+                s, _, t = replay(proposer, prompt, output, costs, adaptive=not args.fixed)
+                tokens, steps, seconds = tokens + len(output), steps + s, seconds + t
+            cells.append(f"{tokens / steps:.2f}/{tokens / seconds:.2f}x")
+        print(f"{spec:<24}" + "".join(f"{c:>14}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""How many draft tokens to send each step: the cost model behind the speculation loop.
+
+Speculation pays when the tokens a step gains outweigh what the longer verification pass costs. Both sides are
+measured while decoding, never assumed:
+
+- **cost**: the wall time of a step that verifies ``n`` tokens (last token + ``n - 1`` drafts), smoothed per ``n``.
+  It is not linear in ``n``: on a 2-core CPU in bf16 a pass over 8 tokens costs what a pass over 1 does, in fp32 a
+  pass over 2 costs 1.6x and one over 5 only 1.2x; on a GPU it is flat until the matmuls fill the device.
+- **acceptance**: for each draft position ``i`` the share of steps whose token ``i`` was accepted given that tokens
+  ``1 .. i-1`` were, with exponential forgetting so that it follows the text (copying a passage, then writing new
+  prose). Drafts that were proposed but not sent still count where the tokens generated anyway reveal whether they
+  were right, so a proposer that was switched off can earn its way back.
+
+With ``P_i`` the chance that the first ``i`` draft tokens are all accepted, sending ``k`` tokens yields
+``E(k) = 1 + P_1 + .. + P_k`` tokens for ``cost(k + 1)`` seconds plus the drafting time; each step sends the ``k``
+that maximises tokens per second (Leviathan et al. 2023, Theorem 3.8, with measured costs and per-position
+acceptance instead of a constant ratio and rate). ``k = 0`` sends nothing: when drafts do not pay, decoding runs
+as plain one-token steps and only pays for asking the proposer, which is itself rationed (at most ~3% of a
+one-token step) when the proposer is expensive. Worked example, costs ``[1.0, 1.6, 1.9, 1.4, 1.2]`` seconds for
+``n = 1..5`` and ``P = [0.5, 0.3, 0.2, 0.1]``: ``E/cost`` is ``1.0, 0.94, 0.95, 1.43, 1.75`` for ``k = 0..4``, so
+all 4 tokens are sent, although any shorter draft would have been slower than sending none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class DraftLength:
+    """Per-step choice of how many draft tokens to verify, from measured step costs and running acceptance.
+
+    Args:
+        max_draft: the longest draft ever sent.
+        prior: acceptance assumed for a position before anything is known (optimistic, so that drafts get tried).
+        memory: roughly how many recent trials of a position its acceptance estimate reflects.
+        min_chance: a draft token is only sent if the chance that it and all before it are accepted is at least
+            this; it stops near-hopeless tokens that would only be sent because a longer pass measured cheaper.
+        probe_budget: the share of a one-token step that asking a switched-off proposer for drafts may cost.
+    """
+
+    def __init__(
+        self,
+        max_draft: int,
+        prior: float = 0.6,
+        memory: float = 12.0,
+        min_chance: float = 0.05,
+        probe_budget: float = 0.03,
+    ) -> None:
+        self.max_draft = max_draft
+        self.decay = 1.0 - 1.0 / memory
+        self.min_chance = min_chance
+        self.probe_budget = probe_budget
+        self.prior = prior
+        self.acceptance: dict[object, tuple[np.ndarray, np.ndarray]] = {}  # per draft source: (trials, accepts)
+        self.step_seconds = np.full(max_draft + 2, np.nan)  # index n: a step verifying n tokens
+        self.draft_seconds = 0.0  # smoothed time of one propose() call
+        self.steps_since_probe = 0
+
+    # Estimates
+    def _counts(self, source: object) -> tuple[np.ndarray, np.ndarray]:
+        if source not in self.acceptance:  # pseudo-counts: one prior trial per position
+            self.acceptance[source] = (np.ones(self.max_draft), np.full(self.max_draft, self.prior))
+        return self.acceptance[source]
+
+    def chances(self, source: object = None) -> np.ndarray:
+        """``P_i``: chance that draft tokens ``1..i`` from ``source`` are all accepted, for ``i = 1..max_draft``."""
+        trials, accepts = self._counts(source)
+        return np.cumprod(accepts / trials)
+
+    def costs(self) -> np.ndarray:
+        """Estimated seconds of a step verifying ``n = 1 .. max_draft + 1`` tokens; lengths not measured yet take
+        the value of the nearest measured ones (interpolated), all 1.0 before any measurement."""
+        lengths = np.arange(1, self.max_draft + 2)
+        measured = ~np.isnan(self.step_seconds[1:])
+        if not measured.any():
+            return np.ones(len(lengths))
+        return np.interp(lengths, lengths[measured], self.step_seconds[1:][measured])
+
+    def best_length(self, available: int, source: object = None) -> int:
+        """The number of draft tokens (0 .. ``available``) from ``source`` that maximises expected tokens per
+        second."""
+        available = min(available, self.max_draft)
+        if available <= 0:
+            return 0
+        chances = self.chances(source)[:available]
+        usable = int(np.sum(chances >= self.min_chance)) if chances[0] >= self.min_chance else 0
+        if usable == 0:
+            return 0
+        expected = 1.0 + np.concatenate([[0.0], np.cumsum(chances[:usable])])
+        rates = expected / (self.costs()[: usable + 1] + self.draft_seconds)
+        return int(np.argmax(rates))  # the first maximum: ties go to the shorter draft
+
+    # Decisions
+    def budget(self, remaining: int) -> int:
+        """How many tokens to ask the proposer for (0: do not ask). While drafting pays: the best length if the
+        draft were full, plus one token whose fate the step will reveal for free, when asking is cheap. When it
+        does not: a one-token probe that is never sent, rationed to ``probe_budget`` of a one-token step."""
+        if remaining <= 0:
+            return 0
+        best = max(self.best_length(remaining, source) for source in self.acceptance or [None])
+        one_step = self.costs()[0]
+        cheap = self.draft_seconds <= self.probe_budget * one_step
+        if best > 0:
+            self.steps_since_probe = 0
+            return min(best + cheap, remaining)
+        interval = 1 if cheap else math.ceil(self.draft_seconds / (self.probe_budget * one_step))
+        self.steps_since_probe += 1
+        if self.steps_since_probe < interval:
+            return 0
+        self.steps_since_probe = 0
+        return 1
+
+    # Measurements
+    def record_draft_time(self, seconds: float) -> None:
+        self.draft_seconds = seconds if self.draft_seconds == 0.0 else 0.8 * self.draft_seconds + 0.2 * seconds
+
+    def record_step(self, verified: int, seconds: float) -> None:
+        """A step verified ``verified`` tokens (last token + drafts) in ``seconds``."""
+        if verified >= len(self.step_seconds):
+            return
+        previous = self.step_seconds[verified]
+        if np.isnan(previous):
+            self.step_seconds[verified] = seconds
+        else:  # smoothed, and a one-off stall (another process, the allocator) counts at most 2x
+            self.step_seconds[verified] = 0.8 * previous + 0.2 * min(seconds, 2.0 * previous)
+
+    def record_outcome(self, draft: list[int], new_tokens: list[int], source: object = None) -> None:
+        """Learn from a proposed ``draft`` (sent in full, in part or not at all) and the tokens the step produced:
+        position ``i`` was tried if tokens ``1..i-1`` matched, and accepted if it matched too."""
+        tried = min(len(draft), len(new_tokens))
+        matched = 0
+        while matched < tried and draft[matched] == new_tokens[matched]:
+            matched += 1
+        tried = min(matched + 1, tried)
+        if tried == 0:
+            return
+        trials, accepts = self._counts(source)
+        trials[:tried] = self.decay * trials[:tried] + 1.0
+        accepts[:tried] *= self.decay
+        accepts[:matched] += 1.0

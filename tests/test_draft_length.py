@@ -1,0 +1,124 @@
+"""The cost model: draft lengths follow measured step costs and running acceptance; drafts that never pay stop."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from helpers import AlwaysWrong, Oracle, hf_greedy
+from tiny_models import VOCAB, tiny_model
+
+import specula
+from specula.draft_length import DraftLength
+
+PROMPT = [1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]
+
+
+@functools.cache
+def model(name: str = "llama") -> torch.nn.Module:
+    return tiny_model(name)
+
+
+@functools.cache
+def reference(name: str, new_tokens: int) -> torch.Tensor:
+    return hf_greedy(model(name), torch.tensor([PROMPT]), new_tokens, eos_token_id=[])
+
+
+def lengths_with(costs: list[float], chances: list[float]) -> DraftLength:
+    """A DraftLength whose measured costs (n = 1, 2, ...) and acceptance chances P_i are given."""
+    lengths = DraftLength(len(chances), memory=1e9)
+    for verified, seconds in enumerate(costs, start=1):
+        lengths.record_step(verified, seconds)
+    conditional = np.array(chances) / np.concatenate([[1.0], chances[:-1]])
+    lengths.acceptance[None] = (np.full(len(chances), 1e6), conditional * 1e6)
+    return lengths
+
+
+def test_the_worked_example_of_the_docstring() -> None:
+    lengths = lengths_with([1.0, 1.6, 1.9, 1.4, 1.2], [0.5, 0.3, 0.2, 0.1])
+    np.testing.assert_allclose(lengths.chances(), [0.5, 0.3, 0.2, 0.1])
+    assert lengths.best_length(4) == 4  # 1.75 tokens per unit of time
+    assert lengths.best_length(3) == 3  # 1.43
+    assert lengths.best_length(2) == 0  # one or two tokens would be slower than none: 0.94, 0.95 < 1.0
+
+
+def test_flat_costs_send_every_token_worth_a_chance_and_no_more() -> None:
+    lengths = lengths_with([1.0] * 6, [0.9, 0.8, 0.5, 0.2, 0.04])
+    assert lengths.best_length(5) == 4  # the fifth token's chance is under min_chance
+    assert lengths_with([1.0] * 6, [0.01] * 5).best_length(5) == 0
+
+
+def test_costs_not_measured_are_interpolated_and_one_off_stalls_are_damped() -> None:
+    lengths = DraftLength(8)
+    np.testing.assert_allclose(lengths.costs(), 1.0)  # nothing known: every length looks alike
+    lengths.record_step(1, 0.1)
+    lengths.record_step(5, 0.2)
+    np.testing.assert_allclose(lengths.costs()[:6], [0.1, 0.125, 0.15, 0.175, 0.2, 0.2])
+    lengths.record_step(1, 10.0)  # a stall counts as at most twice the estimate
+    assert lengths.costs()[0] == pytest.approx(0.8 * 0.1 + 0.2 * 0.2)
+
+
+def test_acceptance_is_learnt_per_position_from_sent_and_unsent_tokens() -> None:
+    lengths = DraftLength(4, memory=1e9)
+    prior = lengths.chances("s")[0]
+    lengths.record_outcome([5, 6, 7, 8], [5, 6, 9], "s")  # tokens 1, 2 accepted, 3 rejected, 4 not tried
+    trials, accepts = lengths.acceptance["s"]
+    np.testing.assert_allclose(trials, [2, 2, 2, 1])
+    np.testing.assert_allclose(accepts - prior, [1, 1, 0, 0], atol=1e-6)
+    lengths.record_outcome([5, 6], [4], "s")  # not sent: the token generated anyway shows the first was wrong
+    np.testing.assert_allclose(lengths.acceptance["s"][0], [3, 2, 2, 1])
+    assert "other" not in lengths.acceptance and lengths.chances("other")[0] == prior  # sources are kept apart
+
+
+def test_a_switched_off_expensive_proposer_is_asked_rarely() -> None:
+    lengths = lengths_with([1.0, 1.0], [0.01])
+    lengths.record_draft_time(0.3)  # asking costs 30% of a step: at most one ask in 10 steps keeps it to 3%
+    budgets = [lengths.budget(100) for _ in range(40)]
+    assert budgets.count(1) == 4 and set(budgets) == {0, 1}
+    cheap = lengths_with([1.0, 1.0], [0.01])
+    cheap.record_draft_time(0.001)
+    assert [cheap.budget(100) for _ in range(5)] == [1] * 5  # a cheap one is probed every step
+
+
+def test_a_paying_draft_asks_one_token_more_than_it_sends() -> None:
+    lengths = lengths_with([1.0] * 8, [0.9, 0.8, 0.7, 0.6, 0.5, 0.01, 0.001])
+    assert lengths.best_length(7) == 5 and lengths.budget(100) == 6 and lengths.budget(3) == 3
+
+
+def test_an_always_wrong_proposer_stops_being_sent() -> None:
+    runs = {}
+    for new_tokens in (100, 300):
+        ref = reference("llama", new_tokens)
+        out = specula.generate(model(), torch.tensor([PROMPT]), AlwaysWrong(ref, 8, VOCAB), max_new_tokens=new_tokens,
+                               eos_token_id=[])
+        assert out.sequences.tolist() == ref.tolist()
+        runs[new_tokens] = out.stats
+    assert runs[100].drafted == runs[300].drafted < 60  # nothing sent after the first few dozen tokens
+    assert runs[300].steps == 300
+
+
+def test_drafting_resumes_when_the_proposer_becomes_right() -> None:
+    ref = reference("llama", 200)
+    switch = len(PROMPT) + 60
+
+    class WrongThenRight(AlwaysWrong):
+        def propose(self, context_ids, max_tokens):
+            if len(context_ids) < switch:
+                return super().propose(context_ids, max_tokens)
+            return Oracle.propose(self, context_ids, max_tokens)
+
+    out = specula.generate(model(), torch.tensor([PROMPT]), WrongThenRight(ref, 8, VOCAB), max_new_tokens=200,
+                           eos_token_id=[])
+    assert out.sequences.tolist() == ref.tolist()
+    assert out.stats.steps < 60 + 140 / 3  # the last 140 tokens took few steps
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma3"])
+def test_adaptive_lengths_keep_greedy_output_identical(name: str) -> None:
+    prompt = torch.tensor([PROMPT + PROMPT[:9]])
+    expected = hf_greedy(model(name), prompt, 80, eos_token_id=[])
+    for proposer in (specula.PromptLookup(), specula.NGramPredictor(min_count=1), Oracle(expected, 12)):
+        out = specula.generate(model(name), prompt, proposer, max_new_tokens=80, eos_token_id=[])
+        assert out.sequences.tolist() == expected.tolist(), repr(proposer)
