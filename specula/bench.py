@@ -7,10 +7,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .generate import generate
-from .proposer import Proposer
+from .proposer import Draft, Proposer
 from .workloads import encode
 
 # A method turns a prompt into (new token ids, seconds, SpecStats or None).
@@ -42,6 +43,42 @@ def specula_method(model: torch.nn.Module, make_proposer: Callable[[], Proposer 
     return run
 
 
+class Replay(Proposer):
+    """The oracle: drafts the output of an earlier run on the same prompt, as long as the sequence follows it.
+
+    With the settings of that run it shows what a perfect proposer would reach at the same ``num_draft``: every
+    draft is right, so only the verification passes are left. (In bf16 a verification pass over another number of
+    tokens can round differently and end the agreement; the oracle then drafts nothing more.)
+    """
+
+    def __init__(self, prompt_length: int, output: list[int], num_draft: int = 10) -> None:
+        self.prompt_length = prompt_length
+        self.output = np.asarray(output, dtype=np.int64)
+        self.num_draft = num_draft
+
+    def propose(self, context_ids: np.ndarray, max_tokens: int) -> Draft:
+        done = len(context_ids) - self.prompt_length
+        if not np.array_equal(context_ids[self.prompt_length :], self.output[:done]):
+            return Draft.empty()
+        return Draft(self.output[done : done + min(self.num_draft, max_tokens)])
+
+
+def oracle_method(model: torch.nn.Module, reference: Method, num_draft: int = 10, **generate_kwargs) -> Method:
+    """``specula.generate`` with :class:`Replay` of what ``reference`` generated for the same prompt (run once per
+    prompt and length, untimed)."""
+    outputs: dict[tuple, list[int]] = {}
+
+    def run(prompt: torch.Tensor, max_new_tokens: int):
+        key = (tuple(prompt[0].tolist()), max_new_tokens)
+        if key not in outputs:
+            outputs[key] = reference(prompt, max_new_tokens)[0]
+        proposer = Replay(prompt.shape[1], outputs[key], num_draft)
+        out = generate(model, prompt, proposer, max_new_tokens=max_new_tokens, **generate_kwargs)
+        return out.sequences[0, prompt.shape[1] :].tolist(), out.stats.wall_time_s, out.stats
+
+    return run
+
+
 @dataclass
 class BenchRow:
     workload: str
@@ -54,6 +91,7 @@ class BenchRow:
     identical_to_greedy: float | None  # share of prompts whose output equals the baseline's (None when sampling)
     acceptance_rate: float | None
     tokens_per_step: float | None
+    drafted: int  # draft tokens sent to the target, all prompts (last repeat)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -121,6 +159,7 @@ def run_bench(
                     identical_to_greedy=total["same"] / len(requests) if compare_outputs else None,
                     acceptance_rate=total["accepted"] / total["drafted"] if total["drafted"] else None,
                     tokens_per_step=total["tokens"] / total["steps"] if total["steps"] else None,
+                    drafted=total["drafted"],
                 )
             )
     return rows

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 from transformers import TextStreamer
 
-from .bench import format_table, hf_method, run_bench, specula_method
+from .bench import format_table, hf_method, oracle_method, run_bench, specula_method
 from .generate import generate
 from .models import ModelNotFoundError, load_model
 from .proposers import PROPOSER_NAMES, proposer_factory
@@ -152,6 +152,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     for spec in args.proposers.split(","):
         name = "specula-" + (spec.split(":")[0] if spec.startswith("draft:") else spec)
         methods[name] = specula_method(model, proposer_factory(spec, tokenizer, DTYPES[args.dtype], device), **sampling)
+    if not sampling and not args.no_oracle:  # replays specula's own output with the first proposer
+        first = methods[f"specula-{args.proposers.split(',')[0].split(':')[0]}"]
+        methods["oracle"] = oracle_method(model, first)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     progress = tqdm(total=sum(map(len, workloads.values())), desc="specula bench", unit="prompt")
@@ -200,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", help="compare with HF model.generate on workload files, all methods interleaved in one run",
         description="Runs hf-greedy (model.generate), hf-prompt-lookup (prompt_lookup_num_tokens=10) and specula with "
-        "each proposer on every *.jsonl in --workloads (lines with \"messages\" or \"prompt\"), interleaved per "
+        "each proposer, and (greedy) the oracle, on every *.jsonl in --workloads (lines with \"messages\" or "
+        "\"prompt\"), interleaved per "
         "prompt, and prints per workload: tokens/s, speedup vs hf-greedy, whether the output was identical to "
         "hf-greedy's, draft acceptance rate and tokens per target step (medians of --repeats).",
     )
@@ -212,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated specula proposers: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup,ngram)",
     )
     bench.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    bench.add_argument(
+        "--no-oracle", action="store_true",
+        help="leave out the oracle row (greedy only: drafts that replay the first proposer's own output, K=10)",
+    )
     _add_model_arguments(bench, max_new_tokens=128)
     bench.set_defaults(run=cmd_bench)
     return parser

@@ -43,7 +43,7 @@ class DraftLength:
     def __init__(
         self,
         max_draft: int,
-        prior: float = 0.6,
+        prior: float = 0.5,
         memory: float = 12.0,
         min_chance: float = 0.05,
         probe_budget: float = 0.03,

@@ -10,23 +10,24 @@ from numba import njit
 
 
 @njit(cache=True, nogil=True)
-def prompt_lookup(tokens: np.ndarray, min_ngram: int, max_ngram: int, max_draft: int) -> np.ndarray:
-    """Draft by copying what followed the most recent earlier occurrence of the sequence's longest matching suffix.
+def prompt_lookup(tokens: np.ndarray, min_ngram: int, max_ngram: int, max_draft: int) -> tuple[np.ndarray, int]:
+    """Draft by copying what followed the most recent earlier occurrence of the sequence's longest matching suffix;
+    returns the draft and the length of the matched suffix.
 
     For n from ``max_ngram`` down to ``min_ngram``: look for the last n tokens earlier in ``tokens``, scanning from
     the end so the most recent occurrence wins, and return up to ``max_draft`` tokens that followed it. The copy may
     run past the end of ``tokens`` into the draft itself (as in LZ77), so a repeating pattern yields a full draft.
-    Returns an empty array when no suffix of length >= ``min_ngram`` occurred before.
+    Returns an empty array (and 0) when no suffix of length >= ``min_ngram`` occurred before.
 
     Worked example, ``min_ngram=1, max_ngram=3, max_draft=4``::
 
         tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
         3-gram [2, 6, 7]: not seen before
         2-gram [6, 7]: occurs at 1 and at 5; the most recent (5) is followed by [9, 2, 6, 7]
-        -> [9, 2, 6, 7]
+        -> ([9, 2, 6, 7], 2)
 
         tokens = [3, 4, 3, 4]   2-gram [3, 4] occurs at 0, followed by [3, 4] and then by the draft itself
-        -> [3, 4, 3, 4]
+        -> ([3, 4, 3, 4], 2)
     """
     length = tokens.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
@@ -44,8 +45,8 @@ def prompt_lookup(tokens: np.ndarray, min_ngram: int, max_ngram: int, max_draft:
                 for j in range(max_draft):
                     position = source + j
                     draft[j] = tokens[position] if position < length else draft[position - length]
-                return draft
-    return np.empty(0, dtype=np.int64)
+                return draft, n
+    return np.empty(0, dtype=np.int64), 0
 
 
 # --- n-gram tables ------------------------------------------------------------------------------------------------

@@ -88,14 +88,16 @@ def test_bench_prints_a_table_and_writes_json(model_folder, tmp_path, capsys) ->
             tmp_path / "rows.json")
     table = capsys.readouterr().out
     rows = json.loads((tmp_path / "rows.json").read_text())
-    methods = ["hf-greedy", "hf-prompt-lookup", "specula-prompt-lookup", "specula-ngram", "specula-none"]
+    methods = ["hf-greedy", "hf-prompt-lookup", "specula-prompt-lookup", "specula-ngram", "specula-none", "oracle"]
     assert [(row["workload"], row["method"]) for row in rows] == [(w, m) for w in ("chat", "copying") for m in methods]
     for row in rows:
         assert {"workload", "method", "tokens_per_s", "speedup_vs_hf_greedy", "identical_to_greedy",
                 "acceptance_rate"} <= set(row)
         assert row["workload"] in table and row["method"] in table
-        if row["method"].startswith("specula"):
+        if row["method"].startswith("specula") or row["method"] == "oracle":
             assert row["identical_to_greedy"] == 1.0  # fp32: exactly model.generate's tokens
+        if row["method"] == "oracle":  # it replays specula's own output: every draft is right
+            assert row["acceptance_rate"] == 1.0 and row["tokens_per_step"] > 3
     assert next(r for r in rows if r["method"] == "specula-prompt-lookup" and r["workload"] == "copying")[
         "acceptance_rate"] > 0
 

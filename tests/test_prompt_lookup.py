@@ -28,22 +28,23 @@ def reference_lookup(tokens: list[int], min_ngram: int, max_ngram: int, max_draf
 
 def test_worked_examples() -> None:
     tokens = np.array([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
-    assert prompt_lookup(tokens, 1, 3, 4).tolist() == [9, 2, 6, 7]
-    assert prompt_lookup(np.array([3, 4, 3, 4]), 1, 3, 4).tolist() == [3, 4, 3, 4]
-    assert prompt_lookup(np.array([1, 2, 3]), 1, 3, 4).tolist() == []
-    assert prompt_lookup(np.array([7]), 1, 3, 4).tolist() == []
+    assert prompt_lookup(tokens, 1, 3, 4)[0].tolist() == [9, 2, 6, 7]
+    assert prompt_lookup(np.array([3, 4, 3, 4]), 1, 3, 4)[0].tolist() == [3, 4, 3, 4]
+    assert prompt_lookup(np.array([1, 2, 3]), 1, 3, 4)[0].tolist() == []
+    assert prompt_lookup(np.array([7]), 1, 3, 4)[0].tolist() == []
 
 
 def test_most_recent_occurrence_wins() -> None:
     # [1, 2] occurs twice before the end; the later one is followed by 9.
     tokens = np.array([1, 2, 8, 8, 1, 2, 9, 9, 1, 2])
-    assert prompt_lookup(tokens, 2, 2, 2).tolist() == [9, 9]
+    assert prompt_lookup(tokens, 2, 2, 2)[0].tolist() == [9, 9]
 
 
 def test_longest_ngram_beats_recency() -> None:
     # The 3-gram [5, 1, 2] occurred only early; the 2-gram [1, 2] also occurred later. The 3-gram wins.
     tokens = np.array([5, 1, 2, 3, 4, 1, 2, 7, 7, 5, 1, 2])
-    assert prompt_lookup(tokens, 1, 3, 2).tolist() == [3, 4]
+    assert prompt_lookup(tokens, 1, 3, 2)[0].tolist() == [3, 4]
+    assert prompt_lookup(tokens, 1, 3, 2)[1] == 3  # the match length, the draft's source label
 
 
 @settings(max_examples=300, deadline=None)
@@ -55,7 +56,7 @@ def test_longest_ngram_beats_recency() -> None:
 )
 def test_kernel_matches_reference(tokens: list[int], min_ngram: int, extra: int, max_draft: int) -> None:
     max_ngram = min_ngram + extra
-    got = prompt_lookup(np.array(tokens, dtype=np.int64), min_ngram, max_ngram, max_draft).tolist()
+    got = prompt_lookup(np.array(tokens, dtype=np.int64), min_ngram, max_ngram, max_draft)[0].tolist()
     assert got == reference_lookup(tokens, min_ngram, max_ngram, max_draft)
 
 
