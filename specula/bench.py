@@ -44,12 +44,7 @@ def specula_method(model: torch.nn.Module, make_proposer: Callable[[], Proposer 
 
 
 class Replay(Proposer):
-    """The oracle: drafts the output of an earlier run on the same prompt, as long as the sequence follows it.
-
-    With the settings of that run it shows what a perfect proposer would reach at the same ``num_draft``: every
-    draft is right, so only the verification passes are left. (In bf16 a verification pass over another number of
-    tokens can round differently and end the agreement; the oracle then drafts nothing more.)
-    """
+    """The oracle: drafts the output of an earlier run on the same prompt, as long as the sequence follows it."""
 
     def __init__(self, prompt_length: int, output: list[int], num_draft: int = 10) -> None:
         self.prompt_length = prompt_length
@@ -63,18 +58,36 @@ class Replay(Proposer):
         return Draft(self.output[done : done + min(self.num_draft, max_tokens)])
 
 
-def oracle_method(model: torch.nn.Module, reference: Method, num_draft: int = 10, **generate_kwargs) -> Method:
-    """``specula.generate`` with :class:`Replay` of what ``reference`` generated for the same prompt (run once per
-    prompt and length, untimed)."""
+def oracle_method(
+    model: torch.nn.Module, reference: Method, num_draft: int = 10, max_rounds: int = 8, **generate_kwargs
+) -> Method:
+    """The speed of a perfect proposer: ``specula.generate`` with :class:`Replay` of the output it will produce,
+    every draft ``num_draft`` tokens long (``adaptive_draft=False``).
+
+    In fp32 that output is what ``reference`` (specula with a proposer) generated. In bf16 a verification pass
+    over another number of tokens can round a near-tie differently, so the replay can leave the reference; the
+    reference is then replaced by what the replay generated, until a replay reproduces it (untimed, once per prompt):
+    verification blocks are then the same every run, and so are the tokens.
+    """
     outputs: dict[tuple, list[int]] = {}
+
+    def replay(prompt: torch.Tensor, output: list[int], max_new_tokens: int):
+        out = generate(model, prompt, Replay(prompt.shape[1], output, num_draft), max_new_tokens=max_new_tokens,
+                       adaptive_draft=False, **generate_kwargs)
+        return out.sequences[0, prompt.shape[1] :].tolist(), out.stats
 
     def run(prompt: torch.Tensor, max_new_tokens: int):
         key = (tuple(prompt[0].tolist()), max_new_tokens)
         if key not in outputs:
-            outputs[key] = reference(prompt, max_new_tokens)[0]
-        proposer = Replay(prompt.shape[1], outputs[key], num_draft)
-        out = generate(model, prompt, proposer, max_new_tokens=max_new_tokens, **generate_kwargs)
-        return out.sequences[0, prompt.shape[1] :].tolist(), out.stats.wall_time_s, out.stats
+            output = reference(prompt, max_new_tokens)[0]
+            for _ in range(max_rounds):
+                replayed, _ = replay(prompt, output, max_new_tokens)
+                if replayed == output:
+                    break
+                output = replayed
+            outputs[key] = output
+        tokens, stats = replay(prompt, outputs[key], max_new_tokens)
+        return tokens, stats.wall_time_s, stats
 
     return run
 

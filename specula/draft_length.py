@@ -38,6 +38,8 @@ class DraftLength:
         min_chance: a draft token is only sent if the chance that it and all before it are accepted is at least
             this; it stops near-hopeless tokens that would only be sent because a longer pass measured cheaper.
         probe_budget: the share of a one-token step that asking a switched-off proposer for drafts may cost.
+        timed: use measured times. Sampling passes ``False``: a seed must reproduce the output, so no decision may
+            depend on timings (costs are then taken as equal for every length, proposers as free to ask).
     """
 
     def __init__(
@@ -47,11 +49,13 @@ class DraftLength:
         memory: float = 12.0,
         min_chance: float = 0.05,
         probe_budget: float = 0.03,
+        timed: bool = True,
     ) -> None:
         self.max_draft = max_draft
         self.decay = 1.0 - 1.0 / memory
         self.min_chance = min_chance
         self.probe_budget = probe_budget
+        self.timed = timed
         self.prior = prior
         self.acceptance: dict[object, tuple[np.ndarray, np.ndarray]] = {}  # per draft source: (trials, accepts)
         self.step_seconds = np.full(max_draft + 2, np.nan)  # index n: a step verifying n tokens
@@ -60,13 +64,16 @@ class DraftLength:
 
     # Estimates
     def _counts(self, source: object) -> tuple[np.ndarray, np.ndarray]:
-        if source not in self.acceptance:  # pseudo-counts: one prior trial per position
+        """(trials, accepts) per position for drafts from ``source``; one prior trial per position to start."""
+        if source not in self.acceptance:
             self.acceptance[source] = (np.ones(self.max_draft), np.full(self.max_draft, self.prior))
         return self.acceptance[source]
 
     def chances(self, source: object = None) -> np.ndarray:
         """``P_i``: chance that draft tokens ``1..i`` from ``source`` are all accepted, for ``i = 1..max_draft``."""
-        trials, accepts = self._counts(source)
+        if source not in self.acceptance:
+            return np.cumprod(np.full(self.max_draft, self.prior))
+        trials, accepts = self.acceptance[source]
         return np.cumprod(accepts / trials)
 
     def costs(self) -> np.ndarray:
@@ -114,11 +121,13 @@ class DraftLength:
 
     # Measurements
     def record_draft_time(self, seconds: float) -> None:
+        if not self.timed:
+            return
         self.draft_seconds = seconds if self.draft_seconds == 0.0 else 0.8 * self.draft_seconds + 0.2 * seconds
 
     def record_step(self, verified: int, seconds: float) -> None:
         """A step verified ``verified`` tokens (last token + drafts) in ``seconds``."""
-        if verified >= len(self.step_seconds):
+        if not self.timed or verified >= len(self.step_seconds):
             return
         previous = self.step_seconds[verified]
         if np.isnan(previous):

@@ -168,7 +168,7 @@ def decode(
         if proposer is not None:
             proposer.check_target(model)
             proposer.begin(sequence.ids, sampling)
-        lengths = DraftLength(MAX_DRAFT) if proposer is not None and adaptive_draft else None
+        lengths = DraftLength(MAX_DRAFT, timed=sampling.greedy) if proposer is not None and adaptive_draft else None
 
         def next_draft() -> Draft:
             remaining = request.max_length - sequence.length - 1

@@ -122,3 +122,18 @@ def test_adaptive_lengths_keep_greedy_output_identical(name: str) -> None:
     for proposer in (specula.PromptLookup(), specula.NGramPredictor(min_count=1), Oracle(expected, 12)):
         out = specula.generate(model(name), prompt, proposer, max_new_tokens=80, eos_token_id=[])
         assert out.sequences.tolist() == expected.tolist(), repr(proposer)
+
+
+def test_sampling_decisions_ignore_timings_so_a_seed_reproduces_the_output() -> None:
+    untimed = DraftLength(4, timed=False)
+    untimed.record_step(1, 0.1)
+    untimed.record_step(3, 9.0)
+    untimed.record_draft_time(5.0)
+    np.testing.assert_allclose(untimed.costs(), 1.0)
+    assert untimed.draft_seconds == 0.0
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        runs.append(specula.generate(model(), torch.tensor([PROMPT * 2]), specula.PromptLookup(), max_new_tokens=60,
+                                     do_sample=True, temperature=1.5).sequences.tolist())
+    assert runs[0] == runs[1]
