@@ -24,6 +24,7 @@ def hf_method(model: torch.nn.Module, **generate_kwargs) -> Method:
     generate_kwargs.setdefault("do_sample", False)
 
     def run(prompt: torch.Tensor, max_new_tokens: int):
+        prompt = prompt.to(model.device)
         started = time.perf_counter()
         out = model.generate(
             prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, **generate_kwargs

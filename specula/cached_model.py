@@ -3,10 +3,18 @@ and a small drafter's own model."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
+
+# Attention kernels for multi-token passes on a GPU: every backend but cuDNN's. cuDNN builds an execution plan for
+# each new (query, key) shape, and a verification pass has a new one every step (the cache grows, the draft length
+# varies): on an H100 with SmolLM2-135M that made a pass over 11 tokens cost 2-3x a one-token pass; without it,
+# ~1.1x (examples/gpu_attention.py). One-token steps keep torch's own choice, as model.generate has it.
+_VERIFY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class UnsupportedModelError(ValueError):
@@ -68,7 +76,9 @@ class CachedModel:
             inputs["attention_mask"] = self.attention_mask[:, :end]
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = num_logits
-        logits = self.model(**inputs).logits[0, -num_logits:]
+        multi_token_on_gpu = token_ids.shape[0] > 1 and token_ids.device.type == "cuda"
+        with sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu else contextlib.nullcontext():
+            logits = self.model(**inputs).logits[0, -num_logits:]
         self.cached_tokens = end
         if start == 0 and self.can_roll_back and not self.cache.is_croppable:
             raise UnsupportedModelError(
