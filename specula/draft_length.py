@@ -11,6 +11,13 @@ measured while decoding, never assumed:
   prose). Drafts that were proposed but not sent still count where the tokens generated anyway reveal whether they
   were right, so a proposer that was switched off can earn its way back.
 
+Costs are learnt by sending, so sending is what exploration risks: a length is sent only once a pass over about
+half as many tokens has been timed (``k <= 2n - 1`` draft tokens after a pass over ``n`` tokens; the first step after
+the prefill is a plain one-token step, while the proposer's draft is checked for free against the token it
+produces). A good proposer reaches 15-token drafts by its fifth step; an always-wrong one sent 1 draft token per
+request instead of 14 (optimistic first guesses sent several long drafts), on a CPU where a pass over 5 tokens
+costs 2.3x a pass over 1 and those drafts had cost it 9-12% against plain decoding (``examples/auto_off.py``).
+
 With ``P_i`` the chance that the first ``i`` draft tokens are all accepted, sending ``k`` tokens yields
 ``E(k) = 1 + P_1 + .. + P_k`` tokens for ``cost(k + 1)`` seconds plus the drafting time; each step sends the ``k``
 that maximises tokens per second (Leviathan et al. 2023, Theorem 3.8, with measured costs and per-position
@@ -88,7 +95,7 @@ class DraftLength:
     def best_length(self, available: int, source: object = None) -> int:
         """The number of draft tokens (0 .. ``available``) from ``source`` that maximises expected tokens per
         second."""
-        available = min(available, self.max_draft)
+        available = min(available, self.max_draft, self._explored_length())
         if available <= 0:
             return 0
         chances = self.chances(source)[:available]
@@ -98,6 +105,14 @@ class DraftLength:
         expected = 1.0 + np.concatenate([[0.0], np.cumsum(chances[:usable])])
         rates = expected / (self.costs()[: usable + 1] + self.draft_seconds)
         return int(np.argmax(rates))  # the first maximum: ties go to the shorter draft
+
+    def _explored_length(self) -> int:
+        """The longest draft worth the risk: ``2n - 1`` tokens once a pass over ``n`` tokens has been timed (none
+        before any; no limit when untimed, where every length is taken to cost the same)."""
+        if not self.timed:
+            return self.max_draft
+        measured = np.flatnonzero(~np.isnan(self.step_seconds))
+        return 2 * int(measured[-1]) - 1 if len(measured) else 0
 
     # Decisions
     def budget(self, remaining: int) -> int:
