@@ -12,8 +12,8 @@ from transformers import DynamicCache
 
 # Attention kernels for multi-token passes on a GPU: every backend but cuDNN's. cuDNN builds an execution plan for
 # each new (query, key) shape, and a verification pass has a new one every step (the cache grows, the draft length
-# varies): on an H100 with SmolLM2-135M that made a pass over 11 tokens cost 2-3x a one-token pass; without it,
-# ~1.1x (examples/gpu_attention.py). One-token steps keep torch's own choice, as model.generate has it.
+# varies): on an H100 with SmolLM2-135M that made a PromptLookup step cost 1.6-2.8x a one-token step; without it,
+# 0.8-1.35x (examples/gpu_attention.py). One-token steps keep torch's own choice, as model.generate has it.
 _VERIFY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
