@@ -14,9 +14,10 @@ from .sampling import Sampling
 from .small_model import SmallModelDrafter
 from .stats import GenerateOutput, SpecStats
 from .cached_model import UnsupportedModelError
+from .cpu_layout import tune_cpu_layout
 
 __all__ = [
     "Draft", "GenerateOutput", "SpeculaGenerateOutput", "custom_generate", "NGramPredictor", "PromptLookup", "Proposer", "Sampling", "SmallModelDrafter", "SpecStats",
-    "UnsupportedModelError", "generate",
+    "UnsupportedModelError", "generate", "tune_cpu_layout",
 ]
 __version__ = "0.1.0"

