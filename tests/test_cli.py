@@ -11,7 +11,7 @@ from helpers import hf_greedy
 from tiny_models import tiny_model, tiny_tokenizer
 
 import specula
-from specula import cli, models
+from specula import cli, models, precision
 
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>assistant:"
 
@@ -147,3 +147,15 @@ def test_default_model_generate_and_bench(tmp_path, capsys) -> None:
             "--dtype", "fp32", "--json", tmp_path / "rows.json")
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert all(row["identical_to_greedy"] == 1.0 for row in rows if row["method"].startswith("specula"))
+
+
+def test_auto_dtype_is_resolved_and_reported(model_folder, tmp_path, capsys) -> None:
+    workloads = tmp_path / "workloads"
+    workloads.mkdir()
+    (workloads / "copying.jsonl").write_text(REQUESTS[0] + "\n")
+    run_cli("bench", "--workloads", workloads, "--model", model_folder, "--limit", 1, "--repeats", 1,
+            "--max-new-tokens", 4, "--proposers", "none", "--no-oracle", "--device", "cpu", "--json",
+            tmp_path / "rows.json")
+    expected = cli.DTYPE_NAMES[precision.auto_dtype("cpu", models._num_parameters(model_folder))]
+    assert {row["dtype"] for row in json.loads((tmp_path / "rows.json").read_text())} == {expected}
+    assert f", {expected}, cpu," in capsys.readouterr().out
