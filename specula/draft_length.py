@@ -11,6 +11,9 @@ measured while decoding, never assumed:
   prose). Drafts that were proposed but not sent still count where the tokens generated anyway reveal whether they
   were right, so a proposer that was switched off can earn its way back.
 
+What a pass costs is a fact of the model and the machine, not of the text, so the measured costs are remembered
+per target model (and its device and dtype) and later generations start from them (:func:`shared_step_seconds`):
+only the first generation with a model explores, and later ones send full drafts from their first step.
 Costs are learnt by sending, so sending is what exploration risks: a length is sent only once a pass over about
 half as many tokens has been timed (``k <= 2n - 1`` draft tokens after a pass over ``n`` tokens; the first step after
 the prefill is a plain one-token step, while the proposer's draft is checked for free against the token it
@@ -31,8 +34,20 @@ all 4 tokens are sent, although any shorter draft would have been slower than se
 from __future__ import annotations
 
 import math
+import weakref
+from typing import Hashable
 
 import numpy as np
+
+_STEP_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shared_step_seconds(owner: object, setting: Hashable, max_draft: int) -> np.ndarray:
+    """The step-cost table (seconds of a step verifying ``n`` tokens, at index ``n``) that every
+    :class:`DraftLength` for ``owner`` (a target model) in ``setting`` (its device and dtype) shares: what one
+    generation measured, the next starts from. Forgotten with the model."""
+    tables = _STEP_SECONDS.setdefault(owner, {})
+    return tables.setdefault((setting, max_draft), np.full(max_draft + 2, np.nan))
 
 
 class DraftLength:
@@ -47,6 +62,8 @@ class DraftLength:
         probe_budget: the share of a one-token step that asking a switched-off proposer for drafts may cost.
         timed: use measured times. Sampling passes ``False``: a seed must reproduce the output, so no decision may
             depend on timings (costs are then taken as equal for every length, proposers as free to ask).
+        step_seconds: a step-cost table to start from and update (:func:`shared_step_seconds`); a fresh one if
+            ``None``.
     """
 
     def __init__(
@@ -57,6 +74,7 @@ class DraftLength:
         min_chance: float = 0.05,
         probe_budget: float = 0.03,
         timed: bool = True,
+        step_seconds: np.ndarray | None = None,
     ) -> None:
         self.max_draft = max_draft
         self.decay = 1.0 - 1.0 / memory
@@ -65,7 +83,11 @@ class DraftLength:
         self.timed = timed
         self.prior = prior
         self.acceptance: dict[object, tuple[np.ndarray, np.ndarray]] = {}  # per draft source: (trials, accepts)
-        self.step_seconds = np.full(max_draft + 2, np.nan)  # index n: a step verifying n tokens
+        if step_seconds is None:
+            step_seconds = np.full(max_draft + 2, np.nan)
+        elif step_seconds.shape != (max_draft + 2,):
+            raise ValueError(f"step_seconds must have {max_draft + 2} entries, got shape {step_seconds.shape}.")
+        self.step_seconds = step_seconds  # index n: a step verifying n tokens
         self.draft_seconds = 0.0  # smoothed time of one propose() call
         self.steps_since_probe = 0
 

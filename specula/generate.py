@@ -12,7 +12,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .acceptance import accept_draft
 from .cached_model import CachedModel
-from .draft_length import DraftLength
+from .draft_length import DraftLength, shared_step_seconds
 from .inputs import Request, prepare_request, vocab_size
 from .proposer import Draft, Proposer
 from .sampling import Sampling, resolve_sampling
@@ -168,7 +168,11 @@ def decode(
         if proposer is not None:
             proposer.check_target(model)
             proposer.begin(sequence.ids, sampling)
-        lengths = DraftLength(MAX_DRAFT, timed=sampling.greedy) if proposer is not None and adaptive_draft else None
+        lengths = None
+        if proposer is not None and adaptive_draft:
+            setting = (request.device, getattr(model, "dtype", None))
+            costs = shared_step_seconds(model, setting, MAX_DRAFT) if sampling.greedy else None
+            lengths = DraftLength(MAX_DRAFT, timed=sampling.greedy, step_seconds=costs)
 
         def next_draft() -> Draft:
             remaining = request.max_length - sequence.length - 1

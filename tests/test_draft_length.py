@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from helpers import AlwaysWrong, Oracle, hf_greedy
 from tiny_models import VOCAB, tiny_model
 
 import specula
-from specula.draft_length import DraftLength
+from specula.draft_length import DraftLength, shared_step_seconds
 
 PROMPT = [1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]
 
@@ -149,3 +150,42 @@ def test_sampling_decisions_ignore_timings_so_a_seed_reproduces_the_output() -> 
         runs.append(specula.generate(model(), torch.tensor([PROMPT * 2]), specula.PromptLookup(), max_new_tokens=60,
                                      do_sample=True, temperature=1.5).sequences.tolist())
     assert runs[0] == runs[1]
+
+
+def test_step_costs_are_shared_per_model_and_setting() -> None:
+    owner, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    table = shared_step_seconds(owner, ("cpu", torch.float32), 16)
+    assert table is shared_step_seconds(owner, ("cpu", torch.float32), 16)
+    assert table is not shared_step_seconds(owner, ("cpu", torch.bfloat16), 16)
+    assert table is not shared_step_seconds(other, ("cpu", torch.float32), 16)
+    first = DraftLength(16, step_seconds=table)
+    first.acceptance[None] = (np.full(16, 1e6), np.full(16, 0.99e6))
+    assert first.best_length(16) == 0  # nothing timed: a plain step first
+    for verified in (1, 2, 4, 8):
+        first.record_step(verified, 1.0)
+    later = DraftLength(16, step_seconds=table)  # the next generation with the same model
+    later.acceptance[None] = first.acceptance[None]
+    np.testing.assert_allclose(later.costs(), first.costs())
+    assert later.best_length(16) == 15  # no exploration again
+    with pytest.raises(ValueError, match="18 entries"):
+        DraftLength(16, step_seconds=np.zeros(5))
+
+
+def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) -> None:
+    target = tiny_model("llama", seed=3)
+    tables = []
+    loop = importlib.import_module("specula.generate")  # (the module; specula.generate is the function)
+
+    def recording(*args, **kwargs):
+        tables.append(kwargs.get("step_seconds"))
+        return DraftLength(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "DraftLength", recording)
+    prompt = torch.tensor([PROMPT])
+    expected = hf_greedy(target, prompt, 12, eos_token_id=[])
+    for _ in range(2):
+        out = specula.generate(target, prompt, Oracle(expected, 8), max_new_tokens=12, eos_token_id=[])
+        assert torch.equal(out.sequences, expected)
+    assert tables[0] is tables[1] and not np.isnan(tables[1]).all()
+    specula.generate(target, prompt, specula.PromptLookup(), max_new_tokens=4, do_sample=True)
+    assert tables[2] is None  # sampling decides without timings
