@@ -11,15 +11,15 @@ measured while decoding, never assumed:
   prose). Drafts that were proposed but not sent still count where the tokens generated anyway reveal whether they
   were right, so a proposer that was switched off can earn its way back.
 
-What a pass costs is a fact of the model and the machine, not of the text, so the measured costs are remembered
-per target model (and its device and dtype) and later generations start from them (:func:`shared_step_seconds`):
-only the first generation with a model explores, and later ones send full drafts from their first step.
 Costs are learnt by sending, so sending is what exploration risks: a length is sent only once a pass over about
 half as many tokens has been timed (``k <= 2n - 1`` draft tokens after a pass over ``n`` tokens; the first step after
 the prefill is a plain one-token step, while the proposer's draft is checked for free against the token it
 produces). A good proposer reaches 15-token drafts by its fifth step; an always-wrong one sent 1 draft token per
 request instead of 14 (optimistic first guesses sent several long drafts), on a CPU where a pass over 5 tokens
 costs 2.3x a pass over 1 and those drafts had cost it 9-12% against plain decoding (``examples/auto_off.py``).
+What a pass costs is a fact of the model and the machine, not of the text, so the measured costs are remembered
+per target model (and its device and dtype) and later generations start from them (:func:`shared_step_seconds`):
+only the first generation with a model explores; later ones send what pays from their first step.
 
 With ``P_i`` the chance that the first ``i`` draft tokens are all accepted, sending ``k`` tokens yields
 ``E(k) = 1 + P_1 + .. + P_k`` tokens for ``cost(k + 1)`` seconds plus the drafting time; each step sends the ``k``
