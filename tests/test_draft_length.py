@@ -39,7 +39,7 @@ def lengths_with(costs: list[float], chances: list[float]) -> DraftLength:
 
 def test_the_worked_example_of_the_docstring() -> None:
     lengths = lengths_with([1.0, 1.6, 1.9, 1.4, 1.2], [0.5, 0.3, 0.2, 0.1])
-    np.testing.assert_allclose(lengths.chances(), [0.5, 0.3, 0.2, 0.1])
+    np.testing.assert_allclose(lengths.chances(), [0.5, 0.3, 0.2, 0.1], rtol=1e-5)
     assert lengths.best_length(4) == 4  # 1.75 tokens per unit of time
     assert lengths.best_length(3) == 3  # 1.43
     assert lengths.best_length(2) == 0  # one or two tokens would be slower than none: 0.94, 0.95 < 1.0
@@ -73,14 +73,29 @@ def test_lengths_are_explored_by_doubling_the_longest_timed_pass() -> None:
 
 def test_acceptance_is_learnt_per_position_from_sent_and_unsent_tokens() -> None:
     lengths = DraftLength(4, memory=1e9)
-    prior = lengths.chances("s")[0]
+    np.testing.assert_allclose(lengths.chances("s"), np.cumprod([0.5] * 4))  # the prior, before any evidence
     lengths.record_outcome([5, 6, 7, 8], [5, 6, 9], "s")  # tokens 1, 2 accepted, 3 rejected, 4 not tried
     trials, accepts = lengths.acceptance["s"]
-    np.testing.assert_allclose(trials, [2, 2, 2, 1])
-    np.testing.assert_allclose(accepts - prior, [1, 1, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(trials, [1, 1, 1, 0])
+    np.testing.assert_allclose(accepts, [1, 1, 0, 0])
+    rates = [0.75, (1 + 0.75) / 2, 0.875 / 2, 0.4375]  # each smoothed toward the one before; the 4th not tried
+    np.testing.assert_allclose(lengths.chances("s"), np.cumprod(rates))
     lengths.record_outcome([5, 6], [4], "s")  # not sent: the token generated anyway shows the first was wrong
-    np.testing.assert_allclose(lengths.acceptance["s"][0], [3, 2, 2, 1])
-    assert "other" not in lengths.acceptance and lengths.chances("other")[0] == prior  # sources are kept apart
+    np.testing.assert_allclose(lengths.acceptance["s"][0], [2, 1, 1, 0])
+    assert "other" not in lengths.acceptance and lengths.chances("other")[0] == 0.5  # sources are kept apart
+
+
+def test_positions_not_tried_are_expected_to_do_as_well_as_the_one_before() -> None:
+    lengths = DraftLength(8, memory=1e9)
+    for _ in range(20):  # not sent: only the first token of each draft is checked, and it is always right
+        lengths.record_outcome([5, 6, 7], [5], "s")
+    assert lengths.chances("s")[7] > 0.8  # so with costs known, long drafts are worth sending
+    for verified, seconds in ((1, 1.0), (2, 1.9), (4, 2.8), (8, 3.2)):
+        lengths.record_step(verified, seconds)
+    assert lengths.best_length(8, "s") >= 7
+    for _ in range(20):  # always wrong: nothing is worth sending
+        lengths.record_outcome([5, 6, 7], [4], "wrong")
+    assert lengths.chances("wrong")[0] < 0.05 and lengths.best_length(8, "wrong") == 0
 
 
 def test_a_switched_off_expensive_proposer_is_asked_rarely() -> None:
