@@ -9,6 +9,7 @@ import inspect
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 # Attention kernels for multi-token passes on a GPU: every backend but cuDNN's. cuDNN builds an execution plan for
 # each new (query, key) shape, and a verification pass has a new one every step (the cache grows, the draft length
@@ -25,18 +26,74 @@ def _model_type(model: torch.nn.Module) -> str:
     return f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r})"
 
 
+class PreallocatedLayer(DynamicLayer):
+    """A full-attention cache layer that writes new states into a buffer allocated once, instead of concatenating.
+
+    ``DynamicLayer`` copies its whole cache every step (``torch.cat``): with SmolLM2-135M in fp32 on a 2-core CPU
+    and a 600-token context that was 8.6 ms of a 61 ms one-token step. Here a step writes only its own states, and
+    attention reads a view of the filled prefix: the same values, shapes and layout on the last two dimensions, so
+    the same logits. A rollback only moves the end. The buffer doubles if ``capacity`` turns out too small.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = max(capacity, 1)
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._key_buffer = self._empty_like(key_states, self.capacity)
+        self._value_buffer = self._empty_like(value_states, self.capacity)
+        self._expose()
+        self.is_initialized = True
+
+    @staticmethod
+    def _empty_like(states: torch.Tensor, length: int) -> torch.Tensor:
+        batch, heads, _, dim = states.shape
+        return torch.empty(batch, heads, length, dim, dtype=states.dtype, device=states.device)
+
+    def _expose(self) -> None:
+        self.keys = self._key_buffer[:, :, : self.length]
+        self.values = self._value_buffer[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            self.capacity = max(end, 2 * self.capacity)
+            for name in ("_key_buffer", "_value_buffer"):
+                grown = self._empty_like(getattr(self, name), self.capacity)
+                grown[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
+                setattr(self, name, grown)
+        self._key_buffer[:, :, self.length : end] = key_states
+        self._value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self._expose()
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop() takes minus the number of tokens to remove, got {tokens_to_remove}.")
+        if self.is_initialized:
+            self.length = max(self.length - abs(tokens_to_remove), 0)
+            self._expose()
+
+
 class CachedModel:
     """A HF causal LM with its own rollback-able KV cache, fed one block of new tokens at a time.
 
     The cache is transformers' ``DynamicCache`` built from the model's config, exactly as ``model.generate`` builds
     it, with past recording switched on: sliding-window layers (Gemma-3, Mistral ...) then keep the states a rollback
-    needs until :meth:`rollback` trims them back to the window, so speculation works past the window too.
+    needs until :meth:`rollback` trims them back to the window, so speculation works past the window too. Its plain
+    full-attention layers are replaced by :class:`PreallocatedLayer` (other layer kinds are kept as they are).
 
     Args:
         model: the target model.
         positions: ``[1, capacity]`` position id of every sequence slot (prompt slots follow its attention mask);
             ``None`` lets the model number the tokens 0, 1, 2, ...
         attention_mask: ``[1, capacity]`` mask of every slot, or ``None`` when the prompt has no padding.
+        capacity: how many tokens the cache is expected to hold (prompt + new tokens); it grows past it if needed.
         rollback: whether the caller will roll the cache back; a model whose cache cannot be rolled back is then
             refused after the prefill instead of silently producing wrong tokens.
     """
@@ -47,6 +104,7 @@ class CachedModel:
         positions: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
         rollback: bool,
+        capacity: int = 256,
     ) -> None:
         config = model.config
         supports_dynamic_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
@@ -61,6 +119,9 @@ class CachedModel:
         self.attention_mask = attention_mask
         self.accepts_logits_to_keep = "logits_to_keep" in parameters
         self.cache = DynamicCache(config=config.get_text_config(decoder=True))
+        self.cache.layers = [
+            PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in self.cache.layers
+        ]
         if rollback:
             self.cache.activate_past_recording()
         self.cached_tokens = 0

@@ -163,7 +163,9 @@ def decode(
     sequence = _Sequence(request, stopping_criteria)
     stats = SpecStats(prompt_tokens=sequence.length)
     if request.max_length > sequence.length:
-        target = CachedModel(model, request.positions, request.attention_mask, rollback=proposer is not None)
+        target = CachedModel(
+            model, request.positions, request.attention_mask, rollback=proposer is not None, capacity=request.max_length
+        )
         vocab = vocab_size(model)
         if proposer is not None:
             proposer.check_target(model)

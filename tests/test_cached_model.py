@@ -1,0 +1,42 @@
+"""The verifier's KV cache: preallocated full-attention layers give exactly DynamicCache's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from specula.cached_model import CachedModel, PreallocatedLayer
+from tiny_models import ARCHITECTURES, VOCAB, tiny_model
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_preallocated_cache_matches_dynamic_cache(name):
+    """Blocks of varied length with rollbacks, past a capacity chosen too small (so the buffer grows twice): every
+    logit equals the one a plain DynamicCache gives."""
+    model = tiny_model(name)
+    generator = torch.Generator().manual_seed(1)
+    blocks = [torch.randint(3, VOCAB, (length,), generator=generator) for length in (9, 1, 4, 6, 1, 3, 5, 2)]
+    preallocated = CachedModel(model, None, None, rollback=True, capacity=5)
+    dynamic = CachedModel(model, None, None, rollback=True)
+    dynamic.cache = DynamicCache(config=model.config)
+    dynamic.cache.activate_past_recording()
+    for block in blocks:
+        for cached in (preallocated, dynamic):
+            cached.logits = cached.forward(block, num_logits=len(block))
+            cached.rollback(len(block) // 2)
+        torch.testing.assert_close(preallocated.logits, dynamic.logits, rtol=0, atol=0)
+    for ours, theirs in zip(preallocated.cache.layers, dynamic.cache.layers):  # sliding-window layers stay as they are
+        assert type(ours) is (PreallocatedLayer if type(theirs) is DynamicLayer else type(theirs))
+        if isinstance(ours, PreallocatedLayer):
+            assert ours.capacity >= ours.get_seq_length() == preallocated.cached_tokens > 5
+
+
+def test_crop_takes_a_negative_count():
+    layer = PreallocatedLayer(capacity=4)
+    layer.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    with pytest.raises(ValueError, match="minus the number of tokens"):
+        layer.crop(2)
+    layer.crop(-2)
+    assert layer.get_seq_length() == 1
