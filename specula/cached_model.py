@@ -29,8 +29,9 @@ def _model_type(model: torch.nn.Module) -> str:
 class PreallocatedLayer(DynamicLayer):
     """A full-attention cache layer that writes new states into a buffer allocated once, instead of concatenating.
 
-    ``DynamicLayer`` copies its whole cache every step (``torch.cat``): with SmolLM2-135M in fp32 on a 2-core CPU
-    and a 600-token context that was 8.6 ms of a 61 ms one-token step. Here a step writes only its own states, and
+    ``DynamicLayer`` copies its whole cache every step (``torch.cat``): with SmolLM2-135M in fp32 on a 2-core Xeon a
+    one-token step took 98 ms after 600 tokens of context and 272 ms after 2000; with this layer 77 and 105 ms.
+    Here a step writes only its own states, and
     attention reads a view of the filled prefix: the same values, shapes and layout on the last two dimensions, so
     the same logits. A rollback only moves the end. The buffer doubles if ``capacity`` turns out too small.
     """
@@ -42,6 +43,7 @@ class PreallocatedLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
+        self.length = 0  # (also after transformers' reset())
         self._key_buffer = self._empty_like(key_states, self.capacity)
         self._value_buffer = self._empty_like(value_states, self.capacity)
         self._expose()
