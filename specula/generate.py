@@ -1,94 +1,17 @@
-"""``specula.generate``: the speculation loop around any HF causal LM."""
+"""``specula.generate``: ``model.generate`` with specula's loop, in one call."""
 
 from __future__ import annotations
 
-import time
-from typing import Iterable
+from typing import Any, Iterable
 
-import numpy as np
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .acceptance import accept_draft
-from .cached_model import CachedModel
-from .draft_length import DraftLength, shared_step_seconds
-from .inputs import Request, prepare_request, vocab_size
-from .proposer import Draft, Proposer
-from .sampling import Sampling, resolve_sampling
-from .stats import GenerateOutput, SpecStats
-
-MAX_DRAFT = 32  # the longest draft the loop sends, whatever the proposer's own limit
-
-
-class _Sequence:
-    """Prompt + output on the host, in a buffer sized once; stops exactly at EOS, a stopping criterion, or the
-    length limit."""
-
-    def __init__(self, request: Request, stopping_criteria: StoppingCriteriaList | None = None) -> None:
-        self.tokens = np.empty(request.max_length, dtype=np.int64)
-        self.length = len(request.prompt)
-        self.tokens[: self.length] = request.prompt
-        self.eos_token_ids = request.eos_token_ids
-        self.stopping_criteria = stopping_criteria
-
-    @property
-    def ids(self) -> np.ndarray:
-        return self.tokens[: self.length]
-
-    def with_draft(self, draft: Draft, device: torch.device) -> torch.Tensor:
-        """``[1, length + len(draft)]``: the sequence followed by the draft, what logits processors read."""
-        return torch.cat([torch.from_numpy(self.ids), draft.tokens])[None].to(device)
-
-    def append(self, new_tokens: list[int]) -> tuple[list[int], bool]:
-        """Append what fits, up to and including the first token that ends generation; return the appended tokens
-        and whether to stop."""
-        start = self.length
-        kept = new_tokens[: len(self.tokens) - start]
-        self.tokens[start : start + len(kept)] = kept
-        for index, token in enumerate(kept):
-            if token in self.eos_token_ids or self._criteria_met(start + index + 1):
-                self.length = start + index + 1
-                return kept[: index + 1], True
-        self.length = start + len(kept)
-        return kept, self.length == len(self.tokens)
-
-    def _criteria_met(self, length: int) -> bool:
-        """HF stopping criteria (stop strings, max time ...) on the first ``length`` tokens, as ``model.generate``
-        checks them after every token (``scores`` is ``None``)."""
-        if not self.stopping_criteria:
-            return False
-        return bool(self.stopping_criteria(torch.from_numpy(self.tokens[None, :length]), None).any())
-
-
-def _propose(
-    proposer: Proposer | None, context: np.ndarray, budget: int, vocab: int, stats: SpecStats,
-    lengths: DraftLength | None,
-) -> Draft:
-    """Ask the proposer for at most ``budget`` tokens and check what it returns."""
-    if proposer is None or budget <= 0:
-        return Draft.empty()
-    started = time.perf_counter()
-    draft = proposer.propose(context, budget)
-    seconds = time.perf_counter() - started
-    stats.draft_time_s += seconds
-    if lengths is not None:
-        lengths.record_draft_time(seconds)
-    if not isinstance(draft, Draft):
-        raise TypeError(f"{proposer!r}.propose() must return a specula.Draft, got {type(draft).__name__}.")
-    draft = draft.head(budget)
-    if len(draft) and (int(draft.tokens.min()) < 0 or int(draft.tokens.max()) >= vocab):
-        bad = int(draft.tokens.min()) if int(draft.tokens.min()) < 0 else int(draft.tokens.max())
-        raise ValueError(
-            f"{proposer!r} proposed token id {bad}, outside the target's vocabulary of {vocab} tokens; "
-            "the proposer must use the target's tokenizer."
-        )
-    if draft.probs is not None and draft.probs.shape[1] != vocab:
-        raise ValueError(
-            f"{proposer!r} returned draft probabilities over {draft.probs.shape[1]} tokens but the target's "
-            f"vocabulary has {vocab}; give q over the target's token ids."
-        )
-    return draft
+from .hf import custom_generate
+from .inputs import check_max_new_tokens, check_prompt, eos_ids
+from .proposer import Proposer
+from .stats import GenerateOutput
 
 
 @torch.inference_mode()
@@ -100,7 +23,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     max_new_tokens: int | None = None,
     eos_token_id: int | Iterable[int] | torch.Tensor | None = None,
-    do_sample: bool = False,
+    do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -109,106 +32,66 @@ def generate(
     stopping_criteria: StoppingCriteriaList | None = None,
     streamer: BaseStreamer | None = None,
     adaptive_draft: bool = True,
+    **generation_kwargs: Any,
 ) -> GenerateOutput:
     """Decode with ``model``, sped up by speculation, without changing what it generates.
 
     Each step asks ``proposer`` for draft tokens, verifies ``[last token, d1..dK]`` in one forward pass of the
     target, keeps the draft prefix the target accepts plus one token of the target's own, and rolls the KV cache
-    back past the rejected drafts. Greedy output is token for token ``model.generate(do_sample=False)``'s; sampled
-    output has exactly the distribution of ``model.generate(do_sample=True)`` (speculative sampling, see
-    :mod:`specula.acceptance`). ``proposer=None`` decodes one token per pass through the same loop.
+    back past the rejected drafts. Greedy output is token for token ``model.generate``'s; sampled output has exactly
+    its distribution (speculative sampling, see :mod:`specula.acceptance`). ``proposer=None`` decodes one token per
+    pass through the same loop.
+
+    Settings are resolved exactly as ``model.generate`` resolves them, by ``model.generate`` itself (this is
+    ``model.generate(..., custom_generate=specula.custom_generate)``): what is not given comes from the model's
+    ``generation_config`` -- ``do_sample`` and the sampling settings, ``repetition_penalty``, ``no_repeat_ngram_size``,
+    ``min_new_tokens``, forced BOS/EOS, suppressed and bad words, ``max_new_tokens``, ``eos_token_id`` -- then from
+    transformers' defaults. What specula cannot reproduce exactly (beam search, several sequences, assisted
+    generation, per-step scores) is refused with a ``ValueError``.
 
     Args:
         model: any HF decoder-only causal LM (``AutoModelForCausalLM``).
         input_ids: the prompt, shape ``[1, length]`` (or ``[length]``); one sequence at a time.
         proposer: where drafts come from, e.g. ``specula.PromptLookup()``; ``None`` for plain decoding.
         attention_mask: as in HF; zeros mark left padding.
-        max_new_tokens: defaults to the model's ``generation_config`` (as ``model.generate``).
-        eos_token_id: token id(s) that end generation; defaults to the model's ``generation_config``.
-        do_sample: sample instead of decoding greedily.
-        temperature, top_k, top_p: sampling settings, applied with transformers' warpers; unset ones come from the
-            model's ``generation_config``, then transformers' defaults (1.0, 50, 1.0), as in ``model.generate``.
-            ``temperature=0`` decodes greedily.
+        max_new_tokens, eos_token_id: as in ``model.generate``.
+        do_sample: sample instead of decoding greedily; ``None`` follows the model's ``generation_config``.
+        temperature, top_k, top_p: sampling settings, as in ``model.generate``; ``temperature=0`` decodes greedily.
         generator: random source for sampling; ``None`` uses torch's global RNG.
-        logits_processor: extra HF logits processors (e.g. ``RepetitionPenaltyLogitsProcessor``), applied to every
-            verified position before the sampling warpers, as ``model.generate`` applies them.
+        logits_processor: extra HF logits processors, applied at every verified position with exactly the tokens
+            before it, after the ones the generation config asks for.
         stopping_criteria: extra HF stopping criteria (e.g. ``StopStringCriteria``), checked after every new token.
         streamer: an HF streamer (``TextStreamer``, ``TextIteratorStreamer`` ...): gets the prompt, then the new
             tokens of every step as soon as they are accepted.
         adaptive_draft: choose each step's draft length from measured step costs and running acceptance, and stop
             sending drafts that do not pay (:mod:`specula.draft_length`); ``False`` verifies every draft as proposed.
+        **generation_kwargs: any other ``model.generate`` argument: ``GenerationConfig`` fields
+            (``repetition_penalty=1.2``, ``stop_strings=[...]`` with ``tokenizer=``, ...) or ``generation_config=``.
 
     Returns:
         ``GenerateOutput`` with ``sequences`` (prompt + new tokens, ``[1, length]``) and ``stats``.
     """
-    request = prepare_request(model, input_ids, attention_mask, max_new_tokens, eos_token_id)
-    sampling = resolve_sampling(model, do_sample, temperature, top_k, top_p, generator, logits_processor)
-    if streamer is not None:
-        streamer.put(torch.from_numpy(request.prompt)[None])
-    return decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft)
-
-
-@torch.inference_mode()
-def decode(
-    model: torch.nn.Module,
-    request: Request,
-    proposer: Proposer | None,
-    sampling: Sampling,
-    stopping_criteria: StoppingCriteriaList | None = None,
-    streamer: BaseStreamer | None = None,
-    adaptive_draft: bool = True,
-) -> GenerateOutput:
-    """The speculation loop on a validated request (see :func:`generate`)."""
-    started = time.perf_counter()
-    sequence = _Sequence(request, stopping_criteria)
-    stats = SpecStats(prompt_tokens=sequence.length)
-    if request.max_length > sequence.length:
-        target = CachedModel(
-            model, request.positions, request.attention_mask, rollback=proposer is not None, capacity=request.max_length
-        )
-        vocab = vocab_size(model)
-        if proposer is not None:
-            proposer.check_target(model)
-            proposer.begin(sequence.ids, sampling)
-        lengths = None
-        if proposer is not None and adaptive_draft:
-            setting = (request.device, getattr(model, "dtype", None))
-            costs = shared_step_seconds(model, setting, MAX_DRAFT) if sampling.greedy else None
-            lengths = DraftLength(MAX_DRAFT, timed=sampling.greedy, step_seconds=costs)
-
-        def next_draft() -> Draft:
-            remaining = request.max_length - sequence.length - 1
-            budget = remaining if lengths is None else lengths.budget(remaining)
-            return _propose(proposer, sequence.ids, budget, vocab, stats, lengths)
-
-        draft = next_draft()
-        block = torch.from_numpy(request.prompt)  # the first pass is the prefill, with a draft already
-        while True:
-            step_started = time.perf_counter()
-            sent = draft if lengths is None else draft.head(lengths.best_length(len(draft), draft.source))
-            block = torch.cat([block, sent.tokens]).to(request.device)
-            logits = target.forward(block, num_logits=len(sent) + 1)
-            input_ids = sequence.with_draft(sent, request.device) if sampling.reads_tokens else None
-            new_tokens = accept_draft(logits, sent, sampling, input_ids)
-            target.rollback(len(sent) + 1 - len(new_tokens))
-            if lengths is not None:
-                if stats.steps:  # (the prefill is not a verification step)
-                    lengths.record_step(len(block), time.perf_counter() - step_started)
-                lengths.record_outcome(draft.tokens.tolist(), new_tokens, draft.source)
-            stats.record_step(drafted=len(sent), accepted=len(new_tokens) - 1)
-            if stats.steps == 1:
-                stats.prefill_time_s = time.perf_counter() - started
-            kept, finished = sequence.append(new_tokens)
-            if streamer is not None:
-                streamer.put(torch.tensor(kept))
-            if proposer is not None:
-                proposer.observe(kept, min(len(new_tokens) - 1, len(kept)))
-            if finished:
-                break
-            draft = next_draft()
-            block = torch.from_numpy(sequence.tokens[sequence.length - 1 : sequence.length])
-    if streamer is not None:
-        streamer.end()
-    stats.new_tokens = sequence.length - stats.prompt_tokens
-    stats.wall_time_s = time.perf_counter() - started
-    return GenerateOutput(sequences=torch.from_numpy(sequence.ids.copy())[None].to(request.device), stats=stats)
+    input_ids, attention_mask = check_prompt(model, input_ids, attention_mask)
+    if max_new_tokens is not None:
+        check_max_new_tokens(max_new_tokens)
+    if eos_token_id is not None:
+        eos_ids(eos_token_id)
+    if temperature == 0:  # greedy, as vLLM and most serving APIs read it; model.generate would refuse it
+        do_sample, temperature = False, None
+    given = dict(
+        max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, do_sample=do_sample, temperature=temperature,
+        top_k=top_k, top_p=top_p, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        streamer=streamer,
+    )
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids) if attention_mask is None else attention_mask,
+        custom_generate=custom_generate,
+        proposer=proposer,
+        generator=generator,
+        adaptive_draft=adaptive_draft,
+        return_dict_in_generate=True,
+        **{name: value for name, value in given.items() if value is not None},
+        **generation_kwargs,
+    )
+    return GenerateOutput(sequences=out.sequences, stats=out.stats)

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from .generate import decode
+from .loop import decode
 from .inputs import prepare_request
 from .proposer import Proposer
 from .sampling import Sampling
@@ -42,6 +43,7 @@ def custom_generate(
     streamer: BaseStreamer | None = None,
     proposer: Proposer | None = None,
     tokenizer=None,
+    generator: torch.Generator | None = None,
     adaptive_draft: bool = True,
     **model_kwargs,
 ) -> torch.LongTensor | SpeculaGenerateOutput:
@@ -50,23 +52,12 @@ def custom_generate(
     Greedy or sampled per the generation config, with the logits processors, stopping criteria (EOS, max length,
     ``stop_strings`` with ``tokenizer=``, custom ones) and streamer ``generate`` prepared; a stop inside an accepted
     block ends the output exactly there. Returns the sequences, or with ``return_dict_in_generate=True`` a
-    ``SpeculaGenerateOutput`` (``sequences`` and specula's ``stats``). One sequence at a time. ``adaptive_draft`` as
-    in :func:`specula.generate`.
+    ``SpeculaGenerateOutput`` (``sequences`` and specula's ``stats``). One sequence at a time. ``generator`` (a
+    ``torch.Generator`` on the model's device) makes sampling independent of torch's global RNG; ``adaptive_draft``
+    as in :func:`specula.generate`.
     """
     del synced_gpus, tokenizer  # one process; the tokenizer already went into the stop-string criteria
-    if generation_config.num_beams > 1:
-        raise ValueError("specula.custom_generate does not do beam search; drop num_beams or custom_generate.")
-    asked = [name for name in _UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
-    if asked:
-        raise ValueError(f"specula.custom_generate cannot return {', '.join(asked)}; generate without them.")
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("specula.custom_generate starts from the prompt; it cannot continue a filled past_key_values.")
-    if input_ids.shape[0] > 1:
-        raise ValueError(
-            f"specula.custom_generate decodes one sequence at a time, got a batch of {input_ids.shape[0]} "
-            "(num_return_sequences > 1 also makes a batch); call generate once per sequence."
-        )
+    _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator, model_kwargs.get("past_key_values"))
     request = prepare_request(
         model,
         input_ids,
@@ -74,11 +65,41 @@ def custom_generate(
         max(generation_config.max_length - input_ids.shape[1], 0),
         generation_config.eos_token_id,
     )
-    sampling = Sampling(do_sample=bool(generation_config.do_sample), processors=logits_processor)
+    sampling = Sampling(do_sample=bool(generation_config.do_sample), processors=logits_processor, generator=generator)
     out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft)
     if generation_config.return_dict_in_generate:
         return SpeculaGenerateOutput(sequences=out.sequences, stats=out.stats)
     return out.sequences
+
+
+def _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator, cache) -> None:
+    """``ValueError`` for what ``generate`` was asked that specula's loop cannot do exactly."""
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(
+            f"specula decodes greedily or by sampling, but these generation settings ask for {mode.value.replace('_', ' ')} "
+            "(num_beams, prompt_lookup_num_tokens, assistant_model, penalty_alpha, dola_layers ...); drop them, or "
+            "call model.generate without specula."
+        )
+    asked = [name for name in _UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
+    if asked:
+        raise ValueError(f"specula cannot return {', '.join(asked)}; generate without them.")
+    if generation_config.num_return_sequences > 1 or input_ids.shape[0] > 1:
+        raise ValueError(
+            f"specula decodes one sequence at a time, got a batch of {input_ids.shape[0]} with "
+            f"num_return_sequences={generation_config.num_return_sequences}; call generate once per sequence."
+        )
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("specula starts from the prompt; it cannot continue a filled past_key_values.")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
+        model_device = model.get_input_embeddings().weight.device
+        if generator.device.type != model_device.type:
+            raise ValueError(
+                f"generator is on {generator.device} but the model is on {model_device}; create it with "
+                f"torch.Generator(device={str(model_device)!r})."
+            )
 
 
 def _keep_tokenizer_and_streamer(extract):

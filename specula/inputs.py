@@ -57,10 +57,8 @@ def _token_tensor(value: object, name: str) -> torch.Tensor:
     return value.long()
 
 
-def _eos_ids(model: torch.nn.Module, eos_token_id: int | Iterable[int] | torch.Tensor | None) -> frozenset[int]:
-    if eos_token_id is None:
-        generation_config = getattr(model, "generation_config", None)
-        eos_token_id = getattr(generation_config, "eos_token_id", None)
+def eos_ids(eos_token_id: int | Iterable[int] | torch.Tensor | None) -> frozenset[int]:
+    """The set of token ids that end generation; ``ValueError`` if ``eos_token_id`` is not ids."""
     if eos_token_id is None:
         return frozenset()
     if isinstance(eos_token_id, torch.Tensor):
@@ -71,26 +69,16 @@ def _eos_ids(model: torch.nn.Module, eos_token_id: int | Iterable[int] | torch.T
     return frozenset(ids)
 
 
-def _max_new_tokens(model: torch.nn.Module, max_new_tokens: int | None, prompt_length: int) -> int:
-    if max_new_tokens is None:
-        generation_config = getattr(model, "generation_config", None)
-        max_new_tokens = getattr(generation_config, "max_new_tokens", None)
-        max_length = getattr(generation_config, "max_length", None)
-        if max_new_tokens is None:  # as model.generate: the config's max_length, else 20 new tokens
-            max_new_tokens = 20 if max_length is None else max(max_length - prompt_length, 0)
+def check_max_new_tokens(max_new_tokens: object) -> None:
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}.")
-    return max_new_tokens
 
 
-def prepare_request(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    max_new_tokens: int | None,
-    eos_token_id: int | Iterable[int] | torch.Tensor | None,
-) -> Request:
-    """Validate the arguments of ``specula.generate``; raise ``ValueError`` saying what is wrong and what to do."""
+def check_prompt(
+    model: torch.nn.Module, input_ids: object, attention_mask: object | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``input_ids`` as a ``[1, length]`` long tensor and ``attention_mask`` checked against it; raise ``ValueError``
+    saying what is wrong and what to do."""
     input_ids = _token_tensor(input_ids, "input_ids")
     prompt_length = input_ids.shape[1]
     if prompt_length == 0:
@@ -102,24 +90,12 @@ def prepare_request(
             f"input_ids holds token id {low if low < 0 else high}, outside the model's vocabulary of {vocab} tokens; "
             "was the prompt encoded with this model's tokenizer?"
         )
-
     limit = context_limit(model)
     if limit is not None and prompt_length >= limit:
         raise ValueError(
             f"The prompt has {prompt_length} tokens but the model accepts at most {limit} positions; "
             "shorten the prompt to leave room for new tokens."
         )
-    max_length = prompt_length + _max_new_tokens(model, max_new_tokens, prompt_length)
-    if limit is not None and max_length > limit:
-        warnings.warn(
-            f"prompt ({prompt_length}) + max_new_tokens ({max_length - prompt_length}) exceeds the model's context "
-            f"of {limit} positions; generation stops at {limit} tokens.",
-            stacklevel=3,
-        )
-        max_length = limit
-
-    device = model.get_input_embeddings().weight.device
-    full_mask = torch.ones(1, max_length, dtype=torch.long)
     if attention_mask is not None:
         attention_mask = _token_tensor(attention_mask, "attention_mask")
         if attention_mask.shape != input_ids.shape:
@@ -131,6 +107,33 @@ def prepare_request(
             raise ValueError("attention_mask must hold only 0 (padding) and 1 (token).")
         if int(attention_mask[0, -1]) != 1:
             raise ValueError("The last prompt token is masked out (right padding); pad on the left or strip padding.")
+    return input_ids, attention_mask
+
+
+def prepare_request(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    max_new_tokens: int,
+    eos_token_id: int | Iterable[int] | torch.Tensor | None,
+) -> Request:
+    """The request the loop runs: the checked prompt, its length limit, EOS ids, and every slot's position."""
+    input_ids, attention_mask = check_prompt(model, input_ids, attention_mask)
+    check_max_new_tokens(max_new_tokens)
+    prompt_length = input_ids.shape[1]
+    max_length = prompt_length + max_new_tokens
+    limit = context_limit(model)
+    if limit is not None and max_length > limit:
+        warnings.warn(
+            f"prompt ({prompt_length}) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+            f"of {limit} positions; generation stops at {limit} tokens.",
+            stacklevel=3,
+        )
+        max_length = limit
+
+    device = model.get_input_embeddings().weight.device
+    full_mask = torch.ones(1, max_length, dtype=torch.long)
+    if attention_mask is not None:
         full_mask[:, :prompt_length] = attention_mask.cpu()
     # Position ids as model.generate computes them: count the unmasked tokens, padding gets position 0.
     positions = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 0)
@@ -138,7 +141,7 @@ def prepare_request(
     return Request(
         prompt=input_ids[0].cpu().numpy().astype(np.int64),
         max_length=max_length,
-        eos_token_ids=_eos_ids(model, eos_token_id),
+        eos_token_ids=eos_ids(eos_token_id),
         positions=positions.to(device),
         attention_mask=full_mask.to(device) if has_padding else None,
         device=device,

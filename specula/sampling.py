@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -17,17 +16,19 @@ from transformers import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
-
-# What model.generate(do_sample=True) uses when neither the caller nor the model's generation_config sets a value
-# (transformers' GenerationConfig._get_default_generation_params; a test keeps the two in step).
-HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-
+from transformers.generation.logits_process import (
+    SynthIDTextWatermarkLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 
 # Warpers whose effect on a row of logits does not depend on the tokens before it: rows are processed in one batch.
 _ROW_INDEPENDENT = (
     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
     EpsilonLogitsWarper, EtaLogitsWarper,
 )
+# Processors that change their own state at every call (a model pass with its own cache, a watermarking context):
+# scoring several positions per pass, and rejected ones, would drift them from what model.generate computes.
+_STATEFUL = (UnbatchedClassifierFreeGuidanceLogitsProcessor, SynthIDTextWatermarkLogitsProcessor)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ class Sampling:
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(self.generator).__name__}.")
         object.__setattr__(self, "processors", LogitsProcessorList(self.processors))
+        stateful = [type(processor).__name__ for processor in self.processors if isinstance(processor, _STATEFUL)]
+        if stateful:
+            raise ValueError(
+                f"{', '.join(stateful)} keeps state from one call to the next, so specula cannot apply it exactly "
+                "(it scores several positions per pass and rolls rejected ones back); use model.generate() for it."
+            )
 
     @classmethod
     def from_settings(
@@ -117,40 +124,3 @@ class Sampling:
 
     def _random_device(self, device: torch.device) -> torch.device:
         return device if self.generator is None else self.generator.device
-
-
-def resolve_sampling(
-    model: torch.nn.Module,
-    do_sample: bool,
-    temperature: float | None,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-    logits_processor: LogitsProcessorList | None = None,
-) -> Sampling:
-    """The :class:`Sampling` of a ``specula.generate`` call; unset values come from the model's
-    ``generation_config``, then from transformers' defaults, exactly as ``model.generate(do_sample=True)``.
-    ``logits_processor`` goes before the warpers, as in ``model.generate``."""
-    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
-    if not isinstance(do_sample, bool):
-        raise ValueError(f"do_sample must be True or False, got {do_sample!r}.")
-    if not do_sample:
-        ignored = [f"{name}={value!r}" for name, value in given.items() if value is not None]
-        if ignored:
-            warnings.warn(f"{', '.join(ignored)} ignored: do_sample=False decodes greedily.", stacklevel=3)
-        return Sampling(processors=logits_processor or [], generator=generator)
-    generation_config = getattr(model, "generation_config", None)
-    settings = {}
-    for name, value in given.items():
-        if value is None:
-            value = getattr(generation_config, name, None)
-        settings[name] = HF_SAMPLING_DEFAULTS[name] if value is None else value
-    if generator is not None and isinstance(generator, torch.Generator):
-        model_device = model.get_input_embeddings().weight.device
-        if generator.device.type != model_device.type:
-            raise ValueError(
-                f"generator is on {generator.device} but the model is on {model_device}; create it with "
-                f"torch.Generator(device={str(model_device)!r})."
-            )
-    warped = Sampling.from_settings(**settings, generator=generator)
-    return Sampling(warped.do_sample, [*(logits_processor or []), *warped.processors], generator)

@@ -189,7 +189,7 @@ def test_step_costs_are_shared_per_model_and_setting() -> None:
 def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) -> None:
     target = tiny_model("llama", seed=3)
     tables = []
-    loop = importlib.import_module("specula.generate")  # (the module; specula.generate is the function)
+    loop = importlib.import_module("specula.loop")
 
     def recording(*args, **kwargs):
         tables.append(kwargs.get("step_seconds"))

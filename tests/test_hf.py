@@ -104,9 +104,10 @@ def test_streamers_get_every_step_as_it_is_accepted(through) -> None:
     streamer = RecordingStreamer()
     if through == "model.generate":
         out = specula_hf_generate(model(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS, streamer=streamer,
-                                  return_dict_in_generate=True)
+                                  return_dict_in_generate=True, adaptive_draft=False)
     else:
-        out = specula.generate(model(), PROMPT, specula.PromptLookup(), max_new_tokens=NEW_TOKENS, streamer=streamer)
+        out = specula.generate(model(), PROMPT, specula.PromptLookup(), max_new_tokens=NEW_TOKENS, streamer=streamer,
+                               adaptive_draft=False)
     assert streamer.ended and streamer.puts[0] == PROMPT[0].tolist()
     steps = streamer.puts[1:]
     assert len(steps) == out.stats.steps and max(map(len, steps)) > 1  # whole accepted blocks, one put per step
@@ -181,7 +182,9 @@ def test_sampling_through_model_generate_is_reproducible() -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(num_beams=2), "does not do beam search"),
+        (dict(num_beams=2), "ask for beam search"),
+        (dict(prompt_lookup_num_tokens=3), "ask for assisted generation"),
+        (dict(guidance_scale=1.5), "UnbatchedClassifierFreeGuidanceLogitsProcessor keeps state"),
         (dict(output_scores=True, return_dict_in_generate=True), "cannot return output_scores"),
         (dict(num_return_sequences=2, do_sample=True), "one sequence at a time"),
     ],
@@ -189,3 +192,6 @@ def test_sampling_through_model_generate_is_reproducible() -> None:
 def test_what_custom_generate_cannot_do_is_refused(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         specula_hf_generate(model(), specula.PromptLookup(), max_new_tokens=4, **kwargs)
+    kwargs.pop("return_dict_in_generate", None)  # (specula.generate always asks for it)
+    with pytest.raises(ValueError, match=message):
+        specula.generate(model(), PROMPT, specula.PromptLookup(), max_new_tokens=4, **kwargs)

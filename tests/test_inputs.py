@@ -39,7 +39,7 @@ def test_bad_input_ids(input_ids, message: str) -> None:
         specula.generate(llama(), input_ids, specula.PromptLookup(), max_new_tokens=4)
 
 
-@pytest.mark.parametrize("max_new_tokens", [-1, 2.5, "8", True])
+@pytest.mark.parametrize("max_new_tokens", [-1, 0, 2.5, "8", True])
 def test_bad_max_new_tokens(max_new_tokens) -> None:
     with pytest.raises(ValueError, match="max_new_tokens"):
         specula.generate(llama(), PROMPT, max_new_tokens=max_new_tokens)

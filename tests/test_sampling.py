@@ -17,7 +17,6 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 import specula
 from specula import acceptance
 from specula.acceptance import accept_draft, acceptance_probability, residual_distribution
-from specula.sampling import HF_SAMPLING_DEFAULTS
 from helpers import NoisyModelDrafter, chi_square_p_value
 from tiny_models import tiny_model
 
@@ -268,8 +267,10 @@ def test_the_test_fails_when_the_ratio_is_inverted(monkeypatch) -> None:
 
 def test_the_test_fails_when_top_p_is_applied_to_q_only(monkeypatch) -> None:
     """The drafter samples with top-k and top-p, the verifier's p lacks top-p (warpers applied to one side only)."""
-    without_top_p = specula.Sampling.from_settings(temperature=TRUNCATED["temperature"], top_k=TRUNCATED["top_k"])
-    monkeypatch.setattr(sys.modules["specula.generate"], "resolve_sampling", lambda *args: without_top_p)
+    def without_top_p(do_sample, processors, generator):
+        return specula.Sampling(do_sample, [p for p in processors if not isinstance(p, TopPLogitsWarper)], generator)
+
+    monkeypatch.setattr(sys.modules["specula.hf"], "Sampling", without_top_p)
     drafter = lambda: NoisyModelDrafter(sharp_model(), 2, sampling=specula.Sampling.from_settings(**TRUNCATED))  # noqa: E731
     counts, expected, _ = sample_first_two(drafter, TRUNCATED, 1000)
     assert chi_square_p_value(counts, expected) < 0.001
@@ -316,37 +317,36 @@ def test_sampling_stops_exactly_at_eos_and_max_new_tokens() -> None:
     assert ended_by_eos > 0
 
 
-def test_unset_settings_follow_generation_config_then_hf_defaults() -> None:
-    defaults = transformers.GenerationConfig._get_default_generation_params()
-    assert HF_SAMPLING_DEFAULTS == {name: defaults[name] for name in HF_SAMPLING_DEFAULTS}
-    model = tiny_model("llama")
-    model.generation_config.top_p = 0.8
-    def warpers(sampling):
-        settings = ("temperature", "top_k", "top_p")
-        return [(type(w).__name__, *[getattr(w, name) for name in settings if hasattr(w, name)]) for w in sampling.processors]
+def test_settings_come_from_the_generation_config_exactly_as_in_model_generate() -> None:
+    """Seeded plain decoding draws the same tokens as seeded model.generate: the same processors, warpers and
+    settings (the model's generation_config, then transformers' defaults: top_k=50 here), the same random draws."""
+    model, prompt = tiny_model("llama"), torch.tensor([[1, 5, 6, 7, 5, 6, 7, 5, 6]])
+    model.generation_config.update(do_sample=True, temperature=0.7, top_p=0.9, repetition_penalty=1.3)
 
-    try:
-        sampling = specula.sampling.resolve_sampling(model, True, None, None, None, None)
-        assert warpers(sampling) == [("TopKLogitsWarper", 50), ("TopPLogitsWarper", 0.8)]  # temperature 1.0: none
-        sampling = specula.sampling.resolve_sampling(model, True, 0.5, 0, 1.0, None)
-        assert warpers(sampling) == [("TemperatureLogitsWarper", 0.5)]
-        assert specula.sampling.resolve_sampling(model, True, 0.0, None, None, None).greedy
-    finally:
-        model.generation_config.top_p = None
-    with pytest.warns(UserWarning, match="do_sample=False"):
-        assert specula.sampling.resolve_sampling(model, False, 0.7, None, None, None).greedy
+    def both(**kwargs):
+        torch.manual_seed(5)
+        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, **kwargs)
+        torch.manual_seed(5)
+        return expected, specula.generate(model, prompt, None, max_new_tokens=30, **kwargs).sequences
+
+    expected, out = both(eos_token_id=[])
+    assert out.tolist() == expected.tolist()
+    expected, out = both(eos_token_id=[], top_k=3, temperature=1.5)  # explicit arguments override the config
+    assert out.tolist() == expected.tolist()
+    expected, out = both(eos_token_id=[], do_sample=False)
+    assert out.tolist() == expected.tolist()
+    model.generation_config.update(do_sample=False, repetition_penalty=1.0)  # what the config asked made a difference
+    torch.manual_seed(5)
+    assert specula.generate(model, prompt, None, max_new_tokens=30, eos_token_id=[]).sequences.tolist() != expected.tolist()
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(temperature=-0.1), "temperature must be a number >= 0"),
-        (dict(temperature=float("inf")), "temperature must be finite"),
-        (dict(temperature="hot"), "temperature must be a number"),
-        (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
-        (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
-        (dict(top_k=-1), "top_k must be an integer >= 0"),
-        (dict(top_k=2.5), "top_k must be an integer >= 0"),
+        (dict(temperature=-0.1), "temperature.*strictly positive"),  # transformers' own checks, as model.generate
+        (dict(temperature="hot"), "temperature.*strictly positive"),
+        (dict(top_k=-1), "top_k.*strictly positive integer"),
+        (dict(top_k=2.5), "top_k.*strictly positive integer"),
         (dict(generator=123), "generator must be a torch.Generator"),
     ],
 )
