@@ -9,7 +9,7 @@ import inspect
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 
 # Attention kernels for multi-token passes on a GPU: every backend but cuDNN's. cuDNN builds an execution plan for
 # each new (query, key) shape, and a verification pass has a new one every step (the cache grows, the draft length
@@ -21,6 +21,14 @@ _VERIFY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, 
 # Where a causal LM's forward takes its Cache: past_key_values, or cache_params for Mamba-style models (as in
 # model.generate). Models that keep their state under another name (XLM's cache dict, RWKV, XLNet ...) are refused.
 _CACHE_ARGUMENTS = ("past_key_values", "cache_params")
+
+
+# Models whose pass over several tokens after a filled cache does not compute what one-token steps compute, so that
+# even model.generate's own output depends on how the tokens are split into passes; found by the architecture sweep
+# (tests/test_architectures.py). They decode through specula without a proposer (one-token steps), not with one.
+_SPLIT_DEPENDENT = {
+    "moshi": "its attention mask has no sliding window while its KV cache keeps one",
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -145,6 +153,9 @@ class CachedModel:
                 f"{_model_type(model)} is not a decoder-only model with a standard KV cache; specula cannot verify "
                 "drafts with it. Use model.generate() for this model."
             )
+        self.cache = DynamicCache(config=config.get_text_config(decoder=True))
+        if rollback:
+            self._refuse_split_dependent(model)
         parameters = inspect.signature(model.forward).parameters
         self.cache_argument = next((name for name in _CACHE_ARGUMENTS if name in parameters), None)
         if self.cache_argument is None:
@@ -156,7 +167,6 @@ class CachedModel:
         self.positions = positions if "position_ids" in parameters else None
         self.attention_mask = attention_mask
         self.accepts_logits_to_keep = "logits_to_keep" in parameters
-        self.cache = DynamicCache(config=config.get_text_config(decoder=True))
         self.cache.layers = [
             PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in self.cache.layers
         ]
@@ -164,6 +174,21 @@ class CachedModel:
             self.cache.activate_past_recording()
         self.cached_tokens = 0
         self.can_roll_back = rollback
+
+    def _refuse_split_dependent(self, model: torch.nn.Module) -> None:
+        """Refuse models for which a pass over several tokens computes something else than one-token steps."""
+        reason = _SPLIT_DEPENDENT.get(model.config.model_type)
+        if any(isinstance(layer, DynamicIndexedLayer) for layer in self.cache.layers):
+            reason = (
+                "its sparse attention picks the top-k keys of each query with an indexer, and passes of other "
+                "shapes round its scores differently and break its ties otherwise"
+            )
+        if reason is not None:
+            raise UnsupportedModelError(
+                f"{_model_type(model)} gives other results for a pass over several tokens than for one-token steps "
+                f"({reason}), so drafts cannot be verified exactly. Use proposer=None or model.generate() for this "
+                "model."
+            )
 
     def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         """Append ``token_ids`` (1-D) to the cache; return the logits of its last ``num_logits`` positions.

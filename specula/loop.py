@@ -123,8 +123,10 @@ def decode(
             budget = remaining if lengths is None else lengths.budget(remaining)
             return _propose(proposer, sequence.ids, budget, vocab, stats, lengths)
 
-        draft = next_draft()
-        block = torch.from_numpy(request.prompt)  # the first pass is the prefill, with a draft already
+        # The first pass is the prefill of the prompt alone, as model.generate's: some models compute a prompt
+        # differently when more tokens share its pass (Doge's dynamic masks; rounding in bf16).
+        draft = Draft.empty()
+        block = torch.from_numpy(request.prompt)
         while True:
             step_started = time.perf_counter()
             sent = draft if lengths is None else draft.head(lengths.best_length(len(draft), draft.source))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import transformers
 import torch
 from helpers import AlwaysWrong, Oracle, Recorder, hf_greedy
 from tiny_models import ARCHITECTURES, VOCAB, tiny_model
@@ -62,7 +63,7 @@ def test_oracle_and_always_wrong_proposers(name: str) -> None:
     )
     assert oracle.sequences.tolist() == wrong.sequences.tolist() == ref.tolist()
     assert oracle.stats.acceptance_rate == 1.0
-    assert oracle.stats.steps == -(-NEW_TOKENS // 8)  # blocks of 7 drafts + 1 bonus, the prefill's included
+    assert oracle.stats.steps == 1 + -(-(NEW_TOKENS - 1) // 8)  # the prefill's token, then blocks of 7 drafts + 1 bonus
     assert wrong.stats.accepted == 0 and wrong.stats.drafted > 0
     assert wrong.stats.steps == NEW_TOKENS
 
@@ -70,8 +71,8 @@ def test_oracle_and_always_wrong_proposers(name: str) -> None:
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_eos_inside_an_accepted_block_stops_exactly(name: str) -> None:
     ref = reference(name, "random")[0, len(RANDOM) :].tolist()
-    # Oracle blocks are 8 tokens per step (the prefill drafts too); pick an EOS whose first occurrence is mid-block.
-    candidates = [i for i, t in enumerate(ref) if ref.index(t) == i and i >= 2 and i % 8 != 7]
+    # Oracle blocks are 8 tokens per step after the prefill's one; pick an EOS whose first occurrence is mid-block.
+    candidates = [i for i, t in enumerate(ref) if ref.index(t) == i and i >= 2 and i % 8 != 0]
     assert candidates, "the reference output has no usable token for this test"
     eos_position = candidates[len(candidates) // 2]
     eos = ref[eos_position]
@@ -154,3 +155,24 @@ def test_unsupported_cache_is_refused_by_name() -> None:
     # Plain decoding needs no rollback, so it still works.
     plain = specula.generate(mamba, torch.tensor([REPETITIVE]), None, max_new_tokens=5, eos_token_id=[])
     assert plain.sequences.tolist() == hf_greedy(mamba, torch.tensor([REPETITIVE]), 5).tolist()
+
+
+class _IgnoresTheCache(transformers.LlamaForCausalLM):
+    """Takes past_key_values but computes with a cache of its own, as XLM did: model.generate still works (it carries
+    the returned cache on), a loop that keeps its own cache object sees only the new tokens."""
+
+    def forward(self, input_ids=None, past_key_values=None, **kwargs):
+        return super().forward(input_ids=input_ids, **kwargs)
+
+
+def test_a_model_that_ignores_the_cache_is_refused(monkeypatch) -> None:
+    torch.manual_seed(0)
+    ignoring = _IgnoresTheCache(model("llama").config).eval()
+    prompt = torch.tensor([RANDOM])
+    expected = hf_greedy(ignoring, prompt, 20)
+    for proposer in (specula.PromptLookup(), None):
+        with pytest.raises(specula.UnsupportedModelError, match="holds nothing where specula expects 16"):
+            specula.generate(ignoring, prompt, proposer, max_new_tokens=20)
+    # Without the check the output is silently wrong.
+    monkeypatch.setattr(specula.cached_model.CachedModel, "_check_length", lambda self, after: None)
+    assert specula.generate(ignoring, prompt, None, max_new_tokens=20).sequences.tolist() != expected.tolist()
