@@ -8,7 +8,7 @@ import torch
 import specula
 
 
-def hf_greedy(model, input_ids, max_new_tokens, eos_token_id=None, attention_mask=None) -> torch.Tensor:
+def hf_greedy(model, input_ids, max_new_tokens, eos_token_id=None, attention_mask=None, **kwargs) -> torch.Tensor:
     """``model.generate`` greedy: the output specula must reproduce token for token."""
     return model.generate(
         input_ids,
@@ -17,6 +17,7 @@ def hf_greedy(model, input_ids, max_new_tokens, eos_token_id=None, attention_mas
         max_new_tokens=max_new_tokens,
         eos_token_id=eos_token_id,
         pad_token_id=0,
+        **kwargs,
     )
 
 

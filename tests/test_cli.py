@@ -62,6 +62,25 @@ def test_generate_jsonl_keeps_ids_and_reports_bad_lines(model_folder, tmp_path, 
     assert records[0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
 
 
+def test_generate_follows_the_models_generation_config_unless_told(model_folder, tmp_path) -> None:
+    """A generation_config.json asking for a repetition penalty is applied, as model.generate applies it."""
+    model, tokenizer = models.load_model(model_folder, dtype=torch.float32)
+    model.generation_config.repetition_penalty = 3.0
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
+    prompt = tokenizer(json.loads(REQUESTS[0])["prompt"], return_tensors="pt").input_ids
+    texts = []
+    for temperature in ([], ["--temperature", 0]):
+        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl",
+                "--model", tmp_path / "model", "--dtype", "fp32", "--max-new-tokens", 12, *temperature)
+        texts.append(json.loads((tmp_path / "out.jsonl").read_text())["text"])
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12)
+    assert texts[0] == texts[1] == tokenizer.decode(expected[0, prompt.shape[1] :], skip_special_tokens=True)
+    plain = hf_greedy(model, prompt, 12, repetition_penalty=1.0)[0, prompt.shape[1] :]  # what the penalty changed
+    assert texts[0] != tokenizer.decode(plain, skip_special_tokens=True)
+
+
 def test_strict_stops_at_the_bad_line_and_keeps_what_was_written(model_folder, tmp_path) -> None:
     (tmp_path / "in.jsonl").write_text("\n".join(REQUESTS) + "\n")
     with pytest.raises(SystemExit, match=r"in.jsonl:2: .*--strict"):

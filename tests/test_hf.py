@@ -134,11 +134,11 @@ def test_logits_processors_are_applied_at_every_verified_position() -> None:
             model(), proposer, max_new_tokens=NEW_TOKENS, repetition_penalty=1.5, no_repeat_ngram_size=4,
             return_dict_in_generate=True, adaptive_draft=False,
         )
-        assert out.sequences.tolist() == expected.tolist() and out.stats.drafted > 0
+        assert out.sequences.tolist() == expected.tolist()
         direct = specula.generate(model(), PROMPT, proposer, max_new_tokens=NEW_TOKENS, eos_token_id=[],
                                   logits_processor=processors, adaptive_draft=False)
         assert direct.sequences.tolist() == expected.tolist()
-    assert direct.stats.acceptance_rate == 1.0
+    assert direct.stats.acceptance_rate == 1.0 and direct.stats.drafted > NEW_TOKENS // 2
 
 
 def test_sampling_through_model_generate_keeps_the_distribution() -> None:
