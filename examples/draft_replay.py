@@ -20,7 +20,7 @@ import torch
 
 import specula
 from specula.draft_length import DraftLength
-from specula.generate import MAX_DRAFT
+from specula.loop import MAX_DRAFT
 from specula.models import load_model
 from specula.proposers import PROPOSER_NAMES, proposer_factory
 from specula.workloads import encode, load_workloads

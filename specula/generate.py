@@ -7,6 +7,7 @@ from typing import Any, Iterable
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerationMixin
 
 from .hf import custom_generate
 from .inputs import check_max_new_tokens, check_prompt, eos_ids
@@ -71,6 +72,11 @@ def generate(
     Returns:
         ``GenerateOutput`` with ``sequences`` (prompt + new tokens, ``[1, length]``) and ``stats``.
     """
+    if not isinstance(model, GenerationMixin):
+        raise TypeError(
+            f"specula.generate needs a transformers causal LM (one with model.generate), got {type(model).__name__}; "
+            "load it with AutoModelForCausalLM."
+        )
     input_ids, attention_mask = check_prompt(model, input_ids, attention_mask)
     if max_new_tokens is not None:
         check_max_new_tokens(max_new_tokens)

@@ -58,6 +58,11 @@ def test_bad_attention_mask(mask, message: str) -> None:
         specula.generate(llama(), PROMPT, attention_mask=mask, max_new_tokens=4)
 
 
+def test_a_model_without_generate_is_refused() -> None:
+    with pytest.raises(TypeError, match="needs a transformers causal LM"):
+        specula.generate(llama().model, PROMPT, max_new_tokens=4)  # the bare decoder, without its LM head
+
+
 def test_bad_eos_token_id() -> None:
     with pytest.raises(ValueError, match="eos_token_id"):
         specula.generate(llama(), PROMPT, eos_token_id="</s>", max_new_tokens=4)
