@@ -11,6 +11,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 
+from .row_exact import row_exact_for
+
 # Attention kernels for multi-token passes on a GPU: every backend but cuDNN's. cuDNN builds an execution plan for
 # each new (query, key) shape, and a verification pass has a new one every step (the cache grows, the draft length
 # varies): on an H100 with SmolLM2-135M that made a PromptLookup step cost 1.6-2.8x a one-token step; without it,
@@ -136,6 +138,8 @@ class CachedModel:
         capacity: how many tokens the cache is expected to hold (prompt + new tokens); it grows past it if needed.
         rollback: whether the caller will roll the cache back; a model whose cache cannot be rolled back is then
             refused after the prefill instead of silently producing wrong tokens.
+        row_exact: compute every position of a pass over several tokens after a filled cache bit for bit as a
+            one-token step computes it (:class:`specula.row_exact.RowExact`).
     """
 
     def __init__(
@@ -145,6 +149,7 @@ class CachedModel:
         attention_mask: torch.Tensor | None,
         rollback: bool,
         capacity: int = 256,
+        row_exact: bool = False,
     ) -> None:
         config = model.config
         supports_dynamic_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
@@ -174,6 +179,7 @@ class CachedModel:
             self.cache.activate_past_recording()
         self.cached_tokens = 0
         self.can_roll_back = rollback
+        self.row_exact = row_exact_for(model) if row_exact else None
 
     def _refuse_split_dependent(self, model: torch.nn.Module) -> None:
         """Refuse models for which a pass over several tokens computes something else than one-token steps."""
@@ -206,8 +212,12 @@ class CachedModel:
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = num_logits
         multi_token_on_gpu = token_ids.shape[0] > 1 and token_ids.device.type == "cuda"
+        exact = self.row_exact is not None and start > 0 and token_ids.shape[0] > 1
         try:
-            with sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu else contextlib.nullcontext():
+            with (
+                sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu and not exact else contextlib.nullcontext(),
+                self.row_exact.applied(self.cache) if exact else contextlib.nullcontext(),
+            ):
                 logits = self.model(**inputs).logits[0, -num_logits:]
         except Exception as error:
             if start == 0 or token_ids.shape[0] == 1 or isinstance(error, torch.OutOfMemoryError):

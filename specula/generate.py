@@ -33,6 +33,7 @@ def generate(
     stopping_criteria: StoppingCriteriaList | None = None,
     streamer: BaseStreamer | None = None,
     adaptive_draft: bool = True,
+    row_exact: bool | None = None,
     **generation_kwargs: Any,
 ) -> GenerateOutput:
     """Decode with ``model``, sped up by speculation, without changing what it generates.
@@ -66,6 +67,12 @@ def generate(
             tokens of every step as soon as they are accepted.
         adaptive_draft: choose each step's draft length from measured step costs and running acceptance, and stop
             sending drafts that do not pay (:mod:`specula.draft_length`); ``False`` verifies every draft as proposed.
+        row_exact: compute every position of a verification pass bit for bit as a one-token step computes it
+            (:mod:`specula.row_exact`), so that greedy output is ``model.generate``'s in bf16 and fp16 too. ``None``
+            (the default) turns it on in bf16 and fp16, where passes of other shapes round differently, and off in
+            fp32, where they do too but far below the gaps between logits. ``False`` makes passes cheaper on some
+            devices; greedy output then stays reproducible but may differ from ``model.generate``'s at near-ties
+            (``specula drift`` shows where).
         **generation_kwargs: any other ``model.generate`` argument: ``GenerationConfig`` fields
             (``repetition_penalty=1.2``, ``stop_strings=[...]`` with ``tokenizer=``, ...) or ``generation_config=``.
 
@@ -96,6 +103,7 @@ def generate(
         proposer=proposer,
         generator=generator,
         adaptive_draft=adaptive_draft,
+        row_exact=row_exact,
         return_dict_in_generate=True,
         **{name: value for name, value in given.items() if value is not None},
         **generation_kwargs,

@@ -45,6 +45,7 @@ def custom_generate(
     tokenizer=None,
     generator: torch.Generator | None = None,
     adaptive_draft: bool = True,
+    row_exact: bool | None = None,
     **model_kwargs,
 ) -> torch.LongTensor | SpeculaGenerateOutput:
     """Decoding method for ``model.generate(custom_generate=specula.custom_generate, proposer=...)``.
@@ -54,7 +55,7 @@ def custom_generate(
     block ends the output exactly there. Returns the sequences, or with ``return_dict_in_generate=True`` a
     ``SpeculaGenerateOutput`` (``sequences`` and specula's ``stats``). One sequence at a time. ``generator`` (a
     ``torch.Generator`` on the model's device) makes sampling independent of torch's global RNG; ``adaptive_draft``
-    as in :func:`specula.generate`.
+    and ``row_exact`` as in :func:`specula.generate`.
     """
     del synced_gpus, tokenizer  # one process; the tokenizer already went into the stop-string criteria
     _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator, model_kwargs.get("past_key_values"))
@@ -66,7 +67,7 @@ def custom_generate(
         generation_config.eos_token_id,
     )
     sampling = Sampling(do_sample=bool(generation_config.do_sample), processors=logits_processor, generator=generator)
-    out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft)
+    out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, row_exact)
     if generation_config.return_dict_in_generate:
         return SpeculaGenerateOutput(sequences=out.sequences, stats=out.stats)
     return out.sequences

@@ -14,6 +14,7 @@ from .cached_model import CachedModel
 from .draft_length import DraftLength, shared_step_seconds
 from .inputs import Request, vocab_size
 from .proposer import Draft, Proposer
+from .row_exact import is_half_precision, wanted
 from .sampling import Sampling
 from .stats import GenerateOutput, SpecStats
 
@@ -99,14 +100,17 @@ def decode(
     stopping_criteria: StoppingCriteriaList | None = None,
     streamer: BaseStreamer | None = None,
     adaptive_draft: bool = True,
+    row_exact: bool | None = None,
 ) -> GenerateOutput:
     """The speculation loop on a validated request (see :func:`specula.generate`)."""
     started = time.perf_counter()
     sequence = _Sequence(request, stopping_criteria)
     stats = SpecStats(prompt_tokens=sequence.length)
     if request.max_length > sequence.length:
+        row_exact = proposer is not None and wanted(model, row_exact)
         target = CachedModel(
-            model, request.positions, request.attention_mask, rollback=proposer is not None, capacity=request.max_length
+            model, request.positions, request.attention_mask, rollback=proposer is not None,
+            capacity=request.max_length, row_exact=row_exact,
         )
         vocab = vocab_size(model)
         if proposer is not None:
@@ -115,8 +119,12 @@ def decode(
         lengths = None
         if proposer is not None and adaptive_draft:
             setting = (request.device, getattr(model, "dtype", None))
-            costs = shared_step_seconds(model, setting, MAX_DRAFT) if sampling.greedy else None
-            lengths = DraftLength(MAX_DRAFT, timed=sampling.greedy, step_seconds=costs)
+            # Timings decide draft lengths only where the output cannot depend on them: greedy, with passes that
+            # round as one-token steps do (or in fp32, far below the gaps between logits). Elsewhere lengths follow
+            # acceptance alone, so that a request decodes the same on every run.
+            timed = sampling.greedy and (row_exact or not is_half_precision(model))
+            costs = shared_step_seconds(model, setting, MAX_DRAFT) if timed else None
+            lengths = DraftLength(MAX_DRAFT, timed=timed, step_seconds=costs)
 
         def next_draft() -> Draft:
             remaining = request.max_length - sequence.length - 1
