@@ -1,4 +1,6 @@
-"""The ``specula`` command: ``specula generate`` (JSONL in, JSONL out, or one streamed prompt) and ``specula bench``."""
+"""The ``specula`` command: ``specula generate`` (JSONL in, JSONL out, or one streamed prompt), ``specula bench``,
+``specula drift`` (where speculative output leaves ``model.generate``'s, and why) and ``specula probe`` (which operation
+rounds differently in a pass over several tokens)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ import torch
 from tqdm import tqdm
 from transformers import TextStreamer
 
+from . import row_exact as row_exact_module
 from .bench import format_table, hf_method, oracle_method, run_bench, specula_method
+from .drift import drift
 from .generate import generate
+from .invariance import probe
 from .models import ModelNotFoundError, load_model
 from .proposers import PROPOSER_NAMES, proposer_factory
 from .workloads import encode, load_workloads
@@ -188,12 +193,46 @@ def cmd_bench(args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps([dict(row.as_dict(), dtype=dtype_name) for row in rows], indent=1))
 
 
+def cmd_drift(args: argparse.Namespace) -> None:
+    model, tokenizer, device = _load(args)
+    factory = proposer_factory(args.proposer, tokenizer, model.dtype, device)
+    reports, started = [], time.perf_counter()
+    for number, request in _requests(args.input, strict=False):
+        if request is None:
+            continue
+        report = drift(model, _encode(tokenizer, request, device), factory(), args.max_new_tokens,
+                       row_exact=False if args.no_row_exact else None)
+        row = {"id": request.get("id", number), **report.as_dict()}
+        if not report.identical:
+            row["tokens"] = [tokenizer.decode([t]) if t is not None else None
+                             for t in (report.plain_token, report.speculative_token)]
+            print(f"{row['id']}: differs at new token {report.position}: model.generate {row['tokens'][0]!r}, "
+                  f"specula {row['tokens'][1]!r}; logit gap {report.gap_one_token} in the one-token step, "
+                  f"{report.gap_verification} in specula's pass (tolerance {report.tolerance:.3g}): {report.verdict}")
+        reports.append(row)
+    identical = sum(row["identical"] for row in reports)
+    ties = sum(row["verdict"] == "near-tie" for row in reports)
+    print(f"{identical} of {len(reports)} identical to model.generate, {ties} near-ties, "
+          f"{len(reports) - identical - ties} not near-ties ({DTYPE_NAMES.get(model.dtype, model.dtype)}, {device}, "
+          f"{time.perf_counter() - started:.0f}s)")
+    if args.json:
+        args.json.write_text(json.dumps(reports, indent=1, ensure_ascii=False))
+
+
+def cmd_probe(args: argparse.Namespace) -> None:
+    model, tokenizer, device = _load(args)
+    text = Path(args.text).read_text() if args.text else Path(row_exact_module.__file__).read_text()
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens].to(device)
+    for exact in (False, True):
+        print(probe(model, ids, args.width, row_exact=exact))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specula",
         description="Lossless speculative decoding for HuggingFace causal LMs: same output, fewer model passes.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,drift,probe}")
 
     gen = commands.add_parser(
         "generate", help="generate for a JSONL file of requests, or for one prompt (streamed to stdout)",
@@ -237,6 +276,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_arguments(bench, max_new_tokens=128, temperature=0.0)
     bench.set_defaults(run=cmd_bench)
+
+    drift_parser = commands.add_parser(
+        "drift", help="where greedy speculative output differs from model.generate's, and whether rounding explains it",
+        description="Decodes each request (JSONL, as for generate) greedily with model.generate and with specula, and "
+        "reports for each: identical or not, the first new token where they differ, the two tokens, the gap between "
+        "their logits in model.generate's one-token step and in specula's verification pass, and a verdict: a "
+        "near-tie under the dtype's rounding, or not a near-tie (a bug to report).",
+    )
+    drift_parser.add_argument("--input", type=Path, required=True, help="JSONL file of requests")
+    drift_parser.add_argument("--json", type=Path, default=None, help="also write the reports as JSON")
+    drift_parser.add_argument("--proposer", default="prompt-lookup", help="as for generate (default: prompt-lookup)")
+    drift_parser.add_argument(
+        "--no-row-exact", action="store_true",
+        help="verify the ordinary way (faster passes on some devices; see README, 'What is guaranteed')",
+    )
+    _add_model_arguments(drift_parser, max_new_tokens=128, temperature=None)
+    drift_parser.set_defaults(run=cmd_drift)
+
+    probe_parser = commands.add_parser(
+        "probe", help="which module computes a pass over several tokens otherwise than one-token steps, here",
+        description="Feeds the same tokens as one-token steps and as one pass, compares every module's output at "
+        "every position bit for bit, and names the first module whose inputs agree but outputs differ -- for "
+        "ordinary and for row-exact verification, on this device and dtype.",
+    )
+    probe_parser.add_argument("--text", default=None, help="a text file to read (default: a file of specula's source)")
+    probe_parser.add_argument("--tokens", type=int, default=400, help="tokens of text to use (default: 400)")
+    probe_parser.add_argument("--width", type=int, default=8, help="tokens in the pass (default: 8)")
+    _add_model_arguments(probe_parser, max_new_tokens=0, temperature=None)
+    probe_parser.set_defaults(run=cmd_probe)
     return parser
 
 
