@@ -8,7 +8,7 @@ without touching the model's own one-token path:
 
 - attention: each query row is computed by the model's own attention function over the keys, and with the mask,
   that a one-token step at that position gets (the window of a sliding-window layer included);
-- linear layers: each ``nn.Linear`` whose rows come out differently in a pass of several rows than alone (found by
+- linear layers: each ``nn.Linear`` (and GPT-2's ``Conv1D``) whose rows come out differently in a pass of several rows than alone (found by
   :func:`rows_differ` on random rows, once per weight shape) computes each row alone. On a 2-core EPYC with
   AVX512_BF16, oneDNN blocks the inner dimension by the number of rows once it is 1536 or more: SmolLM2-135M's
   ``down_proj`` (1536 -> 576) is the only layer of that model so affected.
@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.pytorch_utils import Conv1D
 
 # Attention implementations whose one-token calls RowExact can repeat row by row (HF's sdpa and eager functions).
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -43,9 +44,13 @@ def rows_differ(layer: torch.nn.Linear, max_rows: int = _CALIBRATION_ROWS) -> bo
     ``max_rows * out_features`` outputs compared a difference shows with certainty; kernels that do not are exact.
     """
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(1, max_rows, layer.in_features, generator=generator).to(layer.weight.device, layer.weight.dtype)
+    x = torch.randn(1, max_rows, _in_features(layer), generator=generator).to(layer.weight.device, layer.weight.dtype)
     alone = _row_by_row(layer, x)
     return any(not torch.equal(layer(x[:, :rows]), alone[:, :rows]) for rows in range(2, max_rows + 1))
+
+
+def _in_features(layer: torch.nn.Module) -> int:
+    return layer.weight.shape[0] if isinstance(layer, Conv1D) else layer.in_features  # (Conv1D: [in, out])
 
 
 def _row_by_row(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -83,9 +88,9 @@ class RowExact:
             )
         self._batched_exact: dict[tuple, bool] = {}
         by_shape: dict[tuple, bool] = {}
-        self.linears: list[torch.nn.Linear] = []  # those computed row by row
+        self.linears: list[torch.nn.Module] = []  # those computed row by row
         for module in model.modules():
-            if type(module) is torch.nn.Linear:
+            if type(module) in (torch.nn.Linear, Conv1D):
                 shape = (module.weight.shape, module.weight.stride(), module.weight.dtype, module.weight.device,
                          module.bias is not None)
                 if shape not in by_shape:

@@ -10,7 +10,13 @@ import torch
 import transformers
 from helpers import AlwaysWrong, Oracle, hf_greedy
 
+import numpy as np
 import specula
+import specula.row_exact as row_exact_module
+from specula.draft_length import shared_step_seconds
+from specula.invariance import probe
+from specula.loop import MAX_DRAFT
+from specula.row_exact import RowExact
 
 VOCAB = 512
 # Big enough for the kernels' blocking to depend on the number of rows (inner dimensions of 1536, heads of 64, a
@@ -28,6 +34,7 @@ CONFIGS = {
                                                     layer_types=["sliding_attention", "full_attention"]),
 }
 PROMPT_LENGTH, NEW_TOKENS = 300, 48
+WIDE = 32  # passes this wide round differently on every model here (8 is often not enough)
 
 
 @functools.cache
@@ -59,7 +66,7 @@ def speculate(name: str, proposer, dtype: torch.dtype = torch.bfloat16, **kwargs
 @pytest.mark.parametrize("adaptive_draft", [True, False])
 def test_bf16_identical_to_model_generate(name: str, adaptive_draft: bool) -> None:
     ref = reference(name).tolist()
-    for proposer in (specula.PromptLookup(), Oracle(reference(name), 7), AlwaysWrong(reference(name), 7, VOCAB)):
+    for proposer in (specula.PromptLookup(), Oracle(reference(name), WIDE - 1), AlwaysWrong(reference(name), WIDE - 1, VOCAB)):
         out = speculate(name, proposer, adaptive_draft=adaptive_draft)
         assert out.sequences.tolist() == ref, type(proposer).__name__
         if type(proposer) is Oracle and not adaptive_draft:  # (the cost model may find drafts do not pay here)
@@ -67,13 +74,35 @@ def test_bf16_identical_to_model_generate(name: str, adaptive_draft: bool) -> No
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_without_row_exact_verification_passes_round_differently(name: str) -> None:
-    """The mutant: passes computed the ordinary way give other bits, and here other tokens."""
-    out = speculate(name, Oracle(reference(name), 7), adaptive_draft=False, row_exact=False)
-    assert out.sequences.tolist() != reference(name).tolist()
+def test_probe_finds_what_rounds_differently_and_row_exact_removes_it(name: str) -> None:
+    """The mutant is the ordinary pass: the probe sees its logits differ from one-token steps and names the first
+    module, whose inputs agreed; row-exact passes agree at every module."""
+    ordinary = probe(model(name), prompt(), width=WIDE, row_exact=False)
+    assert not ordinary.logits_identical and ordinary.modules_differing > 0
+    assert ordinary.culprit is not None and ordinary.differing_positions
+    exact = probe(model(name), prompt(), width=WIDE, row_exact=True)
+    assert exact.logits_identical and exact.culprit is None and exact.modules_differing == 0, str(exact)
+
+
+def test_verifying_attention_the_old_way_is_caught(monkeypatch) -> None:
+    """A mutant RowExact that leaves attention to the ordinary multi-query call: the probe names attention."""
+    monkeypatch.setattr(RowExact, "_attention", lambda self, inner_of, cache: lambda m, *args, **kw: inner_of(m)(m, *args, **kw))
+    row_exact_module._BUILT.clear()
+    report = probe(model("llama"), prompt(), width=WIDE, row_exact=True)
+    assert not report.logits_identical
+    assert report.culprit == "model.layers.0.self_attn" and report.culprit_op.startswith("attention (sdpa)")
+    row_exact_module._BUILT.clear()
+
+
+def test_without_row_exact_greedy_output_is_still_reproducible() -> None:
+    """Ordinary passes in bf16: draft lengths follow acceptance only, so two runs agree whatever was timed before."""
+    cold = speculate("qwen2", specula.PromptLookup(), row_exact=False)
+    shared_step_seconds(model("qwen2"), ("cpu", torch.bfloat16), MAX_DRAFT)[:] = np.linspace(1.0, 0.01, MAX_DRAFT + 2)
+    warm = speculate("qwen2", specula.PromptLookup(), row_exact=False)
+    assert cold.sequences.tolist() == warm.sequences.tolist()
 
 
 def test_fp16_identical_to_model_generate() -> None:
     ref = reference("llama", torch.float16)
-    out = speculate("llama", Oracle(ref, 7), dtype=torch.float16, adaptive_draft=False)
+    out = speculate("llama", Oracle(ref, WIDE - 1), dtype=torch.float16, adaptive_draft=False)
     assert out.sequences.tolist() == ref.tolist()
