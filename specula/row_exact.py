@@ -6,12 +6,14 @@ one. The results differ in the last bit now and then, and where two tokens' logi
 differs from ``model.generate``'s. :class:`RowExact` removes the difference during the verifier's multi-token passes,
 without touching the model's own one-token path:
 
-- attention: each query row is computed by the model's own attention function over the keys, and with the mask,
-  that a one-token step at that position gets (the window of a sliding-window layer included);
-- linear layers: each ``nn.Linear`` (and GPT-2's ``Conv1D``) whose rows come out differently in a pass of several rows than alone (found by
-  :func:`rows_differ` on random rows, once per weight shape) computes each row alone. On a 2-core EPYC with
-  AVX512_BF16, oneDNN blocks the inner dimension by the number of rows once it is 1536 or more: SmolLM2-135M's
-  ``down_proj`` (1536 -> 576) is the only layer of that model so affected.
+- attention: each query row is computed as the model's own attention function computes a one-token step at its
+  position, over the same keys with the same mask (the window of a sliding-window layer included). With SDPA,
+  rows whose key counts differ only in the kernel's scalar tail share one call, each as a batch entry of one query
+  (:func:`_grouped_sdpa`), where a calibration finds that exact; otherwise each row is a call of its own.
+- linear layers: each ``nn.Linear`` (and GPT-2's ``Conv1D``) that gives a row other bits in a pass of several rows
+  than alone computes its rows in chunks as wide as it stays exact for (:func:`exact_rows`, on random rows, once
+  per weight shape). On a 2-core EPYC with AVX512_BF16, oneDNN blocks an inner dimension of 1536 or more by the
+  number of rows beyond 2: SmolLM2-135M's ``down_proj`` (1536 -> 576) is the only layer of that model so affected.
 
 Everything else in a decoder (norms, rotary embeddings, activations, residual adds) works row by row and was found
 invariant by :func:`specula.invariance.probe`.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -37,40 +40,116 @@ _CALIBRATION_ROWS = 33  # the widest pass the loop sends (MAX_DRAFT + 1)
 
 
 @torch.inference_mode()
-def rows_differ(layer: torch.nn.Linear, max_rows: int = _CALIBRATION_ROWS) -> bool:
-    """Whether ``layer`` gives a row other bits inside a pass of 2..max_rows rows than alone, on random rows.
+def exact_rows(layer: torch.nn.Module, compute: Callable | None = None, max_rows: int = _CALIBRATION_ROWS) -> int:
+    """The most rows (1..max_rows) that ``compute`` (default: ``layer`` itself) takes in one call and still gives
+    each of them the bits ``layer`` gives that row alone, found on random rows.
 
-    Kernels that block the inner dimension by the number of rows differ on ~0.3% of outputs, so over the
-    ``max_rows * out_features`` outputs compared a difference shows with certainty; kernels that do not are exact.
+    A kernel that sums in another order for another number of rows changes a bf16 output only where the fp32 sums
+    straddle a rounding boundary: ~1 output in 5000 for an inner dimension of 1536. So each width is tried on
+    enough rows for 2**17 outputs (some 25 expected differences where there are any).
     """
+    ordinary = functools.partial(type(layer).forward, layer)
+    compute = compute or ordinary
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(1, max_rows, _in_features(layer), generator=generator).to(layer.weight.device, layer.weight.dtype)
-    alone = _row_by_row(layer, x)
-    return any(not torch.equal(layer(x[:, :rows]), alone[:, :rows]) for rows in range(2, max_rows + 1))
+    n = _in_features(layer)
+    count = min(max(2**17 * n // layer.weight.numel(), 1), 2048)  # rows for 2**17 outputs
+    x = torch.randn(1, count + max_rows, n, generator=generator).to(layer.weight.device, layer.weight.dtype)
+    alone = _in_chunks(ordinary, 1, x)
+    rows = 1
+    while rows < max_rows:
+        tried = -(-count // (rows + 1)) * (rows + 1)  # whole chunks of rows + 1
+        if not torch.equal(_in_chunks(compute, rows + 1, x[:, :tried]), alone[:, :tried]):
+            break
+        rows += 1
+    return rows
 
 
 def _in_features(layer: torch.nn.Module) -> int:
     return layer.weight.shape[0] if isinstance(layer, Conv1D) else layer.in_features  # (Conv1D: [in, out])
 
 
-def _row_by_row(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer`` on each row of ``x`` ([..., rows, in]) alone, each a fresh tensor as in a one-token step."""
-    forward = type(layer).forward
-    return torch.cat([forward(layer, x[..., i : i + 1, :].clone()) for i in range(x.shape[-2])], dim=-2)
+def _in_chunks(compute: Callable, rows: int, x: torch.Tensor) -> torch.Tensor:
+    """``compute`` on ``rows`` rows of ``x`` ([..., n, in]) at a time, each chunk a fresh tensor as in a one-token
+    step."""
+    if x.shape[-2] <= rows:
+        return compute(x)
+    return torch.cat([compute(x[..., i : i + rows, :].clone()) for i in range(0, x.shape[-2], rows)], dim=-2)
 
 
-def _batched_sdpa(module, query, key, value, calls, dropout: float = 0.0, scaling=None, **kwargs):
-    """One SDPA call over all query rows, each masked to its one-token keys, with GQA handled as HF's sdpa handles a
-    one-token step without a mask (``enable_gqa``)."""
+def _by_columns(weight_t: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight_t + bias`` computed as ``(weight_t.T @ x.T).T``: with ``weight_t`` ([in, out]) contiguous, the
+    number of rows of ``x`` is the product's last dimension, which oneDNN does not block the inner sum by (found
+    exact where :func:`exact_rows` says so: on an Emerald Rapids Xeon, bf16, for every shape tried)."""
+    rows = x.reshape(-1, x.shape[-1]).t()  # [in, n]
+    out = weight_t.t() @ rows if bias is None else torch.addmm(bias[:, None], weight_t.t(), rows)  # [out, n]
+    return out.t().reshape(*x.shape[:-1], -1).contiguous()
+
+
+def _weight_t(layer: torch.nn.Module) -> torch.Tensor:
+    """``layer``'s weight as ``[in, out]``, contiguous (a copy where it is stored otherwise)."""
+    weight = layer.weight.detach()
+    weight_t = weight if isinstance(layer, Conv1D) else weight.t()
+    return weight_t if weight_t.is_contiguous() else weight_t.contiguous()
+
+
+def _calibrate(layer: torch.nn.Module) -> tuple[int, bool]:
+    """How ``layer`` computes a pass of several rows so that each row gets the bits it gets alone: in chunks of how
+    many rows, and whether by columns (:func:`_by_columns`) rather than as it is."""
+    rows = exact_rows(layer)
+    if rows == _CALIBRATION_ROWS:
+        return rows, False
+    by_columns = exact_rows(layer, functools.partial(_by_columns, _weight_t(layer), layer.bias))
+    return max(rows, by_columns), by_columns > rows
+
+
+class _ExactLinear:
+    """A linear layer (``nn.Linear`` or GPT-2's ``Conv1D``) that gives a row of a multi-row pass other bits than
+    alone, computed in chunks of ``rows`` rows that stay exact, by columns (with a column-major copy of a row-major
+    weight, refreshed if the weight changes) where that is exact for more rows than the layer as it is."""
+
+    def __init__(self, layer: torch.nn.Module, rows: int, by_columns: bool) -> None:
+        self.layer, self.rows = layer, rows
+        self.weight_t = _weight_t(layer) if by_columns else None
+        self._source = self._version()
+
+    def _version(self) -> tuple[int, int]:
+        return self.layer.weight.data_ptr(), self.layer.weight._version
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_t is None:
+            return _in_chunks(functools.partial(type(self.layer).forward, self.layer), self.rows, x)
+        if self._version() != self._source:
+            self.weight_t, self._source = _weight_t(self.layer), self._version()
+        return _in_chunks(functools.partial(_by_columns, self.weight_t, self.layer.bias), self.rows, x)
+
+
+def _grouped_sdpa(module, query, key, value, ends: list[int], width: int, dropout: float = 0.0, scaling=None, **kwargs):
+    """Attention of query row ``i`` over keys ``[0, ends[i])``, with one SDPA call per group of rows whose
+    ``ends // width`` agree: each row is a batch entry with one query, over the group's longest keys, the keys past
+    its own end masked.
+
+    Where :meth:`RowExact._group_width` finds this exact, it is so because of how torch's CPU flash kernel reduces:
+    it takes the keys in blocks of 512 and each block in vectors of 16 floats plus a scalar tail, and the tail's
+    exponentials round otherwise than the vectors'. A row over 300 keys has keys 288..299 in the tail; padded to
+    303 keys they still are, and the masked keys add exact zeros; padded to 304 they would not be. Hence groups of
+    ``ends // 16``.
+    """
     del kwargs
-    keys = key.shape[2]
-    positions = torch.arange(keys, device=query.device)
-    mask = torch.stack([(positions >= start) & (positions < end) for start, end, _ in calls])[None, None]
-    groups = getattr(module, "num_key_value_groups", 1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1
-    )
-    return out.transpose(1, 2).contiguous(), None
+    # query: [1, heads, rows, dim]; key, value: [1, kv_heads, keys, dim]
+    outputs = []
+    for _, members in itertools.groupby(range(len(ends)), key=lambda i: ends[i] // width):
+        members = list(members)
+        keys = ends[members[-1]]
+        lengths = torch.tensor([ends[i] for i in members], device=query.device)
+        mask = torch.arange(keys, device=query.device) < lengths[:, None]  # [members, keys]
+        q = query[0, :, members[0] : members[-1] + 1].transpose(0, 1).unsqueeze(2)  # [members, heads, 1, dim]
+        k, v = (t[:, :, :keys].expand(len(members), -1, -1, -1) for t in (key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None, None], dropout_p=dropout, scale=scaling,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # [members, heads, 1, dim]
+        outputs.append(out.permute(2, 0, 1, 3))  # [1, members, heads, dim]
+    return torch.cat(outputs, dim=1).contiguous(), None
 
 
 class RowExact:
@@ -86,17 +165,18 @@ class RowExact:
                 f"Row-exact verification supports the attention implementations {SUPPORTED_ATTENTION}, not "
                 f"{self.implementation!r}; load the model with attn_implementation='sdpa'."
             )
-        self._batched_exact: dict[tuple, bool] = {}
-        by_shape: dict[tuple, bool] = {}
-        self.linears: list[torch.nn.Module] = []  # those computed row by row
+        self._group_widths: dict[tuple, int] = {}
+        by_shape: dict[tuple, tuple[int, bool]] = {}
+        self.linears: list[_ExactLinear] = []  # those a pass of several rows computes otherwise
         for module in model.modules():
             if type(module) in (torch.nn.Linear, Conv1D):
                 shape = (module.weight.shape, module.weight.stride(), module.weight.dtype, module.weight.device,
                          module.bias is not None)
                 if shape not in by_shape:
-                    by_shape[shape] = rows_differ(module)
-                if by_shape[shape]:
-                    self.linears.append(module)
+                    by_shape[shape] = _calibrate(module)
+                rows, by_columns = by_shape[shape]
+                if rows < _CALIBRATION_ROWS or by_columns:
+                    self.linears.append(_ExactLinear(module, rows, by_columns))
 
     def _attention(self, inner_of: Callable, cache) -> Callable:
         def window_of(module: torch.nn.Module) -> int | None:
@@ -111,8 +191,10 @@ class RowExact:
             if query.shape[2] == 1:
                 return inner(module, query, key, value, attention_mask, **kwargs)
             calls = self._one_token_calls(window_of(module), query.shape[2], key.shape[2], attention_mask)
-            if all(mask is None for _, _, mask in calls) and self._batched_is_exact(module, query, key, kwargs):
-                return _batched_sdpa(module, query, key, value, calls, **kwargs)
+            if query.shape[0] == 1 and all(mask is None and start == 0 for start, _, mask in calls):
+                width = self._group_width(module, query, key, kwargs)
+                if width > 1:
+                    return _grouped_sdpa(module, query, key, value, [end for _, end, _ in calls], width, **kwargs)
             outputs = [
                 inner(module, query[:, :, i : i + 1], key[:, :, start:end], value[:, :, start:end], mask, **kwargs)[0]
                 for i, (start, end, mask) in enumerate(calls)
@@ -138,32 +220,36 @@ class RowExact:
             calls.append((start, end, mask))
         return calls
 
-    def _batched_is_exact(self, module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> bool:
-        """Whether one masked SDPA call over all rows gives each row the bits of its own one-token call, for this
-        attention geometry on this device (checked once on random rows, at key lengths either side of the kernels'
-        block sizes)."""
+    def _group_width(self, module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> int:
+        """The widest grouping (16, 8, 4 or 2; 1 for none) with which :func:`_grouped_sdpa` gives every row the bits
+        of its own one-token call, for this attention geometry on this device: checked once, on random rows over
+        key counts of every residue and either side of the kernel's blocks of 512."""
         if self.implementation != "sdpa" or any(kwargs.get(name) is not None for name in _SDPA_EXTRAS):
-            return False
+            return 1
         kwargs = {name: kwargs[name] for name in ("dropout", "scaling") if name in kwargs}
         geometry = (query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device, kwargs.get("scaling"))
-        if geometry not in self._batched_exact:
+        if geometry not in self._group_widths:
             generator = torch.Generator().manual_seed(2)
+            heads, kv_heads, dim, rows = query.shape[1], key.shape[1], query.shape[3], _CALIBRATION_ROWS
 
-            def rand(heads: int, length: int) -> torch.Tensor:
-                shape = (1, heads, length, query.shape[3])
-                return torch.randn(shape, generator=generator).to(query.device, query.dtype)
+            def rand(heads: int, length: int) -> torch.Tensor:  # laid out as a model's projections lay it out
+                x = torch.randn((1, length, heads, dim), generator=generator)
+                return x.to(query.device, query.dtype).transpose(1, 2)
 
-            exact = True
-            for keys, rows in ((40, 8), (300, 33), (530, 33), (1100, 9)):
-                q, k, v = rand(query.shape[1], rows), rand(key.shape[1], keys), rand(key.shape[1], keys)
-                calls = [(0, keys - (rows - 1 - i), None) for i in range(rows)]
+            cases = []
+            for start in (0, 300, 495, 1100):
+                q, k, v = rand(heads, rows), rand(kv_heads, start + rows), rand(kv_heads, start + rows)
+                ends = [start + i + 1 for i in range(rows)]
                 alone = torch.cat([
                     ALL_ATTENTION_FUNCTIONS["sdpa"](module, q[:, :, i : i + 1], k[:, :, :end], v[:, :, :end], None, **kwargs)[0]
-                    for i, (_, end, _) in enumerate(calls)
+                    for i, end in enumerate(ends)
                 ], dim=1)
-                exact &= torch.equal(_batched_sdpa(module, q, k, v, calls, **kwargs)[0], alone)
-            self._batched_exact[geometry] = exact
-        return self._batched_exact[geometry]
+                cases.append((q, k, v, ends, alone))
+            widths = [w for w in (16, 8, 4, 2) if all(
+                torch.equal(_grouped_sdpa(module, q, k, v, ends, w, **kwargs)[0], alone) for q, k, v, ends, alone in cases
+            )]
+            self._group_widths[geometry] = widths[0] if widths else 1
+        return self._group_widths[geometry]
 
     @contextlib.contextmanager
     def applied(self, cache) -> Iterator[None]:
@@ -177,13 +263,13 @@ class RowExact:
         else:
             inner_of = lambda module: sys.modules[type(module).__module__].eager_attention_forward  # noqa: E731
         mapping[self.implementation] = self._attention(inner_of, cache)
-        for layer in self.linears:
-            layer.forward = functools.partial(_row_by_row, layer)
+        for linear in self.linears:
+            linear.layer.forward = linear.forward
         try:
             yield
         finally:
-            for layer in self.linears:
-                del layer.forward
+            for linear in self.linears:
+                del linear.layer.forward
             if saved is None:
                 del mapping[self.implementation]
             else:
