@@ -25,6 +25,7 @@ import contextlib
 import functools
 import itertools
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -92,14 +93,27 @@ def _weight_t(layer: torch.nn.Module) -> torch.Tensor:
     return weight_t if weight_t.is_contiguous() else weight_t.contiguous()
 
 
-def _calibrate(layer: torch.nn.Module) -> tuple[int, bool]:
-    """How ``layer`` computes a pass of several rows so that each row gets the bits it gets alone: in chunks of how
-    many rows, and whether by columns (:func:`_by_columns`) rather than as it is."""
+def _calibrate(layer: torch.nn.Module) -> tuple[int, int]:
+    """How many rows ``layer`` computes exactly in one call as it is, and by columns (:func:`_by_columns`; 0 where
+    not needed)."""
     rows = exact_rows(layer)
     if rows == _CALIBRATION_ROWS:
-        return rows, False
-    by_columns = exact_rows(layer, functools.partial(_by_columns, _weight_t(layer), layer.bias))
-    return max(rows, by_columns), by_columns > rows
+        return rows, 0
+    return rows, exact_rows(layer, functools.partial(_by_columns, _weight_t(layer), layer.bias))
+
+
+def _needs_copy(layer: torch.nn.Module) -> bool:
+    return isinstance(layer, torch.nn.Linear) and not layer.weight.t().is_contiguous()
+
+
+def _spare_bytes(device: torch.device) -> int | None:
+    """Memory free on ``device`` (None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        lines = open("/proc/meminfo").read().splitlines()
+        return int(next(line for line in lines if line.startswith("MemAvailable:")).split()[1]) * 1024
+    return None
 
 
 class _ExactLinear:
@@ -166,17 +180,34 @@ class RowExact:
                 f"{self.implementation!r}; load the model with attn_implementation='sdpa'."
             )
         self._group_widths: dict[tuple, int] = {}
-        by_shape: dict[tuple, tuple[int, bool]] = {}
-        self.linears: list[_ExactLinear] = []  # those a pass of several rows computes otherwise
+        by_shape: dict[tuple, tuple[int, int]] = {}
+        plans = []  # (layer, rows exact as it is, rows exact by columns) of those a multi-row pass rounds otherwise
         for module in model.modules():
             if type(module) in (torch.nn.Linear, Conv1D):
                 shape = (module.weight.shape, module.weight.stride(), module.weight.dtype, module.weight.device,
                          module.bias is not None)
                 if shape not in by_shape:
                     by_shape[shape] = _calibrate(module)
-                rows, by_columns = by_shape[shape]
-                if rows < _CALIBRATION_ROWS or by_columns:
-                    self.linears.append(_ExactLinear(module, rows, by_columns))
+                if by_shape[shape][0] < _CALIBRATION_ROWS:
+                    plans.append((module, *by_shape[shape]))
+        # Column-major copies of row-major weights, where they pay, unless they would take half the spare memory.
+        copies = sum(layer.weight.nbytes for layer, as_is, by_columns in plans
+                     if by_columns > as_is and _needs_copy(layer))
+        spare = _spare_bytes(next(model.parameters()).device)
+        self.copied_bytes = copies if spare is None or copies <= spare // 2 else 0
+        if copies and not self.copied_bytes:
+            warnings.warn(
+                f"Row-exact verification would need column-major copies of {copies / 2**30:.1f} GiB of weights to be "
+                "fast, more than half the free memory; it computes those layers row by row instead, which makes "
+                "verification passes slow. Store the model's weights column-major "
+                "(weight.data = weight.data.t().contiguous().t()) or pass row_exact=False.",
+                stacklevel=2,
+            )
+        self.linears = [
+            _ExactLinear(layer, by_columns, True) if by_columns > as_is and (self.copied_bytes or not _needs_copy(layer))
+            else _ExactLinear(layer, as_is, False)
+            for layer, as_is, by_columns in plans
+        ]
 
     def _attention(self, inner_of: Callable, cache) -> Callable:
         def window_of(module: torch.nn.Module) -> int | None:

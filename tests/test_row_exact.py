@@ -3,7 +3,9 @@ model.generate's in bf16 and fp16 too, whatever the drafts and draft lengths (sp
 
 from __future__ import annotations
 
+import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -106,3 +108,39 @@ def test_fp16_identical_to_model_generate() -> None:
     ref = reference("llama", torch.float16)
     out = speculate("llama", Oracle(ref, WIDE - 1), dtype=torch.float16, adaptive_draft=False)
     assert out.sequences.tolist() == ref.tolist()
+
+
+def test_grouping_rows_past_the_kernels_vector_tail_is_caught(monkeypatch) -> None:
+    """A mutant that groups rows by 32 keys, so that some rows' tail keys land in the kernel's vectors."""
+    monkeypatch.setattr(RowExact, "_group_width", lambda self, *args: 32)
+    row_exact_module._BUILT.clear()
+    report = probe(model("llama"), prompt(), width=WIDE, row_exact=True)
+    row_exact_module._BUILT.clear()
+    assert not report.logits_identical and report.culprit == "model.layers.0.self_attn"
+
+
+def test_row_by_row_where_column_major_copies_do_not_fit(monkeypatch) -> None:
+    """With no memory to spare, row-major weights are not copied: their layers compute row by row, still exact."""
+    monkeypatch.setattr(row_exact_module, "_spare_bytes", lambda device: 0)
+    row_exact_module._BUILT.clear()
+    ref = reference("llama")
+    with warnings.catch_warnings(record=True):
+        exact = row_exact_module.row_exact_for(model("llama"))
+        out = speculate("llama", Oracle(ref, WIDE - 1), adaptive_draft=False)
+    row_exact_module._BUILT.clear()
+    assert exact.copied_bytes == 0 and all(linear.weight_t is None for linear in exact.linears)
+    assert out.sequences.tolist() == ref.tolist()
+
+
+def test_weights_changed_in_place_are_copied_again() -> None:
+    """Column-major copies follow the weights: after an in-place change, output is the changed model's."""
+    changed = copy.deepcopy(model("llama"))
+    ref = hf_greedy(changed, prompt(), NEW_TOKENS, eos_token_id=[])
+    speculate_with = lambda m: specula.generate(m, prompt(), Oracle(ref, WIDE - 1), max_new_tokens=NEW_TOKENS,  # noqa: E731
+                                                eos_token_id=[], adaptive_draft=False)
+    assert speculate_with(changed).sequences.tolist() == ref.tolist()
+    with torch.no_grad():
+        for layer in changed.model.layers:
+            layer.mlp.down_proj.weight.mul_(-1.5)
+    ref = hf_greedy(changed, prompt(), NEW_TOKENS, eos_token_id=[])
+    assert speculate_with(changed).sequences.tolist() == ref.tolist()
