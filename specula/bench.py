@@ -103,6 +103,7 @@ class BenchRow:
     tokens_per_s: float
     speedup_vs_hf_greedy: float
     identical_to_greedy: float | None  # share of prompts whose output equals the baseline's (None when sampling)
+    repeatable: float | None  # share of prompts whose output was the same in every repeat (None when sampling)
     acceptance_rate: float | None
     tokens_per_step: float | None
     drafted: int  # draft tokens sent to the target, all prompts (last repeat)
@@ -133,17 +134,20 @@ def run_bench(
         method(warm, 4)
     rows = []
     for workload, requests in workloads.items():
-        counters = ("tokens", "seconds", "same", "drafted", "accepted", "steps")
+        counters = ("tokens", "seconds", "same", "repeatable", "drafted", "accepted", "steps")
         totals = {name: dict.fromkeys(counters, 0) for name in names}
         for index, request in enumerate(requests):
             prompt = encode(tokenizer, request)
             times: dict[str, list[float]] = {name: [] for name in names}
             outputs: dict[str, tuple[list[int], object]] = {}
+            varied: set[str] = set()  # methods whose output changed between repeats
             for repeat in range(repeats):
                 shift = (index + repeat) % len(names)
                 for name in names[shift:] + names[:shift]:
                     tokens, seconds, stats = methods[name](prompt, max_new_tokens)
                     times[name].append(seconds)
+                    if name in outputs and outputs[name][0] != tokens:
+                        varied.add(name)
                     outputs[name] = (tokens, stats)
             for name in names:
                 tokens, stats = outputs[name]
@@ -151,6 +155,7 @@ def run_bench(
                 total["tokens"] += len(tokens)
                 total["seconds"] += statistics.median(times[name])
                 total["same"] += tokens == outputs[baseline][0]
+                total["repeatable"] += name not in varied
                 if stats is not None:
                     total["drafted"] += stats.drafted
                     total["accepted"] += stats.accepted
@@ -171,6 +176,7 @@ def run_bench(
                     tokens_per_s=rate,
                     speedup_vs_hf_greedy=rate / base_rate,
                     identical_to_greedy=total["same"] / len(requests) if compare_outputs else None,
+                    repeatable=total["repeatable"] / len(requests) if compare_outputs else None,
                     acceptance_rate=total["accepted"] / total["drafted"] if total["drafted"] else None,
                     tokens_per_step=total["tokens"] / total["steps"] if total["steps"] else None,
                     drafted=total["drafted"],
@@ -181,14 +187,16 @@ def run_bench(
 
 def format_table(rows: list[BenchRow]) -> str:
     """A plain-text table, one block per workload."""
-    header = f"{'workload':<11}{'method':<20}{'tok/s':>8}{'speedup':>9}{'identical':>11}{'accept':>8}{'tok/step':>10}"
+    header = (f"{'workload':<11}{'method':<29}{'tok/s':>8}{'speedup':>9}{'identical':>11}{'repeatable':>12}"
+              f"{'accept':>8}{'tok/step':>10}")
     lines = [header, "-" * len(header)]
     for row in rows:
         accept = f"{row.acceptance_rate:.0%}" if row.acceptance_rate is not None else "-"
         identical = f"{row.identical_to_greedy:.0%}" if row.identical_to_greedy is not None else "-"
+        repeatable = f"{row.repeatable:.0%}" if row.repeatable is not None else "-"
         per_step = f"{row.tokens_per_step:.2f}" if row.tokens_per_step is not None else "-"
         lines.append(
-            f"{row.workload:<11}{row.method:<20}{row.tokens_per_s:>8.1f}{row.speedup_vs_hf_greedy:>8.2f}x"
-            f"{identical:>11}{accept:>8}{per_step:>10}"
+            f"{row.workload:<11}{row.method:<29}{row.tokens_per_s:>8.1f}{row.speedup_vs_hf_greedy:>8.2f}x"
+            f"{identical:>11}{repeatable:>12}{accept:>8}{per_step:>10}"
         )
     return "\n".join(lines)

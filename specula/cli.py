@@ -53,6 +53,14 @@ def _add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int, t
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
 
+def _add_row_exact_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-row-exact", action="store_true",
+        help="in bf16/fp16, verify the ordinary way: cheaper passes on some CPUs and models, but output may leave "
+        "model.generate's at a near-tie (see README, 'What is guaranteed')",
+    )
+
+
 def _sampling(args: argparse.Namespace) -> dict:
     """generate() arguments from the sampling options; unset ones are left to the model's generation config."""
     if args.temperature is None:
@@ -114,6 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.input is not None and args.output is None:
         raise SystemExit("error: --input needs --output FILE")
     sampling = _sampling(args)
+    row_exact = False if args.no_row_exact else None
     model, tokenizer, device = _load(args)
     proposer = proposer_factory(args.proposer, tokenizer, model.dtype, device)()  # kept across requests
     if args.seed is not None:
@@ -124,7 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         }
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         out = generate(model, _encode(tokenizer, request, device), proposer, max_new_tokens=args.max_new_tokens,
-                       streamer=streamer, **sampling)
+                       streamer=streamer, row_exact=row_exact, **sampling)
         print(f"[{out.stats}]", file=sys.stderr)
         return
 
@@ -141,7 +150,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
                     raise SystemExit(f"error: {args.input}:{number}: {error} (--strict)") from None
                 print(f"skipped {args.input}:{number}: {error}", file=sys.stderr)
                 continue
-            out = generate(model, input_ids, proposer, max_new_tokens=args.max_new_tokens, **sampling)
+            out = generate(model, input_ids, proposer, max_new_tokens=args.max_new_tokens, row_exact=row_exact,
+                           **sampling)
             text = tokenizer.decode(out.sequences[0, input_ids.shape[1] :], skip_special_tokens=True)
             record = {"id": request.get("id", number), "text": text, "stats": _stats(out.stats)}
             output.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -171,6 +181,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     for spec in args.proposers.split(","):
         name = "specula-" + (spec.split(":")[0] if spec.startswith("draft:") else spec)
         methods[name] = specula_method(model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling)
+        if args.also_ordinary:
+            methods[name + "-ordinary"] = specula_method(
+                model, proposer_factory(spec, tokenizer, model.dtype, device), row_exact=False, **sampling
+            )
     if not sampled and not args.no_oracle:  # replays specula's own output with the first proposer
         first = methods[f"specula-{args.proposers.split(',')[0].split(':')[0]}"]
         methods["oracle"] = oracle_method(model, first, **sampling)
@@ -251,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--proposer", default="prompt-lookup",
         help=f"where drafts come from: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)",
     )
+    _add_row_exact_argument(gen)
     _add_model_arguments(gen, max_new_tokens=256, temperature=None)
     gen.set_defaults(run=cmd_generate)
 
@@ -260,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         "each proposer, and (greedy) the oracle, on every *.jsonl in --workloads (lines with \"messages\" or "
         "\"prompt\"), interleaved per "
         "prompt, and prints per workload: tokens/s, speedup vs hf-greedy, whether the output was identical to "
-        "hf-greedy's, draft acceptance rate and tokens per target step (medians of --repeats).",
+        "hf-greedy's and the same in every repeat, draft acceptance rate and tokens per target step (medians of --repeats).",
     )
     bench.add_argument("--workloads", type=Path, required=True, help="folder of *.jsonl workloads")
     bench.add_argument("--limit", type=int, default=4, help="prompts per workload (default: 4)")
@@ -273,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--no-oracle", action="store_true",
         help="leave out the oracle row (greedy only: drafts that replay the first proposer's own output, K=10)",
+    )
+    bench.add_argument(
+        "--also-ordinary", action="store_true",
+        help="also run each proposer with ordinary verification passes (row_exact=False), to see what row-exact "
+        "verification (the default in bf16/fp16) costs and buys",
     )
     _add_model_arguments(bench, max_new_tokens=128, temperature=0.0)
     bench.set_defaults(run=cmd_bench)
@@ -287,10 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     drift_parser.add_argument("--input", type=Path, required=True, help="JSONL file of requests")
     drift_parser.add_argument("--json", type=Path, default=None, help="also write the reports as JSON")
     drift_parser.add_argument("--proposer", default="prompt-lookup", help="as for generate (default: prompt-lookup)")
-    drift_parser.add_argument(
-        "--no-row-exact", action="store_true",
-        help="verify the ordinary way (faster passes on some devices; see README, 'What is guaranteed')",
-    )
+    _add_row_exact_argument(drift_parser)
     _add_model_arguments(drift_parser, max_new_tokens=128, temperature=None)
     drift_parser.set_defaults(run=cmd_drift)
 

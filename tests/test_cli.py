@@ -11,7 +11,7 @@ from helpers import hf_greedy
 from tiny_models import tiny_model, tiny_tokenizer
 
 import specula
-from specula import cli, models, precision
+from specula import bench, cli, models, precision
 
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>assistant:"
 
@@ -103,14 +103,15 @@ def test_bench_prints_a_table_and_writes_json(model_folder, tmp_path, capsys) ->
     (workloads / "copying.jsonl").write_text(REQUESTS[0] + "\n" + REQUESTS[5] + "\n")
     (workloads / "chat.jsonl").write_text(REQUESTS[2] + "\n")
     run_cli("bench", "--workloads", workloads, "--model", model_folder, "--dtype", "fp32", "--limit", 2,
-            "--repeats", 1, "--max-new-tokens", 16, "--proposers", "prompt-lookup,ngram,none", "--json",
-            tmp_path / "rows.json")
+            "--repeats", 1, "--max-new-tokens", 16, "--proposers", "prompt-lookup,ngram,none", "--also-ordinary",
+            "--json", tmp_path / "rows.json")
     table = capsys.readouterr().out
     rows = json.loads((tmp_path / "rows.json").read_text())
-    methods = ["hf-greedy", "hf-prompt-lookup", "specula-prompt-lookup", "specula-ngram", "specula-none", "oracle"]
+    methods = ["hf-greedy", "hf-prompt-lookup", "specula-prompt-lookup", "specula-prompt-lookup-ordinary",
+               "specula-ngram", "specula-ngram-ordinary", "specula-none", "specula-none-ordinary", "oracle"]
     assert [(row["workload"], row["method"]) for row in rows] == [(w, m) for w in ("chat", "copying") for m in methods]
     for row in rows:
-        assert {"workload", "method", "tokens_per_s", "speedup_vs_hf_greedy", "identical_to_greedy",
+        assert {"workload", "method", "tokens_per_s", "speedup_vs_hf_greedy", "identical_to_greedy", "repeatable",
                 "acceptance_rate"} <= set(row)
         assert row["workload"] in table and row["method"] in table
         if row["method"].startswith("specula") or row["method"] == "oracle":
@@ -178,3 +179,41 @@ def test_auto_dtype_is_resolved_and_reported(model_folder, tmp_path, capsys) -> 
     expected = cli.DTYPE_NAMES[precision.auto_dtype("cpu", models._num_parameters(model_folder))]
     assert {row["dtype"] for row in json.loads((tmp_path / "rows.json").read_text())} == {expected}
     assert f", {expected}, cpu," in capsys.readouterr().out
+
+
+def test_bench_reports_which_methods_repeat_their_output() -> None:
+    """`repeatable` is the share of prompts whose output was the same in every repeat."""
+    calls = {"n": 0}
+
+    def steady(prompt, max_new_tokens):
+        return [1, 2, 3], 0.1, None
+
+    def wobbly(prompt, max_new_tokens):  # a different last token on every call after the warm-up
+        calls["n"] += 1
+        return [1, 2, 100 + calls["n"]], 0.1, None
+
+    workloads = {"w": [{"prompt": "a"}, {"prompt": "b"}]}
+    rows = bench.run_bench({"hf-greedy": steady, "wobbly": wobbly}, tiny_tokenizer(), workloads, 3, repeats=2)
+    assert {row.method: row.repeatable for row in rows} == {"hf-greedy": 1.0, "wobbly": 0.0}
+    assert {row.method: row.identical_to_greedy for row in rows} == {"hf-greedy": 1.0, "wobbly": 0.0}
+    rows = bench.run_bench({"hf-greedy": steady, "wobbly": wobbly}, tiny_tokenizer(), workloads, 3, repeats=1)
+    assert rows[1].repeatable == 1.0  # one run: nothing to disagree with
+    assert "repeatable" in bench.format_table(rows)
+
+
+@pytest.mark.parametrize("flag, expected", [((), None), (("--no-row-exact",), False)])
+def test_generate_passes_the_row_exact_choice(model_folder, tmp_path, monkeypatch, flag, expected) -> None:
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["row_exact"])
+        return specula.generate(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "generate", recording)
+    (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
+    run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--model", model_folder,
+            "--dtype", "bf16", "--max-new-tokens", 8, *flag)
+    run_cli("generate", "--prompt", "the quick brown fox", "--model", model_folder, "--dtype", "bf16",
+            "--max-new-tokens", 8, *flag)
+    assert seen == [expected, expected]
+    assert json.loads((tmp_path / "out.jsonl").read_text())["text"] is not None
