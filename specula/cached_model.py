@@ -80,6 +80,7 @@ class PreallocatedLayer(DynamicLayer):
         super().__init__()
         self.capacity = max(capacity, 1)
         self.length = 0
+        self.row_starts: torch.Tensor | None = None  # [B]: where each row writes its next block (batches)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -91,28 +92,44 @@ class PreallocatedLayer(DynamicLayer):
 
     @staticmethod
     def _empty_like(states: torch.Tensor, length: int) -> torch.Tensor:
+        # zeros, not garbage: in a batch a row's mask covers slots only longer rows wrote, and attention kernels
+        # compute q.k before masking, so a NaN bit pattern there would poison the row
         batch, heads, _, dim = states.shape
-        return torch.empty(batch, heads, length, dim, dtype=states.dtype, device=states.device)
+        return torch.zeros(batch, heads, length, dim, dtype=states.dtype, device=states.device)
 
     def _expose(self) -> None:
         self.keys = self._key_buffer[:, :, : self.length]
         self.values = self._value_buffer[:, :, : self.length]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states, value_states: [B, heads, n, dim]; each row's block goes at its own start in a batch
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
+        n = key_states.shape[-2]
+        starts = self.row_starts
+        end = (self.length if starts is None else int(starts.max())) + n
         if end > self.capacity:
             self.capacity = max(end, 2 * self.capacity)
             for name in ("_key_buffer", "_value_buffer"):
                 grown = self._empty_like(getattr(self, name), self.capacity)
                 grown[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
                 setattr(self, name, grown)
-        self._key_buffer[:, :, self.length : end] = key_states
-        self._value_buffer[:, :, self.length : end] = value_states
+        if starts is None:
+            self._key_buffer[:, :, self.length : end] = key_states
+            self._value_buffer[:, :, self.length : end] = value_states
+        else:
+            slots = (starts[:, None] + torch.arange(n, device=starts.device))[:, None, :, None]  # [B, 1, n, 1]
+            self._key_buffer.scatter_(2, slots.expand_as(key_states), key_states)
+            self._value_buffer.scatter_(2, slots.expand_as(value_states), value_states)
         self.length = end
         self._expose()
         return self.keys, self.values
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished requests leave the batch)."""
+        if self.is_initialized:
+            self._key_buffer, self._value_buffer = self._key_buffer[rows], self._value_buffer[rows]
+            self._expose()
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -180,6 +197,40 @@ class CachedModel:
         self.cached_tokens = 0
         self.can_roll_back = rollback
         self.row_exact = row_exact_for(model) if row_exact else None
+        self.batch = 1 if positions is None else positions.shape[0]
+        self.ragged = self.batch > 1  # rows keep their own lengths (stays so when rows leave the batch)
+        self._block_lengths: list[int] = []
+        if self.ragged:
+            self._begin_rows(model, attention_mask)
+
+    def _begin_rows(self, model: torch.nn.Module, attention_mask: torch.Tensor | None) -> None:
+        """Set up a batch: every row keeps its own length (``starts``), and the verifier passes the model its own
+        4D attention mask and position ids, so that rows accepting different numbers of tokens stay exact."""
+        other = sorted({type(layer).__name__ for layer in self.cache.layers if type(layer) is not PreallocatedLayer})
+        if other:
+            raise UnsupportedModelError(
+                f"{_model_type(model)} keeps {', '.join(other)} cache layers (sliding windows, recurrent state ...); "
+                "specula batches only models whose layers all cache full attention. Decode its requests one at a time."
+            )
+        self.attention = model.config._attn_implementation
+        if self.attention not in ("sdpa", "eager"):
+            raise UnsupportedModelError(
+                f"specula batches with the 'sdpa' or 'eager' attention implementation, not {self.attention!r}; load "
+                f"{_model_type(model)} with attn_implementation='sdpa', or decode one request at a time."
+            )
+        if self.positions is None:
+            raise UnsupportedModelError(
+                f"{_model_type(model)} takes no position_ids, so rows of different lengths cannot share a pass; "
+                "decode its requests one at a time."
+            )
+        device = self.positions.device  # positions: [B, max_length]
+        self.slot_valid = (  # [B, max_length]: False for padding
+            torch.ones_like(self.positions, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        )
+        self.starts = torch.zeros(self.batch, dtype=torch.long, device=device)  # [B]: each row's cached tokens
+        self.dtype = next(model.parameters()).dtype
+        for layer in self.cache.layers:
+            layer.row_starts = self.starts
 
     def _refuse_split_dependent(self, model: torch.nn.Module) -> None:
         """Refuse models for which a pass over several tokens computes something else than one-token steps."""
@@ -238,6 +289,62 @@ class CachedModel:
                     "verified. Use proposer=None or model.generate() for this model."
                 )
         return logits
+
+    def forward_rows(self, blocks: list[torch.Tensor], num_logits: list[int]) -> list[torch.Tensor]:
+        """Append ``blocks[b]`` (1-D) to row ``b``'s cache; return each row's logits at the last ``num_logits[b]``
+        positions of its block (``[num_logits[b], vocab]``). Batch size 1 is :meth:`forward`."""
+        self._block_lengths = [len(block) for block in blocks]
+        if not self.ragged:
+            return [self.forward(blocks[0], num_logits[0])]
+        lengths = torch.tensor(self._block_lengths, device=self.starts.device)  # [B]
+        n = int(lengths.max())
+        steps = torch.arange(n, device=self.starts.device)
+        tokens = torch.stack([torch.cat([b, b[-1:].expand(n - len(b))]) for b in blocks])  # [B, n], padded at the end
+        slots = self.starts[:, None] + steps  # [B, n]: where each token goes
+        keys = torch.arange(int(self.starts.max()) + n, device=tokens.device)  # every slot a query may see
+        valid = self.slot_valid[:, : len(keys)]
+        valid = torch.cat([valid, valid.new_ones(self.batch, len(keys) - valid.shape[1])], dim=1)  # [B, keys]
+        # a token sees the valid slots up to its own (and itself, so that no padding query sees nothing)
+        seen = (keys <= slots[..., None]) & (valid[:, None, :] | (keys == slots[..., None]))  # [B, n, keys]
+        mask = seen[:, None]
+        if self.attention == "eager":  # (eager attention adds its mask to the scores)
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(~mask, torch.finfo(self.dtype).min)
+        first = lengths - torch.tensor(num_logits, device=lengths.device)  # [B]: first position wanted per row
+        keep = n - int(first.min())
+        inputs = {
+            "input_ids": tokens, self.cache_argument: self.cache, "use_cache": True, "attention_mask": mask,
+            "position_ids": self.positions.gather(1, slots.clamp(max=self.positions.shape[1] - 1)),
+        }
+        if self.accepts_logits_to_keep:
+            inputs["logits_to_keep"] = keep
+        logits = self.model(**inputs).logits[:, -keep:]  # [B, keep, vocab]
+        self.cached_tokens = len(keys)
+        self._check_length("a forward pass")
+        return [logits[b, first[b] - (n - keep) : lengths[b] - (n - keep)] for b in range(self.batch)]
+
+    def keep_rows(self, kept: list[int]) -> None:
+        """After :meth:`forward_rows`: row ``b`` keeps the first ``kept[b]`` tokens of its block, the rest of its
+        block is forgotten."""
+        if not self.ragged:
+            self.rollback(self._block_lengths[0] - kept[0])
+            return
+        self.starts += torch.tensor(kept, device=self.starts.device)
+        self.cached_tokens = int(self.starts.max())
+        for layer in self.cache.layers:
+            layer.length = self.cached_tokens
+            layer._expose()
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only these rows of the batch (in this order): finished requests cost nothing afterwards."""
+        if not self.ragged or rows == list(range(self.batch)):
+            return  # (one row: it only leaves when decoding ends)
+        index = torch.tensor(rows, dtype=torch.long, device=self.starts.device)
+        self.starts = self.starts[index]
+        self.positions, self.slot_valid = self.positions[index], self.slot_valid[index]
+        for layer in self.cache.layers:
+            layer.select_rows(index)
+            layer.row_starts = self.starts
+        self.batch = len(rows)
 
     def _check_length(self, after: str) -> None:
         lengths, written = _written_lengths(self.cache)

@@ -53,9 +53,11 @@ def generate(
 
     Args:
         model: any HF decoder-only causal LM (``AutoModelForCausalLM``).
-        input_ids: the prompt, shape ``[1, length]`` (or ``[length]``); one sequence at a time.
+        input_ids: the prompts, shape ``[B, length]`` (or ``[length]`` for one), left-padded as for
+            ``model.generate``; the rows are decoded together, each exactly as alone, each keeping the drafts it
+            accepts (batches need models whose layers all cache full attention).
         proposer: where drafts come from, e.g. ``specula.PromptLookup()``; ``None`` for plain decoding.
-        attention_mask: as in HF; zeros mark left padding.
+        attention_mask: as in HF; zeros mark left padding (needed when the rows of a batch are padded).
         max_new_tokens, eos_token_id: as in ``model.generate``.
         do_sample: sample instead of decoding greedily; ``None`` follows the model's ``generation_config``.
         temperature, top_k, top_p: sampling settings, as in ``model.generate``; ``temperature=0`` decodes greedily.
@@ -77,14 +79,20 @@ def generate(
             (``repetition_penalty=1.2``, ``stop_strings=[...]`` with ``tokenizer=``, ...) or ``generation_config=``.
 
     Returns:
-        ``GenerateOutput`` with ``sequences`` (prompt + new tokens, ``[1, length]``) and ``stats``.
+        ``GenerateOutput`` with ``sequences`` (prompts + new tokens, ``[B, length]``, padded after a row's end as
+        ``model.generate`` pads it) and ``stats`` (batch totals, per-row stats in ``stats.rows``).
     """
     if not isinstance(model, GenerationMixin):
         raise TypeError(
             f"specula.generate needs a transformers causal LM (one with model.generate), got {type(model).__name__}; "
             "load it with AutoModelForCausalLM."
         )
-    input_ids, attention_mask = check_prompt(model, input_ids, attention_mask)
+    input_ids, attention_mask = check_prompt(model, input_ids, attention_mask, model.generation_config.pad_token_id)
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError(
+            f"A streamer takes one sequence, got a batch of {input_ids.shape[0]}; stream one request at a time, or "
+            "drop the streamer for the batch."
+        )
     if max_new_tokens is not None:
         check_max_new_tokens(max_new_tokens)
     if eos_token_id is not None:

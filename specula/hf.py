@@ -65,12 +65,19 @@ def custom_generate(
         model_kwargs.get("attention_mask"),
         max(generation_config.max_length - input_ids.shape[1], 0),
         generation_config.eos_token_id,
+        _pad_token_id(generation_config),
     )
     sampling = Sampling(do_sample=bool(generation_config.do_sample), processors=logits_processor, generator=generator)
     out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, row_exact)
     if generation_config.return_dict_in_generate:
         return SpeculaGenerateOutput(sequences=out.sequences, stats=out.stats)
     return out.sequences
+
+
+def _pad_token_id(generation_config: GenerationConfig) -> int | None:
+    """The pad token ``generate`` prepared (the pad token, else the first EOS token), if any."""
+    prepared = getattr(generation_config, "_pad_token_tensor", None)
+    return int(prepared.reshape(-1)[0]) if prepared is not None else generation_config.pad_token_id
 
 
 def _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator, cache) -> None:
@@ -85,10 +92,10 @@ def _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator,
     asked = [name for name in _UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
     if asked:
         raise ValueError(f"specula cannot return {', '.join(asked)}; generate without them.")
-    if generation_config.num_return_sequences > 1 or input_ids.shape[0] > 1:
+    if generation_config.num_return_sequences > 1:
         raise ValueError(
-            f"specula decodes one sequence at a time, got a batch of {input_ids.shape[0]} with "
-            f"num_return_sequences={generation_config.num_return_sequences}; call generate once per sequence."
+            f"specula returns one sequence per prompt, got num_return_sequences="
+            f"{generation_config.num_return_sequences}; repeat the prompt in the batch instead."
         )
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("specula starts from the prompt; it cannot continue a filled past_key_values.")

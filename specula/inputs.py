@@ -12,14 +12,24 @@ import torch
 
 @dataclass(frozen=True)
 class Request:
-    """A validated generation request for one sequence."""
+    """A validated generation request for a batch of ``B`` sequences (left-padded to one length ``L``)."""
 
-    prompt: np.ndarray  # int64 token ids
-    max_length: int  # prompt + new tokens, never past the model's context
+    input_ids: np.ndarray  # [B, L] int64 token ids, padding included
+    prompt_mask: np.ndarray  # [B, L] bool: True for a prompt token, False for padding
+    max_length: int  # L + new tokens, never past the model's context
     eos_token_ids: frozenset[int]
-    positions: torch.Tensor  # [1, max_length] position id of every slot, on the model's device
-    attention_mask: torch.Tensor | None  # [1, max_length], None when the prompt has no padding
+    positions: torch.Tensor  # [B, max_length] position id of every slot, on the model's device
+    attention_mask: torch.Tensor | None  # [B, max_length], None when no prompt has padding
     device: torch.device
+    pad_token_id: int = 0  # what follows a row that ended before the others in the output
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def prompt(self, row: int) -> np.ndarray:
+        """Row ``row``'s prompt tokens without its padding."""
+        return self.input_ids[row][self.prompt_mask[row]]
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -47,13 +57,8 @@ def _token_tensor(value: object, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must hold integer token ids (torch.long), got dtype {value.dtype}.")
     if value.ndim == 1:
         value = value[None]
-    if value.ndim != 2:
-        raise ValueError(f"{name} must have shape [1, sequence_length], got {tuple(value.shape)}.")
-    if value.shape[0] != 1:
-        raise ValueError(
-            f"{name} has batch size {value.shape[0]}; specula decodes one sequence at a time. "
-            "Call specula.generate once per prompt."
-        )
+    if value.ndim != 2 or value.shape[0] == 0:
+        raise ValueError(f"{name} must have shape [batch_size, sequence_length], got {tuple(value.shape)}.")
     return value.long()
 
 
@@ -75,10 +80,11 @@ def check_max_new_tokens(max_new_tokens: object) -> None:
 
 
 def check_prompt(
-    model: torch.nn.Module, input_ids: object, attention_mask: object | None
+    model: torch.nn.Module, input_ids: object, attention_mask: object | None, pad_token_id: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``input_ids`` as a ``[1, length]`` long tensor and ``attention_mask`` checked against it; raise ``ValueError``
-    saying what is wrong and what to do."""
+    """``input_ids`` as a ``[B, length]`` long tensor and ``attention_mask`` checked against it; raise ``ValueError``
+    saying what is wrong and what to do. ``pad_token_id`` lets a batch whose rows start with it but that comes
+    without an attention mask be refused."""
     input_ids = _token_tensor(input_ids, "input_ids")
     prompt_length = input_ids.shape[1]
     if prompt_length == 0:
@@ -105,8 +111,18 @@ def check_prompt(
             )
         if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
             raise ValueError("attention_mask must hold only 0 (padding) and 1 (token).")
-        if int(attention_mask[0, -1]) != 1:
-            raise ValueError("The last prompt token is masked out (right padding); pad on the left or strip padding.")
+        if not bool((attention_mask[:, -1] == 1).all()):
+            raise ValueError(
+                "The last prompt token of a row is masked out (right padding); pad on the left (as model.generate "
+                "needs too: tokenizer.padding_side = 'left') or strip the padding."
+            )
+        if not bool(attention_mask.any(dim=1).all()):
+            raise ValueError("A row of attention_mask is all zeros: every prompt needs at least one token.")
+    elif input_ids.shape[0] > 1 and pad_token_id is not None and bool((input_ids[:, 0] == pad_token_id).any()):
+        raise ValueError(
+            f"Some rows of input_ids start with the pad token ({pad_token_id}) but no attention_mask was given; pass "
+            "the attention_mask the tokenizer returned with the padded batch."
+        )
     return input_ids, attention_mask
 
 
@@ -116,9 +132,11 @@ def prepare_request(
     attention_mask: torch.Tensor | None,
     max_new_tokens: int,
     eos_token_id: int | Iterable[int] | torch.Tensor | None,
+    pad_token_id: int | None = None,
 ) -> Request:
-    """The request the loop runs: the checked prompt, its length limit, EOS ids, and every slot's position."""
-    input_ids, attention_mask = check_prompt(model, input_ids, attention_mask)
+    """The request the loop runs: the checked prompts, their length limit, EOS ids, and every slot's position."""
+    input_ids, attention_mask = check_prompt(model, input_ids, attention_mask, pad_token_id)
+    batch = input_ids.shape[0]
     check_max_new_tokens(max_new_tokens)
     prompt_length = input_ids.shape[1]
     max_length = prompt_length + max_new_tokens
@@ -132,17 +150,19 @@ def prepare_request(
         max_length = limit
 
     device = model.get_input_embeddings().weight.device
-    full_mask = torch.ones(1, max_length, dtype=torch.long)
+    full_mask = torch.ones(batch, max_length, dtype=torch.long)
     if attention_mask is not None:
         full_mask[:, :prompt_length] = attention_mask.cpu()
     # Position ids as model.generate computes them: count the unmasked tokens, padding gets position 0.
     positions = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 0)
     has_padding = bool((full_mask == 0).any())
     return Request(
-        prompt=input_ids[0].cpu().numpy().astype(np.int64),
+        input_ids=input_ids.cpu().numpy().astype(np.int64),
+        prompt_mask=full_mask[:, :prompt_length].numpy().astype(bool),
         max_length=max_length,
         eos_token_ids=eos_ids(eos_token_id),
         positions=positions.to(device),
         attention_mask=full_mask.to(device) if has_padding else None,
         device=device,
+        pad_token_id=pad_token_id if pad_token_id is not None else min(eos_ids(eos_token_id), default=0),
     )

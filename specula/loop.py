@@ -22,19 +22,27 @@ MAX_DRAFT = 32  # the longest draft the loop sends, whatever the proposer's own 
 
 
 class _Sequence:
-    """Prompt + output on the host, in a buffer sized once; stops exactly at EOS, a stopping criterion, or the
-    length limit."""
+    """Prompt + output of one request on the host, in a buffer sized once; stops exactly at EOS, a stopping
+    criterion, or the length limit."""
 
-    def __init__(self, request: Request, stopping_criteria: StoppingCriteriaList | None = None) -> None:
-        self.tokens = np.empty(request.max_length, dtype=np.int64)
-        self.length = len(request.prompt)
-        self.tokens[: self.length] = request.prompt
-        self.eos_token_ids = request.eos_token_ids
+    def __init__(
+        self, prompt: np.ndarray, max_new_tokens: int, eos_token_ids: frozenset[int],
+        stopping_criteria: StoppingCriteriaList | None = None,
+    ) -> None:
+        self.tokens = np.empty(len(prompt) + max_new_tokens, dtype=np.int64)
+        self.length = len(prompt)
+        self.tokens[: self.length] = prompt
+        self.eos_token_ids = eos_token_ids
         self.stopping_criteria = stopping_criteria
 
     @property
     def ids(self) -> np.ndarray:
         return self.tokens[: self.length]
+
+    @property
+    def room(self) -> int:
+        """How many more tokens fit."""
+        return len(self.tokens) - self.length
 
     def with_draft(self, draft: Draft, device: torch.device) -> torch.Tensor:
         """``[1, length + len(draft)]``: the sequence followed by the draft, what logits processors read."""
@@ -91,6 +99,36 @@ def _propose(
     return draft
 
 
+class _Row:
+    """One request of a batch: its sequence, proposer, draft-length policy, counters, and the draft it sends next."""
+
+    def __init__(self, sequence: _Sequence, proposer: Proposer | None, lengths: DraftLength | None) -> None:
+        self.sequence, self.proposer, self.lengths = sequence, proposer, lengths
+        self.stats = SpecStats(prompt_tokens=sequence.length)
+        self.draft = self.sent = Draft.empty()
+
+    def choose(self) -> Draft:
+        """The part of the proposed draft this step verifies."""
+        lengths = self.lengths
+        self.sent = self.draft if lengths is None else self.draft.head(lengths.best_length(len(self.draft), self.draft.source))
+        return self.sent
+
+    def take(self, new_tokens: list[int], verified: int, seconds: float, streamer: BaseStreamer | None) -> bool:
+        """Record a step that verified ``verified`` tokens and produced ``new_tokens``; return whether the request
+        is finished."""
+        if self.lengths is not None:
+            if self.stats.steps:  # (the prefill is not a verification step)
+                self.lengths.record_step(verified, seconds)
+            self.lengths.record_outcome(self.draft.tokens.tolist(), new_tokens, self.draft.source)
+        self.stats.record_step(drafted=len(self.sent), accepted=len(new_tokens) - 1)
+        kept, finished = self.sequence.append(new_tokens)
+        if streamer is not None:
+            streamer.put(torch.tensor(kept))
+        if self.proposer is not None:
+            self.proposer.observe(kept, min(len(new_tokens) - 1, len(kept)))
+        return finished
+
+
 @torch.inference_mode()
 def decode(
     model: torch.nn.Module,
@@ -102,65 +140,78 @@ def decode(
     adaptive_draft: bool = True,
     row_exact: bool | None = None,
 ) -> GenerateOutput:
-    """The speculation loop on a validated request (see :func:`specula.generate`)."""
+    """The speculation loop on a validated request of one or more rows (see :func:`specula.generate`)."""
     started = time.perf_counter()
-    sequence = _Sequence(request, stopping_criteria)
-    stats = SpecStats(prompt_tokens=sequence.length)
-    if request.max_length > sequence.length:
-        row_exact = proposer is not None and wanted(model, row_exact)
+    batch, width = request.input_ids.shape
+    new_tokens = request.max_length - width
+    # Draft lengths follow measured timings only where the output cannot depend on them: greedy, one row, with
+    # passes that round as one-token steps do (or in fp32, far below the gaps between logits). Elsewhere they follow
+    # acceptance alone, so that a request decodes the same on every run.
+    row_exact = proposer is not None and batch == 1 and wanted(model, row_exact)
+    timed = sampling.greedy and batch == 1 and (row_exact or not is_half_precision(model))
+    costs = shared_step_seconds(model, (request.device, getattr(model, "dtype", None)), MAX_DRAFT) if timed else None
+    if proposer is not None and new_tokens > 0:
+        proposer.check_target(model)
+    rows = []
+    for b in range(batch):
+        row_proposer = None if proposer is None else proposer if b == 0 else proposer.fork()
+        lengths = DraftLength(MAX_DRAFT, timed=timed, step_seconds=costs) if proposer and adaptive_draft else None
+        rows.append(_Row(_Sequence(request.prompt(b), new_tokens, request.eos_token_ids, stopping_criteria),
+                         row_proposer, lengths))
+    passes = 0
+    if new_tokens > 0:
         target = CachedModel(
             model, request.positions, request.attention_mask, rollback=proposer is not None,
-            capacity=request.max_length, row_exact=row_exact,
+            capacity=request.max_length + (MAX_DRAFT + 1 if batch > 1 else 0), row_exact=row_exact,
         )
         vocab = vocab_size(model)
-        if proposer is not None:
-            proposer.check_target(model)
-            proposer.begin(sequence.ids, sampling)
-        lengths = None
-        if proposer is not None and adaptive_draft:
-            setting = (request.device, getattr(model, "dtype", None))
-            # Timings decide draft lengths only where the output cannot depend on them: greedy, with passes that
-            # round as one-token steps do (or in fp32, far below the gaps between logits). Elsewhere lengths follow
-            # acceptance alone, so that a request decodes the same on every run.
-            timed = sampling.greedy and (row_exact or not is_half_precision(model))
-            costs = shared_step_seconds(model, setting, MAX_DRAFT) if timed else None
-            lengths = DraftLength(MAX_DRAFT, timed=timed, step_seconds=costs)
-
-        def next_draft() -> Draft:
-            remaining = request.max_length - sequence.length - 1
-            budget = remaining if lengths is None else lengths.budget(remaining)
-            return _propose(proposer, sequence.ids, budget, vocab, stats, lengths)
-
-        # The first pass is the prefill of the prompt alone, as model.generate's: some models compute a prompt
+        for row in rows:
+            if row.proposer is not None:
+                row.proposer.begin(row.sequence.ids, sampling)
+        # The first pass is the prefill of the prompts alone, as model.generate's: some models compute a prompt
         # differently when more tokens share its pass (Doge's dynamic masks; rounding in bf16).
-        draft = Draft.empty()
-        block = torch.from_numpy(request.prompt)
-        while True:
+        active = rows  # in the target's row order
+        blocks = [torch.from_numpy(request.input_ids[b]) for b in range(batch)]
+        while active:
             step_started = time.perf_counter()
-            sent = draft if lengths is None else draft.head(lengths.best_length(len(draft), draft.source))
-            block = torch.cat([block, sent.tokens]).to(request.device)
-            logits = target.forward(block, num_logits=len(sent) + 1)
-            input_ids = sequence.with_draft(sent, request.device) if sampling.reads_tokens else None
-            new_tokens = accept_draft(logits, sent, sampling, input_ids)
-            target.rollback(len(sent) + 1 - len(new_tokens))
-            if lengths is not None:
-                if stats.steps:  # (the prefill is not a verification step)
-                    lengths.record_step(len(block), time.perf_counter() - step_started)
-                lengths.record_outcome(draft.tokens.tolist(), new_tokens, draft.source)
-            stats.record_step(drafted=len(sent), accepted=len(new_tokens) - 1)
-            if stats.steps == 1:
-                stats.prefill_time_s = time.perf_counter() - started
-            kept, finished = sequence.append(new_tokens)
-            if streamer is not None:
-                streamer.put(torch.tensor(kept))
-            if proposer is not None:
-                proposer.observe(kept, min(len(new_tokens) - 1, len(kept)))
-            if finished:
-                break
-            draft = next_draft()
-            block = torch.from_numpy(sequence.tokens[sequence.length - 1 : sequence.length])
+            blocks = [torch.cat([block, row.choose().tokens]).to(request.device) for block, row in zip(blocks, active)]
+            logits = target.forward_rows(blocks, [len(row.sent) + 1 for row in active])
+            seconds, kept, finished = time.perf_counter() - step_started, [], []
+            for row, block, row_logits in zip(active, blocks, logits):
+                input_ids = row.sequence.with_draft(row.sent, request.device) if sampling.reads_tokens else None
+                tokens = accept_draft(row_logits, row.sent, sampling, input_ids)
+                kept.append(len(block) - len(row.sent) + len(tokens) - 1)  # the block but its rejected drafts
+                finished.append(row.take(tokens, len(block), seconds, streamer))
+            target.keep_rows(kept)
+            passes += 1
+            now = time.perf_counter() - started
+            if passes == 1:
+                prefill_time = now
+            for row, done in zip(active, finished):
+                row.stats.prefill_time_s, row.stats.wall_time_s = prefill_time, now
+            target.select_rows([i for i, done in enumerate(finished) if not done])
+            active = [row for row, done in zip(active, finished) if not done]
+            for row in active:
+                remaining = row.sequence.room - 1
+                budget = remaining if row.lengths is None else row.lengths.budget(remaining)
+                row.draft = _propose(row.proposer, row.sequence.ids, budget, vocab, row.stats, row.lengths)
+            blocks = [torch.from_numpy(row.sequence.ids[-1:]) for row in active]
     if streamer is not None:
         streamer.end()
-    stats.new_tokens = sequence.length - stats.prompt_tokens
-    stats.wall_time_s = time.perf_counter() - started
-    return GenerateOutput(sequences=torch.from_numpy(sequence.ids.copy())[None].to(request.device), stats=stats)
+    for row in rows:
+        row.stats.new_tokens = row.sequence.length - row.stats.prompt_tokens
+    stats = SpecStats.total([row.stats for row in rows], steps=passes, wall_time_s=time.perf_counter() - started,
+                            prefill_time_s=prefill_time if passes else 0.0)
+    return GenerateOutput(sequences=_padded(request, rows).to(request.device), stats=stats)
+
+
+def _padded(request: Request, rows: list[_Row]) -> torch.Tensor:
+    """``[B, L + new]``: each row's (padded) prompt and new tokens, rows that ended early padded after their end
+    with ``request.pad_token_id``, as ``model.generate`` pads them."""
+    width = request.input_ids.shape[1]
+    new = [row.sequence.ids[row.stats.prompt_tokens :] for row in rows]
+    out = np.full((len(rows), width + max(map(len, new))), request.pad_token_id, dtype=np.int64)
+    out[:, :width] = request.input_ids
+    for b, tokens in enumerate(new):
+        out[b, width : width + len(tokens)] = tokens
+    return torch.from_numpy(out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import os
 import zipfile
 from typing import Sequence
@@ -131,6 +133,12 @@ class NGramPredictor(Proposer):
 
     def observe(self, new_ids: Sequence[int], num_accepted: int) -> None:
         self.update(new_ids)
+
+    def fork(self) -> "NGramPredictor":
+        """Another row's predictor: its own recent tokens, the same tables (every request teaches every other)."""
+        twin = copy.copy(self)
+        twin.recent = np.empty(0, np.int64)
+        return twin
 
     # Persistence
     def save(self, path: str | os.PathLike) -> None:

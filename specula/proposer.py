@@ -23,6 +23,7 @@ Example, a proposer that always guesses the token that came before the last one:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -98,3 +99,9 @@ class Proposer:
 
     def observe(self, new_ids: Sequence[int], num_accepted: int) -> None:
         """``new_ids`` were appended to the sequence; the first ``num_accepted`` of them were this proposer's draft."""
+
+    def fork(self) -> "Proposer":
+        """A proposer for another row of the same batch: the state of a request is its own, state that should
+        serve every request (learnt tables, a loaded model) is shared. The default, a deep copy, shares nothing;
+        proposers with shared state override it."""
+        return copy.deepcopy(self)

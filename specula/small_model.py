@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from typing import Sequence
 
 import numpy as np
@@ -113,6 +115,10 @@ class SmallModelDrafter(Proposer):
         self.last_draft_length = len(tokens)
         draft_tokens = torch.cat(tokens).cpu()
         return Draft(draft_tokens, self._over_target_vocab(torch.stack(probs)) if probs else None)
+
+    def fork(self) -> "SmallModelDrafter":
+        """Another row's drafter: the same draft model, its own cache and draft length (set up by ``begin``)."""
+        return copy.copy(self)
 
     def observe(self, new_ids: Sequence[int], num_accepted: int) -> None:
         if self.adaptive and self.last_draft_length:

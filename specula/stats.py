@@ -24,6 +24,22 @@ class SpecStats:
     wall_time_s: float = 0.0
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
+    rows: list["SpecStats"] = field(default_factory=list, repr=False)  # per request of a batch, in its order
+
+    @classmethod
+    def total(cls, rows: list["SpecStats"], steps: int, wall_time_s: float, prefill_time_s: float) -> "SpecStats":
+        """The batch's totals over its rows' stats (kept in ``rows``): ``steps`` counts the passes, which the rows
+        share; a row's ``steps`` counts the passes it took part in, its ``wall_time_s`` ends when it finished."""
+        per_position = [0] * max((len(row.accepted_per_position) for row in rows), default=0)
+        for row in rows:
+            for position, count in enumerate(row.accepted_per_position):
+                per_position[position] += count
+        return cls(
+            prompt_tokens=sum(row.prompt_tokens for row in rows), new_tokens=sum(row.new_tokens for row in rows),
+            steps=steps, drafted=sum(row.drafted for row in rows), accepted=sum(row.accepted for row in rows),
+            accepted_per_position=per_position, wall_time_s=wall_time_s, prefill_time_s=prefill_time_s,
+            draft_time_s=sum(row.draft_time_s for row in rows), rows=rows,
+        )
 
     @property
     def acceptance_rate(self) -> float:
@@ -60,7 +76,8 @@ class SpecStats:
 
 @dataclass
 class GenerateOutput:
-    """``sequences``: prompt + new tokens, shape ``[1, prompt_len + new_tokens]``, as ``model.generate`` returns."""
+    """``sequences``: prompts + new tokens, shape ``[B, prompt_len + new_tokens]``, rows that ended early padded after
+    their end, as ``model.generate`` returns them."""
 
     sequences: torch.LongTensor
     stats: SpecStats

@@ -22,15 +22,18 @@ def hf_greedy(model, input_ids, max_new_tokens, eos_token_id=None, attention_mas
 
 
 class Oracle(specula.Proposer):
-    """Proposes the continuation of a reference run: every draft token is right."""
+    """Proposes the continuation of a reference run: every draft token is right. Given several references (a
+    batch's rows, each prompt + output without padding), it follows the one the context is a prefix of."""
 
-    def __init__(self, reference: torch.Tensor, num_draft: int) -> None:
-        self.reference = reference.reshape(-1).tolist()
+    def __init__(self, reference: torch.Tensor | list[torch.Tensor], num_draft: int) -> None:
+        references = reference if isinstance(reference, list) else [reference]
+        self.references = [r.reshape(-1).tolist() for r in references]
         self.num_draft = num_draft
 
     def propose(self, context_ids: np.ndarray, max_tokens: int) -> specula.Draft:
-        start = len(context_ids)
-        return specula.Draft(self.reference[start : start + min(self.num_draft, max_tokens)])
+        start, context = len(context_ids), context_ids.tolist()
+        reference = next((r for r in self.references if r[:start] == context), self.references[0])
+        return specula.Draft(reference[start : start + min(self.num_draft, max_tokens)])
 
 
 class AlwaysWrong(Oracle):

@@ -186,7 +186,7 @@ def test_sampling_through_model_generate_is_reproducible() -> None:
         (dict(prompt_lookup_num_tokens=3), "ask for assisted generation"),
         (dict(guidance_scale=1.5), "UnbatchedClassifierFreeGuidanceLogitsProcessor keeps state"),
         (dict(output_scores=True, return_dict_in_generate=True), "cannot return output_scores"),
-        (dict(num_return_sequences=2, do_sample=True), "one sequence at a time"),
+        (dict(num_return_sequences=2, do_sample=True), "one sequence per prompt"),
     ],
 )
 def test_what_custom_generate_cannot_do_is_refused(kwargs, message) -> None:

@@ -27,7 +27,8 @@ PROMPT = torch.tensor([[1, 5, 6, 7]])
         (torch.tensor([[1.0, 2.0]]), "integer token ids"),
         (torch.tensor([[True, False]]), "integer token ids"),
         (torch.tensor([[[1, 2]]]), "shape"),
-        (torch.tensor([[1, 2], [3, 4]]), "batch size 2"),
+        (torch.empty(0, 3, dtype=torch.long), "shape"),
+        (torch.tensor([[0, 0, 5], [1, 4, 5]]), "start with the pad token"),  # padded rows, but no attention_mask
         (torch.tensor([[1, VOCAB]]), f"vocabulary of {VOCAB}"),
         (torch.tensor([[1, -3]]), "vocabulary"),
         ("hello", "token ids"),

@@ -1,0 +1,132 @@
+"""Batches: several requests verified in one pass, each row keeping the drafts it accepts, each row's tokens exactly
+model.generate's on that row alone (fp32)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from helpers import AlwaysWrong, Oracle, hf_greedy
+from tiny_models import VOCAB, tiny_model
+
+import specula
+from specula.cached_model import UnsupportedModelError
+
+NEW_TOKENS = 24
+PAD = 0  # the tiny models' pad_token_id
+BATCHED = ["gpt2", "gpt_neox", "llama", "qwen2"]  # architectures whose layers all cache full attention
+
+
+def prompts() -> list[torch.Tensor]:
+    """Rows of different lengths: two repetitive (PromptLookup finds drafts), two not."""
+    generator = torch.Generator().manual_seed(3)
+    words = torch.randint(3, VOCAB, (12,), generator=generator)
+    repetitive = torch.cat([words[:6], words[:6], words[:6], words[2:5]])
+    return [repetitive, torch.randint(3, VOCAB, (9,), generator=generator), repetitive[3:],
+            torch.randint(3, VOCAB, (30,), generator=generator)]
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row) :], mask[b, width - len(row) :] = row, 1
+    return ids, mask
+
+
+@functools.cache
+def model(name: str) -> torch.nn.Module:
+    return tiny_model(name)
+
+
+def alone(name: str, row: torch.Tensor, **kwargs) -> list[int]:
+    """The new tokens model.generate makes for this row alone."""
+    return hf_greedy(model(name), row[None], NEW_TOKENS, **kwargs)[0, len(row) :].tolist()
+
+
+def new_tokens(out: specula.GenerateOutput, width: int) -> list[list[int]]:
+    """Each row's new tokens, padding after its end dropped."""
+    return [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
+
+
+@pytest.mark.parametrize("name", BATCHED)
+@pytest.mark.parametrize("proposer", ["prompt-lookup", "ngram", "oracle", "always-wrong", "none"])
+def test_each_row_is_its_own_model_generate(name: str, proposer: str) -> None:
+    rows = prompts()
+    expected = [alone(name, row, eos_token_id=[]) for row in rows]
+    references = [torch.tensor(row.tolist() + out) for row, out in zip(rows, expected)]
+    proposers = {
+        "prompt-lookup": specula.PromptLookup(), "ngram": specula.NGramPredictor(), "none": None,
+        "oracle": Oracle(references, 5), "always-wrong": AlwaysWrong(references, 5, VOCAB),
+    }
+    ids, mask = left_padded(rows)
+    out = specula.generate(model(name), ids, proposers[proposer], attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                           eos_token_id=[], adaptive_draft=False)
+    assert new_tokens(out, ids.shape[1]) == expected
+    assert out.sequences[:, : ids.shape[1]].tolist() == ids.tolist()
+    assert len(out.stats.rows) == len(rows) and out.stats.new_tokens == NEW_TOKENS * len(rows)
+    if proposer == "oracle":  # every row accepted drafts, each its own
+        assert all(row.accepted > NEW_TOKENS // 2 for row in out.stats.rows)
+        assert out.stats.steps < NEW_TOKENS // 2
+    if proposer == "always-wrong":
+        assert out.stats.accepted == 0 and out.stats.drafted > 0
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_rows_stop_on_their_own_eos_inside_accepted_blocks(name: str) -> None:
+    """EOS is a token row 0 makes early: rows end where model.generate alone ends them, padded after, while the
+    others go on; the oracle makes EOS arrive inside an accepted block."""
+    rows = prompts()
+    eos = alone(name, rows[0], eos_token_id=[])[5]
+    expected = [alone(name, row, eos_token_id=eos) for row in rows]
+    assert len(expected[0]) <= 6 and max(map(len, expected)) > len(expected[0])
+    references = [torch.tensor(row.tolist() + out) for row, out in zip(rows, expected)]
+    ids, mask = left_padded(rows)
+    out = specula.generate(model(name), ids, Oracle(references, 8), attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                           eos_token_id=eos, adaptive_draft=False)
+    assert new_tokens(out, ids.shape[1]) == expected
+    width = ids.shape[1] + max(map(len, expected))
+    assert out.sequences.shape == (len(rows), width)
+    for row, tokens in zip(out.sequences.tolist(), expected):
+        assert row[ids.shape[1] + len(tokens) :] == [PAD] * (width - ids.shape[1] - len(tokens))
+
+
+class StopOnToken(StoppingCriteria):
+    """Ends a row once it made ``token``, as a stop string would."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return input_ids[:, -1] == self.token
+
+
+def test_stopping_criteria_end_rows_on_their_own() -> None:
+    rows = prompts()
+    stop = alone("llama", rows[1], eos_token_id=[])[3]
+    criteria = StoppingCriteriaList([StopOnToken(stop)])
+    expected = [alone("llama", row, eos_token_id=[], stopping_criteria=criteria) for row in rows]
+    assert len(expected[1]) == 4 and max(map(len, expected)) == NEW_TOKENS
+    ids, mask = left_padded(rows)
+    out = specula.generate(model("llama"), ids, specula.PromptLookup(), attention_mask=mask,
+                           max_new_tokens=NEW_TOKENS, eos_token_id=[], stopping_criteria=criteria)
+    assert new_tokens(out, ids.shape[1]) == expected
+
+
+def test_sliding_window_models_are_refused_for_batches() -> None:
+    ids, mask = left_padded(prompts()[:2])
+    with pytest.raises(UnsupportedModelError, match="full attention"):
+        specula.generate(model("gemma3"), ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=4)
+    single = prompts()[0][None]  # one row is fine
+    assert specula.generate(model("gemma3"), single, specula.PromptLookup(), max_new_tokens=4).sequences.shape[0] == 1
+
+
+def test_a_streamer_takes_one_row() -> None:
+    from transformers.generation.streamers import BaseStreamer
+
+    ids, mask = left_padded(prompts()[:2])
+    with pytest.raises(ValueError, match="streamer takes one sequence"):
+        specula.generate(model("llama"), ids, attention_mask=mask, max_new_tokens=4, streamer=BaseStreamer())
