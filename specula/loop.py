@@ -71,29 +71,35 @@ class _Sequence:
 
 def _propose(
     proposer: Proposer | None, context: np.ndarray, budget: int, vocab: int, stats: SpecStats,
-    lengths: DraftLength | None,
+    lengths: DraftLength | None, row: int | None = None,
 ) -> Draft:
-    """Ask the proposer for at most ``budget`` tokens and check what it returns."""
+    """Ask the proposer for at most ``budget`` tokens and check what it returns (``row``: which row of a batch)."""
     if proposer is None or budget <= 0:
         return Draft.empty()
     started = time.perf_counter()
-    draft = proposer.propose(context, budget)
+    try:
+        draft = proposer.propose(context, budget)
+    except Exception as error:
+        if row is None:
+            raise
+        raise RuntimeError(f"{proposer!r}.propose() failed for row {row} of the batch: {error}") from error
     seconds = time.perf_counter() - started
     stats.draft_time_s += seconds
     if lengths is not None:
         lengths.record_draft_time(seconds)
+    where = "" if row is None else f" (row {row} of the batch)"
     if not isinstance(draft, Draft):
-        raise TypeError(f"{proposer!r}.propose() must return a specula.Draft, got {type(draft).__name__}.")
+        raise TypeError(f"{proposer!r}.propose(){where} must return a specula.Draft, got {type(draft).__name__}.")
     draft = draft.head(budget)
     if len(draft) and (int(draft.tokens.min()) < 0 or int(draft.tokens.max()) >= vocab):
         bad = int(draft.tokens.min()) if int(draft.tokens.min()) < 0 else int(draft.tokens.max())
         raise ValueError(
-            f"{proposer!r} proposed token id {bad}, outside the target's vocabulary of {vocab} tokens; "
+            f"{proposer!r} proposed token id {bad}{where}, outside the target's vocabulary of {vocab} tokens; "
             "the proposer must use the target's tokenizer."
         )
     if draft.probs is not None and draft.probs.shape[1] != vocab:
         raise ValueError(
-            f"{proposer!r} returned draft probabilities over {draft.probs.shape[1]} tokens but the target's "
+            f"{proposer!r} returned draft probabilities{where} over {draft.probs.shape[1]} tokens but the target's "
             f"vocabulary has {vocab}; give q over the target's token ids."
         )
     return draft
@@ -102,7 +108,10 @@ def _propose(
 class _Row:
     """One request of a batch: its sequence, proposer, draft-length policy, counters, and the draft it sends next."""
 
-    def __init__(self, sequence: _Sequence, proposer: Proposer | None, lengths: DraftLength | None) -> None:
+    def __init__(
+        self, index: int | None, sequence: _Sequence, proposer: Proposer | None, lengths: DraftLength | None
+    ) -> None:
+        self.index = index  # the row of the batch (None when there is one)
         self.sequence, self.proposer, self.lengths = sequence, proposer, lengths
         self.stats = SpecStats(prompt_tokens=sequence.length)
         self.draft = self.sent = Draft.empty()
@@ -156,8 +165,8 @@ def decode(
     for b in range(batch):
         row_proposer = None if proposer is None else proposer if b == 0 else proposer.fork()
         lengths = DraftLength(MAX_DRAFT, timed=timed, step_seconds=costs) if proposer and adaptive_draft else None
-        rows.append(_Row(_Sequence(request.prompt(b), new_tokens, request.eos_token_ids, stopping_criteria),
-                         row_proposer, lengths))
+        sequence = _Sequence(request.prompt(b), new_tokens, request.eos_token_ids, stopping_criteria)
+        rows.append(_Row(b if batch > 1 else None, sequence, row_proposer, lengths))
     passes = 0
     if new_tokens > 0:
         target = CachedModel(
@@ -194,7 +203,7 @@ def decode(
             for row in active:
                 remaining = row.sequence.room - 1
                 budget = remaining if row.lengths is None else row.lengths.budget(remaining)
-                row.draft = _propose(row.proposer, row.sequence.ids, budget, vocab, row.stats, row.lengths)
+                row.draft = _propose(row.proposer, row.sequence.ids, budget, vocab, row.stats, row.lengths, row.index)
             blocks = [torch.from_numpy(row.sequence.ids[-1:]) for row in active]
     if streamer is not None:
         streamer.end()

@@ -130,3 +130,22 @@ def test_a_streamer_takes_one_row() -> None:
     ids, mask = left_padded(prompts()[:2])
     with pytest.raises(ValueError, match="streamer takes one sequence"):
         specula.generate(model("llama"), ids, attention_mask=mask, max_new_tokens=4, streamer=BaseStreamer())
+
+
+class FailsOnRow(specula.Proposer):
+    """Drafts nothing, but fails on the context of one prompt."""
+
+    def __init__(self, bad_prompt: torch.Tensor) -> None:
+        self.bad = bad_prompt.tolist()
+
+    def propose(self, context_ids, max_tokens):
+        if context_ids[: len(self.bad)].tolist() == self.bad:
+            raise KeyError("no table for this context")
+        return specula.Draft([])
+
+
+def test_a_proposer_failing_for_one_row_is_named() -> None:
+    rows = prompts()
+    ids, mask = left_padded(rows)
+    with pytest.raises(RuntimeError, match=r"failed for row 1 of the batch: 'no table"):
+        specula.generate(model("llama"), ids, FailsOnRow(rows[1]), attention_mask=mask, max_new_tokens=4)

@@ -63,3 +63,22 @@ def test_bf16_greedy_output_is_identical_to_generate_and_to_itself(index: int) -
     first = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=48)
     second = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=48)
     assert first.sequences.tolist() == second.sequences.tolist() == expected
+
+
+def test_a_batch_of_workload_prompts_gives_each_its_own_output() -> None:
+    """Eight workload prompts of different lengths in one batch (left-padded), fp32: every row is model.generate's
+    output for that prompt alone, EOS and all."""
+    model, tokenizer = smollm2()
+    rows = [encode(tokenizer, row)[0] for rows in load_workloads(WORKLOADS, 2).values() for row in rows][:8]
+    assert len({len(row) for row in rows}) > 4
+    eos = model.generation_config.eos_token_id
+    expected = [hf_greedy(model, row[None], 32, eos_token_id=eos)[0, len(row) :].tolist() for row in rows]
+    width, pad = max(map(len, rows)), tokenizer.pad_token_id
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row) :], mask[b, width - len(row) :] = row, 1
+    out = specula.generate(model, ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=32)
+    got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
+    assert got == expected
+    assert out.stats.accepted > 0 and out.stats.steps < 32
