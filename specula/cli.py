@@ -109,6 +109,24 @@ def _encode(tokenizer, request: dict, device: str) -> torch.Tensor:
     return encode(tokenizer, request).to(device)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _left_padded(prompts: list[torch.Tensor], tokenizer, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, L]`` token ids padded on the left with the tokenizer's pad token (else its EOS), and their mask."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.full((len(prompts), width), pad if pad is not None else 0, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
+    return ids, mask
+
+
 def _stats(stats) -> dict:
     return {
         "new_tokens": stats.new_tokens, "steps": stats.steps, "accepted": stats.accepted,
@@ -140,25 +158,44 @@ def cmd_generate(args: argparse.Namespace) -> None:
     started, totals = time.perf_counter(), {"requests": 0, "new_tokens": 0, "steps": 0}
     with args.output.open("w") as output:
         total = sum(1 for line in args.input.open() if line.strip())
-        for number, request in tqdm(_requests(args.input, args.strict), total=total, desc="specula", unit="req"):
+        batch: list[tuple[dict, torch.Tensor, int]] = []  # (request, prompt ids, line number)
+
+        def flush() -> None:
+            """Decode the batch and write its answers, in file order."""
+            if not batch:
+                return
+            ids, mask = _left_padded([prompt for _, prompt, _ in batch], tokenizer, device)
+            out = generate(model, ids, proposer, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                           row_exact=row_exact, **sampling)
+            width = ids.shape[1]
+            for (request, _, number), tokens, stats in zip(batch, out.sequences, out.stats.rows):
+                text = tokenizer.decode(tokens[width : width + stats.new_tokens], skip_special_tokens=True)
+                record = {"id": request.get("id", number), "text": text, "stats": _stats(stats)}
+                output.write(json.dumps(record, ensure_ascii=False) + "\n")
+            output.flush()  # a later failure loses nothing already written
+            totals["requests"] += len(batch)
+            totals["new_tokens"] += out.stats.new_tokens
+            totals["steps"] += out.stats.steps
+            progress.update(len(batch))
+            batch.clear()
+
+        progress = tqdm(total=total, desc="specula", unit="req")
+        for number, request in _requests(args.input, args.strict):
             if request is None:
+                progress.update()
                 continue
             try:
-                input_ids = _encode(tokenizer, request, device)
+                batch.append((request, _encode(tokenizer, request, device)[0], number))
             except ValueError as error:
                 if args.strict:
                     raise SystemExit(f"error: {args.input}:{number}: {error} (--strict)") from None
                 print(f"skipped {args.input}:{number}: {error}", file=sys.stderr)
+                progress.update()
                 continue
-            out = generate(model, input_ids, proposer, max_new_tokens=args.max_new_tokens, row_exact=row_exact,
-                           **sampling)
-            text = tokenizer.decode(out.sequences[0, input_ids.shape[1] :], skip_special_tokens=True)
-            record = {"id": request.get("id", number), "text": text, "stats": _stats(out.stats)}
-            output.write(json.dumps(record, ensure_ascii=False) + "\n")
-            output.flush()  # a later failure loses nothing already written
-            for name in ("new_tokens", "steps"):
-                totals[name] += getattr(out.stats, name)
-            totals["requests"] += 1
+            if len(batch) == args.batch_size:
+                flush()
+        flush()
+        progress.close()
     seconds = time.perf_counter() - started
     print(
         f"{totals['requests']} requests, {totals['new_tokens']} new tokens in {seconds:.1f}s "
@@ -261,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="a single prompt; the answer streams to stdout")
     source.add_argument("--raw", action="store_true", help="with --prompt: no chat template")
     source.add_argument("--strict", action="store_true", help="stop at the first bad input line")
+    gen.add_argument(
+        "--batch-size", type=_positive_int, default=1,
+        help="with --input: decode this many requests together, each verified in the same passes (default: 1)",
+    )
     gen.add_argument(
         "--proposer", default="prompt-lookup",
         help=f"where drafts come from: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)",

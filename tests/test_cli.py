@@ -217,3 +217,34 @@ def test_generate_passes_the_row_exact_choice(model_folder, tmp_path, monkeypatc
             "--max-new-tokens", 8, *flag)
     assert seen == [expected, expected]
     assert json.loads((tmp_path / "out.jsonl").read_text())["text"] is not None
+
+
+def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_path, capsys, monkeypatch) -> None:
+    """A file longer than the batch, prompts of different lengths, bad lines in the middle (fp32): every good line
+    is answered with its id, in file order, with the text a batch of one gives it; the bad lines are reported."""
+    batches = []
+
+    def recording(model, input_ids, *args, **kwargs):
+        batches.append(input_ids.shape[0])
+        return specula.generate(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(cli, "generate", recording)
+    lines = REQUESTS + ['{"id": "long", "prompt": "' + "alpha beta gamma delta " * 6 + '"}', '{"id": 7, "prompt": "hi"}']
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    answers = {}
+    for size in (1, 3):
+        out = tmp_path / f"out{size}.jsonl"
+        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", out, "--model", model_folder,
+                "--dtype", "fp32", "--max-new-tokens", 12, "--temperature", 0, "--batch-size", size)
+        answers[size] = [json.loads(line) for line in out.read_text().splitlines()]
+        assert "in.jsonl:2" in capsys.readouterr().err
+    assert batches == [1] * 5 + [3, 2]
+    assert [record["id"] for record in answers[3]] == ["copy", "chat", 6, "long", 7]
+    assert [r["text"] for r in answers[3]] == [r["text"] for r in answers[1]]
+    assert [r["stats"]["new_tokens"] for r in answers[3]] == [r["stats"]["new_tokens"] for r in answers[1]]
+
+
+def test_batch_size_must_be_positive(model_folder, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "o.jsonl", "--batch-size", 0)
+    assert "must be at least 1" in capsys.readouterr().err
