@@ -12,10 +12,12 @@ import torch
 
 from .generate import generate
 from .proposer import Draft, Proposer
-from .workloads import encode
+from .workloads import encode, left_padded
 
 # A method turns a prompt into (new token ids, seconds, SpecStats or None).
 Method = Callable[[torch.Tensor, int], tuple[list[int], float, object]]
+# A batch method turns prompts (1-D) into (each row's new token ids, seconds, SpecStats or None).
+BatchMethod = Callable[[list[torch.Tensor], int], tuple[list[list[int]], float, object]]
 
 
 def hf_method(model: torch.nn.Module, **generate_kwargs) -> Method:
@@ -40,6 +42,43 @@ def specula_method(model: torch.nn.Module, make_proposer: Callable[[], Proposer 
     def run(prompt: torch.Tensor, max_new_tokens: int):
         out = generate(model, prompt, make_proposer(), max_new_tokens=max_new_tokens, **generate_kwargs)
         return out.sequences[0, prompt.shape[1] :].tolist(), out.stats.wall_time_s, out.stats
+
+    return run
+
+
+def hf_batch_method(model: torch.nn.Module, pad_token_id: int | None, **generate_kwargs) -> BatchMethod:
+    """``model.generate`` on the prompts left-padded into one batch; each row's new tokens end at its first EOS."""
+    generate_kwargs.setdefault("do_sample", False)
+    eos = model.generation_config.eos_token_id
+    eos = set([eos] if isinstance(eos, int) else eos or [])
+
+    def run(prompts: list[torch.Tensor], max_new_tokens: int):
+        ids, mask = left_padded([prompt.to(model.device) for prompt in prompts], pad_token_id)
+        started = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                             **generate_kwargs)
+        seconds = time.perf_counter() - started
+        rows = []
+        for tokens in out[:, ids.shape[1] :].tolist():
+            end = next((i + 1 for i, token in enumerate(tokens) if token in eos), len(tokens))
+            rows.append(tokens[:end])
+        return rows, seconds, None
+
+    return run
+
+
+def specula_batch_method(
+    model: torch.nn.Module, make_proposer: Callable[[], Proposer | None], pad_token_id: int | None, **generate_kwargs
+) -> BatchMethod:
+    """``specula.generate`` on the prompts left-padded into one batch, one fresh proposer for the batch."""
+
+    def run(prompts: list[torch.Tensor], max_new_tokens: int):
+        ids, mask = left_padded([prompt.to(model.device) for prompt in prompts], pad_token_id)
+        out = generate(model, ids, make_proposer(), attention_mask=mask, max_new_tokens=max_new_tokens,
+                       **generate_kwargs)
+        width = ids.shape[1]
+        rows = [tokens[width : width + stats.new_tokens] for tokens, stats in zip(out.sequences.tolist(), out.stats.rows)]
+        return rows, out.stats.wall_time_s, out.stats
 
     return run
 
@@ -121,14 +160,16 @@ def run_bench(
     baseline: str = "hf-greedy",
     progress: Callable[[str], None] | None = None,
     compare_outputs: bool = True,
+    outputs: dict | None = None,
 ) -> list[BenchRow]:
     """Run every method on every prompt ``repeats`` times, rotating the order, and summarise per workload.
 
     Time per prompt is the median over repeats; a workload's tokens/s is its total new tokens over the summed
     medians; speedups are against ``baseline``. With ``compare_outputs`` (greedy runs), output identity is judged
-    against ``baseline``'s output on the same prompt.
+    against ``baseline``'s output on the same prompt. ``outputs``, if given, receives the baseline's output per
+    ``(workload, prompt index)``, for :func:`run_batch_bench`.
     """
-    names = list(methods)
+    names, baseline_outputs = list(methods), outputs
     warm = encode(tokenizer, next(iter(workloads.values()))[0])
     for method in methods.values():  # compile kernels, fill allocator caches
         method(warm, 4)
@@ -149,6 +190,8 @@ def run_bench(
                     if name in outputs and outputs[name][0] != tokens:
                         varied.add(name)
                     outputs[name] = (tokens, stats)
+            if baseline_outputs is not None:
+                baseline_outputs[workload, index] = outputs[baseline][0]
             for name in names:
                 tokens, stats = outputs[name]
                 total = totals[name]
@@ -182,6 +225,50 @@ def run_bench(
                     drafted=total["drafted"],
                 )
             )
+    return rows
+
+
+def run_batch_bench(
+    methods: dict[str, BatchMethod],
+    tokenizer,
+    workloads: dict[str, list[dict]],
+    max_new_tokens: int,
+    batch_size: int,
+    baseline_rates: dict[str, float],
+    reference: dict | None = None,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[BenchRow]:
+    """Throughput of each batch method over each whole workload, ``batch_size`` prompts at a time: total new tokens
+    over the summed median seconds of the batches. Speedups are against ``baseline_rates`` (tokens/s of
+    ``model.generate`` one prompt at a time, per workload); identity against ``reference`` (per ``(workload, prompt
+    index)``, that baseline's outputs), where given."""
+    rows = []
+    for workload, requests in workloads.items():
+        prompts = [encode(tokenizer, request)[0] for request in requests]
+        chunks = [range(i, min(i + batch_size, len(prompts))) for i in range(0, len(prompts), batch_size)]
+        for name, method in methods.items():
+            tokens, seconds, same, repeatable, drafted, accepted, steps = 0, 0.0, 0, 0, 0, 0, 0
+            for chunk in chunks:
+                runs = [method([prompts[i] for i in chunk], max_new_tokens) for _ in range(repeats)]
+                outputs, _, stats = runs[-1]
+                seconds += statistics.median(run[1] for run in runs)
+                tokens += sum(map(len, outputs))
+                repeatable += sum(all(run[0][k] == outputs[k] for run in runs) for k in range(len(chunk)))
+                if reference is not None:
+                    same += sum(outputs[k] == reference[workload, i] for k, i in enumerate(chunk))
+                if stats is not None:
+                    drafted, accepted, steps = drafted + stats.drafted, accepted + stats.accepted, steps + stats.steps
+                if progress:
+                    progress(f"{workload} {name}")
+            rate = tokens / seconds
+            rows.append(BenchRow(
+                workload=workload, method=name, prompts=len(prompts), new_tokens=tokens, seconds=seconds,
+                tokens_per_s=rate, speedup_vs_hf_greedy=rate / baseline_rates[workload],
+                identical_to_greedy=same / len(prompts) if reference is not None else None,
+                repeatable=repeatable / len(prompts), acceptance_rate=accepted / drafted if drafted else None,
+                tokens_per_step=None, drafted=drafted,
+            ))
     return rows
 
 

@@ -16,13 +16,16 @@ from tqdm import tqdm
 from transformers import TextStreamer
 
 from . import row_exact as row_exact_module
-from .bench import format_table, hf_method, oracle_method, run_bench, specula_method
+from .bench import (
+    format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method,
+    specula_method,
+)
 from .drift import drift
 from .generate import generate
 from .invariance import probe
 from .models import ModelNotFoundError, load_model
 from .proposers import PROPOSER_NAMES, proposer_factory
-from .workloads import encode, load_workloads
+from .workloads import encode, left_padded, load_workloads
 
 DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -109,6 +112,10 @@ def _encode(tokenizer, request: dict, device: str) -> torch.Tensor:
     return encode(tokenizer, request).to(device)
 
 
+def _batch_sizes(text: str) -> list[int]:
+    return [_positive_int(part) for part in text.split(",")]
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -116,15 +123,8 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _left_padded(prompts: list[torch.Tensor], tokenizer, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, L]`` token ids padded on the left with the tokenizer's pad token (else its EOS), and their mask."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(prompt) for prompt in prompts)
-    ids = torch.full((len(prompts), width), pad if pad is not None else 0, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
-    return ids, mask
+def _pad_token_id(tokenizer) -> int | None:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def _stats(stats) -> dict:
@@ -164,7 +164,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
             """Decode the batch and write its answers, in file order."""
             if not batch:
                 return
-            ids, mask = _left_padded([prompt for _, prompt, _ in batch], tokenizer, device)
+            ids, mask = left_padded([prompt for _, prompt, _ in batch], _pad_token_id(tokenizer))
             out = generate(model, ids, proposer, attention_mask=mask, max_new_tokens=args.max_new_tokens,
                            row_exact=row_exact, **sampling)
             width = ids.shape[1]
@@ -229,11 +229,23 @@ def cmd_bench(args: argparse.Namespace) -> None:
         torch.manual_seed(args.seed)
     progress = tqdm(total=sum(map(len, workloads.values())), desc="specula bench", unit="prompt")
     dtype_name = DTYPE_NAMES.get(model.dtype, str(model.dtype))
+    reference: dict = {}
     rows = run_bench(
         methods, tokenizer, workloads, args.max_new_tokens, args.repeats, baseline=baseline,
-        progress=lambda _: progress.update(), compare_outputs=not sampled,
+        progress=lambda _: progress.update(), compare_outputs=not sampled, outputs=reference,
     )
     progress.close()
+    rates = {row.workload: row.tokens_per_s for row in rows if row.method == baseline}
+    pad = _pad_token_id(tokenizer)
+    for size in args.batch_sizes:
+        batched = {f"{baseline}-b{size}": hf_batch_method(model, pad, **sampling)}
+        for spec in args.proposers.split(","):
+            name = "specula-" + (spec.split(":")[0] if spec.startswith("draft:") else spec)
+            batched[f"{name}-b{size}"] = specula_batch_method(
+                model, proposer_factory(spec, tokenizer, model.dtype, device), pad, **sampling
+            )
+        rows += run_batch_bench(batched, tokenizer, workloads, args.max_new_tokens, size, rates,
+                                None if sampled else reference, args.repeats)
     print(
         f"{Path(args.model or 'SmolLM2-135M-Instruct').name}, {dtype_name}, {device}, up to {args.limit} prompts per "
         f"workload, {args.max_new_tokens} new tokens, median of {args.repeats}; speedup vs {baseline}"
@@ -329,6 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--no-oracle", action="store_true",
         help="leave out the oracle row (greedy only: drafts that replay the first proposer's own output, K=10)",
+    )
+    bench.add_argument(
+        "--batch-sizes", type=_batch_sizes, default=[],
+        help="also run model.generate and each proposer on batches of these sizes (e.g. 4,8) over each whole "
+        "workload: throughput rows (suffix -bN), speedups against hf-greedy one prompt at a time",
     )
     bench.add_argument(
         "--also-ordinary", action="store_true",

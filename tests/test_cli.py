@@ -248,3 +248,19 @@ def test_batch_size_must_be_positive(model_folder, tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "o.jsonl", "--batch-size", 0)
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_bench_batch_sizes_add_throughput_rows(model_folder, tmp_path, capsys) -> None:
+    workloads = tmp_path / "workloads"
+    workloads.mkdir()
+    (workloads / "mixed.jsonl").write_text("\n".join([REQUESTS[0], REQUESTS[2], REQUESTS[5]]) + "\n")
+    run_cli("bench", "--workloads", workloads, "--model", model_folder, "--dtype", "fp32", "--limit", 3,
+            "--repeats", 1, "--max-new-tokens", 12, "--proposers", "prompt-lookup", "--no-oracle",
+            "--batch-sizes", "2,3", "--json", tmp_path / "rows.json")
+    rows = {row["method"]: row for row in json.loads((tmp_path / "rows.json").read_text())}
+    assert {"hf-greedy-b2", "specula-prompt-lookup-b2", "hf-greedy-b3", "specula-prompt-lookup-b3"} <= set(rows)
+    for size in (2, 3):
+        row = rows[f"specula-prompt-lookup-b{size}"]
+        assert row["prompts"] == 3 and row["identical_to_greedy"] == 1.0 and row["repeatable"] == 1.0
+        assert row["new_tokens"] == rows["hf-greedy"]["new_tokens"]
+    assert "specula-prompt-lookup-b3" in capsys.readouterr().out
