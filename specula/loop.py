@@ -196,7 +196,7 @@ def decode(
             now = time.perf_counter() - started
             if passes == 1:
                 prefill_time = now
-            for row, done in zip(active, finished):
+            for row in active:  # (a finished row keeps the time it ended)
                 row.stats.prefill_time_s, row.stats.wall_time_s = prefill_time, now
             target.select_rows([i for i, done in enumerate(finished) if not done])
             active = [row for row, done in zip(active, finished) if not done]
