@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -134,11 +135,45 @@ def _stats(stats) -> dict:
     }
 
 
+def _file_problem(args: argparse.Namespace) -> str | None:
+    """The first problem with the files a command reads or writes, found before any model is loaded."""
+    if args.command == "generate":
+        if (args.prompt is None) == (args.input is None):
+            return "give either --prompt TEXT or --input FILE (with --output FILE)"
+        if args.input is not None and args.output is None:
+            return "--input needs --output FILE"
+    source = getattr(args, "input", None)
+    if source is not None:
+        if not source.is_file():
+            return f"--input {source}: {'not a file' if source.exists() else 'no such file'}"
+        if not os.access(source, os.R_OK):
+            return f"--input {source}: not readable (check its permissions)"
+    workloads = getattr(args, "workloads", None)
+    if workloads is not None and not workloads.is_dir():
+        return f"--workloads {workloads}: no such folder"
+    for flag in ("output", "json"):
+        path = getattr(args, flag, None)
+        if path is None:
+            continue
+        if not path.parent.is_dir():
+            return f"--{flag} {path}: the folder {path.parent} does not exist; create it first (mkdir -p {path.parent})"
+        if path.is_dir():
+            return f"--{flag} {path}: is a folder; give a file name"
+        if source is not None and path.resolve() == source.resolve():
+            return f"--{flag} {path} is the input file; write the answers elsewhere"
+        if flag == "output" and path.exists() and path.stat().st_size and not args.overwrite:
+            return f"--output {path} already holds answers; pass --overwrite to replace them, or choose another file"
+        existed = path.exists()
+        try:
+            path.open("a").close()  # can it be written (permissions, read-only file systems)?
+        except OSError as error:
+            return f"--{flag} {path}: cannot be written ({error.strerror})"
+        if not existed:
+            path.unlink()
+    return None
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
-    if (args.prompt is None) == (args.input is None):
-        raise SystemExit("error: give either --prompt TEXT or --input FILE (with --output FILE)")
-    if args.input is not None and args.output is None:
-        raise SystemExit("error: --input needs --output FILE")
     sampling = _sampling(args)
     row_exact = False if args.no_row_exact else None
     model, tokenizer, device = _load(args)
@@ -306,7 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = gen.add_argument_group("input")
     source.add_argument("--input", type=Path, help="JSONL file of requests")
-    source.add_argument("--output", type=Path, help="JSONL file to write")
+    source.add_argument(
+        "--output", type=Path,
+        help="JSONL file to write; its folder must exist, and a file that already holds answers is only replaced "
+        "with --overwrite",
+    )
+    source.add_argument("--overwrite", action="store_true", help="replace an --output file that already exists")
     source.add_argument("--prompt", help="a single prompt; the answer streams to stdout")
     source.add_argument("--raw", action="store_true", help="with --prompt: no chat template")
     source.add_argument("--strict", action="store_true", help="stop at the first bad input line")
@@ -385,6 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    problem = _file_problem(args)
+    if problem is not None:  # a usage error: one line, argparse's exit status, nothing loaded
+        print(f"specula {args.command}: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     try:
         args.run(args)
     except (ModelNotFoundError, ValueError) as error:

@@ -72,7 +72,7 @@ def test_generate_follows_the_models_generation_config_unless_told(model_folder,
     prompt = tokenizer(json.loads(REQUESTS[0])["prompt"], return_tensors="pt").input_ids
     texts = []
     for temperature in ([], ["--temperature", 0]):
-        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl",
+        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--overwrite",
                 "--model", tmp_path / "model", "--dtype", "fp32", "--max-new-tokens", 12, *temperature)
         texts.append(json.loads((tmp_path / "out.jsonl").read_text())["text"])
     expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12)
@@ -123,9 +123,10 @@ def test_bench_prints_a_table_and_writes_json(model_folder, tmp_path, capsys) ->
     assert all(row["drafted"] == 0 for row in rows if row["method"] in ("specula-none", "hf-greedy"))
 
 
-def test_bad_arguments_get_clear_errors(model_folder, tmp_path) -> None:
-    with pytest.raises(SystemExit, match="either --prompt TEXT or --input FILE"):
+def test_bad_arguments_get_clear_errors(model_folder, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
         run_cli("generate", "--model", model_folder)
+    assert stop.value.code == 2 and "either --prompt TEXT or --input FILE" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="Unknown proposer 'magic'"):
         run_cli("generate", "--prompt", "hi", "--model", model_folder, "--proposer", "magic")
     with pytest.raises(SystemExit, match="neither an HF model folder"):
@@ -264,3 +265,48 @@ def test_bench_batch_sizes_add_throughput_rows(model_folder, tmp_path, capsys) -
         assert row["prompts"] == 3 and row["identical_to_greedy"] == 1.0 and row["repeatable"] == 1.0
         assert row["new_tokens"] == rows["hf-greedy"]["new_tokens"]
     assert "specula-prompt-lookup-b3" in capsys.readouterr().out
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Any attempt to load a model fails the test loudly."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the files were checked")
+    monkeypatch.setattr(cli, "load_model", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--input", "{tmp}/missing.jsonl", "--output", "{tmp}/out.jsonl"], "missing.jsonl: no such file"),
+    (["generate", "--input", "{tmp}", "--output", "{tmp}/out.jsonl"], ": not a file"),
+    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/nope/out.jsonl"], "folder {tmp}/nope does not exist"),
+    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}"], "is a folder"),
+    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/in.jsonl", "--overwrite"], "is the input file"),
+    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/old.jsonl"], "already holds answers; pass --overwrite"),
+    (["generate", "--input", "{tmp}/in.jsonl", "--output", "/proc/out.jsonl"], "cannot be written"),
+    (["bench", "--workloads", "{tmp}/nowhere"], "--workloads {tmp}/nowhere: no such folder"),
+    (["bench", "--workloads", "{tmp}", "--json", "{tmp}/nope/rows.json"], "folder {tmp}/nope does not exist"),
+    (["drift", "--input", "{tmp}/missing.jsonl"], "no such file"),
+    (["drift", "--input", "{tmp}/in.jsonl", "--json", "{tmp}/nope/r.json"], "does not exist"),
+])
+def test_bad_files_are_one_line_errors_before_any_model_work(argv, message, tmp_path, capsys, no_model_loading) -> None:
+    (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
+    (tmp_path / "old.jsonl").write_text('{"id": 1, "text": "an answer from an earlier run"}\n')
+    with pytest.raises(SystemExit) as stop:
+        run_cli(*[arg.format(tmp=tmp_path) for arg in argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert message.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert (tmp_path / "old.jsonl").read_text().startswith('{"id": 1')  # nothing destroyed
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_overwrite_replaces_an_earlier_output(model_folder, tmp_path) -> None:
+    (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
+    (tmp_path / "out.jsonl").write_text('{"id": "old"}\n')
+    run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--overwrite",
+            "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
+    assert json.loads((tmp_path / "out.jsonl").read_text())["id"] == "copy"
+    (tmp_path / "empty.jsonl").write_text("")  # an empty file holds no answers: written without --overwrite
+    run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "empty.jsonl",
+            "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
+    assert json.loads((tmp_path / "empty.jsonl").read_text())["id"] == "copy"
