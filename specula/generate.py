@@ -28,7 +28,7 @@ def generate(
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     logits_processor: LogitsProcessorList | None = None,
     stopping_criteria: StoppingCriteriaList | None = None,
     streamer: BaseStreamer | None = None,
@@ -61,7 +61,8 @@ def generate(
         max_new_tokens, eos_token_id: as in ``model.generate``.
         do_sample: sample instead of decoding greedily; ``None`` follows the model's ``generation_config``.
         temperature, top_k, top_p: sampling settings, as in ``model.generate``; ``temperature=0`` decodes greedily.
-        generator: random source for sampling; ``None`` uses torch's global RNG.
+        generator: random source for sampling; ``None`` uses torch's global RNG. For a batch, a list of one generator
+            per row gives each row its own draws, so a request seeded alike samples the same alone and in any batch.
         logits_processor: extra HF logits processors, applied at every verified position with exactly the tokens
             before it, after the ones the generation config asks for.
         stopping_criteria: extra HF stopping criteria (e.g. ``StopStringCriteria``), checked after every new token.

@@ -43,7 +43,7 @@ def custom_generate(
     streamer: BaseStreamer | None = None,
     proposer: Proposer | None = None,
     tokenizer=None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     adaptive_draft: bool = True,
     row_exact: bool | None = None,
     **model_kwargs,
@@ -53,8 +53,9 @@ def custom_generate(
     Greedy or sampled per the generation config, with the logits processors, stopping criteria (EOS, max length,
     ``stop_strings`` with ``tokenizer=``, custom ones) and streamer ``generate`` prepared; a stop inside an accepted
     block ends the output exactly there. Returns the sequences, or with ``return_dict_in_generate=True`` a
-    ``SpeculaGenerateOutput`` (``sequences`` and specula's ``stats``). One sequence at a time. ``generator`` (a
-    ``torch.Generator`` on the model's device) makes sampling independent of torch's global RNG; ``adaptive_draft``
+    ``SpeculaGenerateOutput`` (``sequences`` and specula's ``stats``). ``generator`` (a ``torch.Generator`` on the
+    model's device, or a list of one per row of a batch) makes sampling independent of torch's global RNG (and,
+    one per row, of the other rows: a seeded request samples the same in any batch); ``adaptive_draft``
     and ``row_exact`` as in :func:`specula.generate`.
     """
     del synced_gpus, tokenizer  # one process; the tokenizer already went into the stop-string criteria
@@ -67,8 +68,11 @@ def custom_generate(
         generation_config.eos_token_id,
         _pad_token_id(generation_config),
     )
-    sampling = Sampling(do_sample=bool(generation_config.do_sample), processors=logits_processor, generator=generator)
-    out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, row_exact)
+    per_row = isinstance(generator, (list, tuple))
+    sampling = Sampling(do_sample=bool(generation_config.do_sample), processors=logits_processor,
+                        generator=None if per_row else generator)
+    out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, row_exact,
+                 list(generator) if per_row else None)
     if generation_config.return_dict_in_generate:
         return SpeculaGenerateOutput(sequences=out.sequences, stats=out.stats)
     return out.sequences
@@ -99,13 +103,20 @@ def _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator,
         )
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError("specula starts from the prompt; it cannot continue a filled past_key_values.")
-    if generator is not None:
-        if not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}.")
-        model_device = model.get_input_embeddings().weight.device
-        if generator.device.type != model_device.type:
+    generators = generator if isinstance(generator, (list, tuple)) else [] if generator is None else [generator]
+    if isinstance(generator, (list, tuple)) and len(generator) != input_ids.shape[0]:
+        raise ValueError(
+            f"generator holds {len(generator)} generators for a batch of {input_ids.shape[0]}; give one per row."
+        )
+    model_device = model.get_input_embeddings().weight.device
+    for one in generators:
+        if not isinstance(one, torch.Generator):
             raise ValueError(
-                f"generator is on {generator.device} but the model is on {model_device}; create it with "
+                f"generator must be a torch.Generator, a list of one per row, or None; got {type(one).__name__}."
+            )
+        if one.device.type != model_device.type:
+            raise ValueError(
+                f"generator is on {one.device} but the model is on {model_device}; create it with "
                 f"torch.Generator(device={str(model_device)!r})."
             )
 

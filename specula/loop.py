@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -109,10 +110,11 @@ class _Row:
     """One request of a batch: its sequence, proposer, draft-length policy, counters, and the draft it sends next."""
 
     def __init__(
-        self, index: int | None, sequence: _Sequence, proposer: Proposer | None, lengths: DraftLength | None
+        self, index: int | None, sequence: _Sequence, proposer: Proposer | None, lengths: DraftLength | None,
+        sampling: Sampling,
     ) -> None:
         self.index = index  # the row of the batch (None when there is one)
-        self.sequence, self.proposer, self.lengths = sequence, proposer, lengths
+        self.sequence, self.proposer, self.lengths, self.sampling = sequence, proposer, lengths, sampling
         self.stats = SpecStats(prompt_tokens=sequence.length)
         self.draft = self.sent = Draft.empty()
 
@@ -148,8 +150,10 @@ def decode(
     streamer: BaseStreamer | None = None,
     adaptive_draft: bool = True,
     row_exact: bool | None = None,
+    row_generators: list[torch.Generator] | None = None,
 ) -> GenerateOutput:
-    """The speculation loop on a validated request of one or more rows (see :func:`specula.generate`)."""
+    """The speculation loop on a validated request of one or more rows (see :func:`specula.generate`);
+    ``row_generators`` gives each row its own random stream."""
     started = time.perf_counter()
     batch, width = request.input_ids.shape
     new_tokens = request.max_length - width
@@ -166,7 +170,8 @@ def decode(
         row_proposer = None if proposer is None else proposer if b == 0 else proposer.fork()
         lengths = DraftLength(MAX_DRAFT, timed=timed, step_seconds=costs) if proposer and adaptive_draft else None
         sequence = _Sequence(request.prompt(b), new_tokens, request.eos_token_ids, stopping_criteria)
-        rows.append(_Row(b if batch > 1 else None, sequence, row_proposer, lengths))
+        row_sampling = sampling if row_generators is None else dataclasses.replace(sampling, generator=row_generators[b])
+        rows.append(_Row(b if batch > 1 else None, sequence, row_proposer, lengths, row_sampling))
     passes = 0
     if new_tokens > 0:
         target = CachedModel(
@@ -176,7 +181,7 @@ def decode(
         vocab = vocab_size(model)
         for row in rows:
             if row.proposer is not None:
-                row.proposer.begin(row.sequence.ids, sampling)
+                row.proposer.begin(row.sequence.ids, row.sampling)
         # The first pass is the prefill of the prompts alone, as model.generate's: some models compute a prompt
         # differently when more tokens share its pass (Doge's dynamic masks; rounding in bf16).
         active = rows  # in the target's row order
@@ -188,7 +193,7 @@ def decode(
             seconds, kept, finished = time.perf_counter() - step_started, [], []
             for row, block, row_logits in zip(active, blocks, logits):
                 input_ids = row.sequence.with_draft(row.sent, request.device) if sampling.reads_tokens else None
-                tokens = accept_draft(row_logits, row.sent, sampling, input_ids)
+                tokens = accept_draft(row_logits, row.sent, row.sampling, input_ids)
                 kept.append(len(block) - len(row.sent) + len(tokens) - 1)  # the block but its rejected drafts
                 finished.append(row.take(tokens, len(block), seconds, streamer))
             target.keep_rows(kept)

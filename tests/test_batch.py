@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
-from helpers import AlwaysWrong, Oracle, hf_greedy
+from helpers import AlwaysWrong, Oracle, chi_square_p_value, hf_greedy
 from tiny_models import VOCAB, tiny_model
 
 import specula
@@ -149,3 +149,71 @@ def test_a_proposer_failing_for_one_row_is_named() -> None:
     ids, mask = left_padded(rows)
     with pytest.raises(RuntimeError, match=r"failed for row 1 of the batch: 'no table"):
         specula.generate(model("llama"), ids, FailsOnRow(rows[1]), attention_mask=mask, max_new_tokens=4)
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_a_seeded_request_samples_the_same_alone_and_in_any_batch() -> None:
+    rows = prompts()
+    settings = dict(do_sample=True, temperature=1.5, max_new_tokens=16, eos_token_id=[])
+    alone_out = specula.generate(model("llama"), rows[0][None], specula.PromptLookup(), generator=seeded(5),
+                                 **settings).sequences[0, len(rows[0]) :].tolist()
+    outputs = []
+    for members, seeds in (([0, 1], [5, 7]), ([2, 0, 3], [9, 5, 11])):
+        ids, mask = left_padded([rows[i] for i in members])
+        out = specula.generate(model("llama"), ids, specula.PromptLookup(), attention_mask=mask,
+                               generator=[seeded(s) for s in seeds], **settings)
+        outputs.append(new_tokens(out, ids.shape[1])[members.index(0)])
+    assert outputs[0] == outputs[1] == alone_out
+    with pytest.raises(ValueError, match="one per row"):
+        specula.generate(model("llama"), ids, attention_mask=mask, generator=[seeded(1)], **settings)
+
+
+class GreedyGuess(specula.Proposer):
+    """Drafts, for each prompt, the target's likeliest next token: accepted with probability p(token)."""
+
+    def __init__(self, guesses: dict[tuple, int]) -> None:
+        self.guesses = guesses
+
+    def propose(self, context_ids, max_tokens):
+        guess = self.guesses.get(tuple(context_ids.tolist()))
+        return specula.Draft([] if guess is None else [guess])
+
+
+@functools.cache
+def sharp() -> torch.nn.Module:
+    """The tiny Llama with its logits scaled up: peaked distributions that differ from row to row (the random
+    model's own are nearly flat, which no test of distributions could tell apart)."""
+    sharpened = tiny_model("llama")
+    with torch.no_grad():
+        sharpened.lm_head.weight.mul_(40.0)
+    return sharpened
+
+
+def test_sampling_in_a_batch_keeps_each_rows_distribution() -> None:
+    """Chi-square per row: the second new token of each row of a mixed batch (different lengths; verified against a
+    draft that the rejection rule accepts or rejects) follows that row's own sum over t1 of p(t1) p(t2|t1)."""
+    rows = prompts()[:3]
+    expected, guesses = [], {}
+    with torch.no_grad():
+        for row in rows:
+            first = torch.softmax(sharp()(row[None]).logits[0, -1].double(), -1)
+            contexts = torch.cat([row.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)  # [VOCAB, len + 1]
+            second = torch.softmax(sharp()(contexts).logits[:, -1].double(), -1)  # [t1, t2]
+            expected.append(dict(enumerate((first[:, None] * second).sum(0).tolist())))
+            guesses.update({tuple(context.tolist()): int(second[t1].argmax()) for t1, context in enumerate(contexts)})
+    ids, mask = left_padded(rows)
+    counts = [dict() for _ in rows]
+    generator, drafted = seeded(0), 0
+    for _ in range(500):
+        out = specula.generate(sharp(), ids, GreedyGuess(guesses), attention_mask=mask, do_sample=True,
+                               temperature=1.0, top_k=0, max_new_tokens=3, eos_token_id=[], generator=generator,
+                               adaptive_draft=False)
+        drafted += sum(row.accepted_per_position[:1] == [1] or row.drafted > 0 for row in out.stats.rows)
+        for b, token in enumerate(out.sequences[:, ids.shape[1] + 1].tolist()):
+            counts[b][token] = counts[b].get(token, 0) + 1
+    assert drafted == 500 * len(rows)  # every row's second token was verified against a draft
+    for b in range(len(rows)):
+        assert chi_square_p_value(counts[b], expected[b]) > 0.001, b
