@@ -80,26 +80,36 @@ class PreallocatedLayer(DynamicLayer):
         super().__init__()
         self.capacity = max(capacity, 1)
         self.length = 0
-        self.row_starts: torch.Tensor | None = None  # [B]: where each row writes its next block (batches)
+        self.rows: int | None = None  # rows in use of a batch's buffers (None: all of them)
+        self.row_starts: torch.Tensor | None = None  # [rows]: where each row writes its next block (batches)
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.length = 0  # (also after transformers' reset())
-        self._key_buffer = self._empty_like(key_states, self.capacity)
-        self._value_buffer = self._empty_like(value_states, self.capacity)
+        self._key_buffer = self._empty_like(key_states, self.capacity, slots)
+        self._value_buffer = self._empty_like(value_states, self.capacity, slots)
         self._expose()
         self.is_initialized = True
 
     @staticmethod
-    def _empty_like(states: torch.Tensor, length: int) -> torch.Tensor:
+    def _empty_like(states: torch.Tensor, length: int, slots: int | None = None) -> torch.Tensor:
         # zeros, not garbage: in a batch a row's mask covers slots only longer rows wrote, and attention kernels
         # compute q.k before masking, so a NaN bit pattern there would poison the row
         batch, heads, _, dim = states.shape
-        return torch.zeros(batch, heads, length, dim, dtype=states.dtype, device=states.device)
+        return torch.zeros(slots or batch, heads, length, dim, dtype=states.dtype, device=states.device)
 
     def _expose(self) -> None:
-        self.keys = self._key_buffer[:, :, : self.length]
-        self.values = self._value_buffer[:, :, : self.length]
+        self.keys = self._key_buffer[: self.rows, :, : self.length]
+        self.values = self._value_buffer[: self.rows, :, : self.length]
+
+    def _grow(self, end: int) -> None:
+        """Make room for ``end`` tokens per row (doubling)."""
+        if end > self.capacity:
+            self.capacity = max(end, 2 * self.capacity)
+            for name in ("_key_buffer", "_value_buffer"):
+                grown = self._empty_like(getattr(self, name), self.capacity)
+                grown[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
+                setattr(self, name, grown)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, heads, n, dim]; each row's block goes at its own start in a batch
@@ -108,27 +118,33 @@ class PreallocatedLayer(DynamicLayer):
         n = key_states.shape[-2]
         starts = self.row_starts
         end = (self.length if starts is None else int(starts.max())) + n
-        if end > self.capacity:
-            self.capacity = max(end, 2 * self.capacity)
-            for name in ("_key_buffer", "_value_buffer"):
-                grown = self._empty_like(getattr(self, name), self.capacity)
-                grown[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
-                setattr(self, name, grown)
+        self._grow(end)
         if starts is None:
             self._key_buffer[:, :, self.length : end] = key_states
             self._value_buffer[:, :, self.length : end] = value_states
         else:
             slots = (starts[:, None] + torch.arange(n, device=starts.device))[:, None, :, None]  # [B, 1, n, 1]
-            self._key_buffer.scatter_(2, slots.expand_as(key_states), key_states)
-            self._value_buffer.scatter_(2, slots.expand_as(value_states), value_states)
+            self._key_buffer[: self.rows].scatter_(2, slots.expand_as(key_states), key_states)
+            self._value_buffer[: self.rows].scatter_(2, slots.expand_as(value_states), value_states)
         self.length = end
         self._expose()
         return self.keys, self.values
 
+    def put_row(self, index: int, keys: torch.Tensor, values: torch.Tensor, slots: int) -> None:
+        """Write a request's prompt states (``[1, heads, n, dim]``, computed alone) as row ``index`` of a batch of up
+        to ``slots`` rows."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values, slots)
+        self._grow(keys.shape[-2])
+        self._key_buffer[index, :, : keys.shape[-2]] = keys[0]
+        self._value_buffer[index, :, : values.shape[-2]] = values[0]
+
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these batch rows (finished requests leave the batch)."""
+        """Keep only these batch rows, moved to the front (finished requests leave the batch)."""
         if self.is_initialized:
-            self._key_buffer, self._value_buffer = self._key_buffer[rows], self._value_buffer[rows]
+            for buffer in (self._key_buffer, self._value_buffer):
+                buffer[: len(rows)] = buffer[rows]
+            self.rows = len(rows)
             self._expose()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -157,6 +173,8 @@ class CachedModel:
             refused after the prefill instead of silently producing wrong tokens.
         row_exact: compute every position of a pass over several tokens after a filled cache bit for bit as a
             one-token step computes it (:class:`specula.row_exact.RowExact`).
+        slots: how many requests it holds at once. With more than one, each request's prompt is prefilled alone
+            (:meth:`start_row`) and every row keeps its own length; ``positions`` and ``attention_mask`` are unused.
     """
 
     def __init__(
@@ -167,6 +185,7 @@ class CachedModel:
         rollback: bool,
         capacity: int = 256,
         row_exact: bool = False,
+        slots: int = 1,
     ) -> None:
         config = model.config
         supports_dynamic_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
@@ -197,13 +216,14 @@ class CachedModel:
         self.cached_tokens = 0
         self.can_roll_back = rollback
         self.row_exact = row_exact_for(model) if row_exact else None
-        self.batch = 1 if positions is None else positions.shape[0]
-        self.ragged = self.batch > 1  # rows keep their own lengths (stays so when rows leave the batch)
+        self.slots = slots
+        self.ragged = slots > 1  # rows keep their own lengths (stays so when rows leave the batch)
+        self.batch = 0 if self.ragged else 1  # rows in use
         self._block_lengths: list[int] = []
         if self.ragged:
-            self._begin_rows(model, attention_mask)
+            self._begin_rows(model, parameters)
 
-    def _begin_rows(self, model: torch.nn.Module, attention_mask: torch.Tensor | None) -> None:
+    def _begin_rows(self, model: torch.nn.Module, parameters) -> None:
         """Set up a batch: every row keeps its own length (``starts``), and the verifier passes the model its own
         4D attention mask and position ids, so that rows accepting different numbers of tokens stay exact."""
         other = sorted({type(layer).__name__ for layer in self.cache.layers if type(layer) is not PreallocatedLayer})
@@ -218,19 +238,38 @@ class CachedModel:
                 f"specula batches with the 'sdpa' or 'eager' attention implementation, not {self.attention!r}; load "
                 f"{_model_type(model)} with attn_implementation='sdpa', or decode one request at a time."
             )
-        if self.positions is None:
+        if "position_ids" not in parameters:
             raise UnsupportedModelError(
                 f"{_model_type(model)} takes no position_ids, so rows of different lengths cannot share a pass; "
                 "decode its requests one at a time."
             )
-        device = self.positions.device  # positions: [B, max_length]
-        self.slot_valid = (  # [B, max_length]: False for padding
-            torch.ones_like(self.positions, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        )
-        self.starts = torch.zeros(self.batch, dtype=torch.long, device=device)  # [B]: each row's cached tokens
+        self.device = model.get_input_embeddings().weight.device
+        self.starts = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # [slots]: each row's tokens
         self.dtype = next(model.parameters()).dtype
+
+    def start_row(self, index: int, token_ids: torch.Tensor) -> torch.Tensor:
+        """Make row ``index`` (at most the number of rows in use) a new request whose prompt is ``token_ids`` (1-D):
+        its prompt is computed alone, as ``model.generate`` computes it, and its states become that row's cache.
+        Returns the logits of its last position (``[1, vocab]``)."""
+        alone = DynamicCache(config=self.model.config.get_text_config(decoder=True))
+        inputs = {"input_ids": token_ids[None], self.cache_argument: alone, "use_cache": True}
+        if self.accepts_logits_to_keep:
+            inputs["logits_to_keep"] = 1
+        logits = self.model(**inputs).logits[0, -1:]
+        for layer, computed in zip(self.cache.layers, alone.layers):
+            layer.put_row(index, computed.keys, computed.values, self.slots)
+        self.starts[index] = len(token_ids)
+        self.batch = max(self.batch, index + 1)
+        self._set_rows()
+        return logits
+
+    def _set_rows(self) -> None:
+        """Tell the cache layers which rows are in use and where each writes next."""
+        starts = self.starts[: self.batch]
+        self.cached_tokens = int(starts.max())
         for layer in self.cache.layers:
-            layer.row_starts = self.starts
+            layer.rows, layer.row_starts, layer.length = self.batch, starts, self.cached_tokens
+            layer._expose()
 
     def _refuse_split_dependent(self, model: torch.nn.Module) -> None:
         """Refuse models for which a pass over several tokens computes something else than one-token steps."""
@@ -296,24 +335,20 @@ class CachedModel:
         self._block_lengths = [len(block) for block in blocks]
         if not self.ragged:
             return [self.forward(blocks[0], num_logits[0])]
-        lengths = torch.tensor(self._block_lengths, device=self.starts.device)  # [B]
+        lengths = torch.tensor(self._block_lengths, device=self.device)  # [B]
         n = int(lengths.max())
-        steps = torch.arange(n, device=self.starts.device)
+        starts = self.starts[: self.batch]
         tokens = torch.stack([torch.cat([b, b[-1:].expand(n - len(b))]) for b in blocks])  # [B, n], padded at the end
-        slots = self.starts[:, None] + steps  # [B, n]: where each token goes
-        keys = torch.arange(int(self.starts.max()) + n, device=tokens.device)  # every slot a query may see
-        valid = self.slot_valid[:, : len(keys)]
-        valid = torch.cat([valid, valid.new_ones(self.batch, len(keys) - valid.shape[1])], dim=1)  # [B, keys]
-        # a token sees the valid slots up to its own (and itself, so that no padding query sees nothing)
-        seen = (keys <= slots[..., None]) & (valid[:, None, :] | (keys == slots[..., None]))  # [B, n, keys]
-        mask = seen[:, None]
+        slots = starts[:, None] + torch.arange(n, device=self.device)  # [B, n]: where each token goes
+        keys = torch.arange(int(starts.max()) + n, device=self.device)  # every slot a query may see
+        mask = (keys <= slots[..., None])[:, None]  # [B, 1, n, keys]: a token sees its row up to itself
         if self.attention == "eager":  # (eager attention adds its mask to the scores)
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill(~mask, torch.finfo(self.dtype).min)
-        first = lengths - torch.tensor(num_logits, device=lengths.device)  # [B]: first position wanted per row
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(~mask, torch.finfo(self.dtype).min)
+        first = lengths - torch.tensor(num_logits, device=self.device)  # [B]: first position wanted per row
         keep = n - int(first.min())
         inputs = {
             "input_ids": tokens, self.cache_argument: self.cache, "use_cache": True, "attention_mask": mask,
-            "position_ids": self.positions.gather(1, slots.clamp(max=self.positions.shape[1] - 1)),
+            "position_ids": slots,
         }
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = keep
@@ -328,23 +363,20 @@ class CachedModel:
         if not self.ragged:
             self.rollback(self._block_lengths[0] - kept[0])
             return
-        self.starts += torch.tensor(kept, device=self.starts.device)
-        self.cached_tokens = int(self.starts.max())
-        for layer in self.cache.layers:
-            layer.length = self.cached_tokens
-            layer._expose()
+        self.starts[: self.batch] += torch.tensor(kept, device=self.device)
+        self._set_rows()
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only these rows of the batch (in this order): finished requests cost nothing afterwards."""
         if not self.ragged or rows == list(range(self.batch)):
             return  # (one row: it only leaves when decoding ends)
-        index = torch.tensor(rows, dtype=torch.long, device=self.starts.device)
-        self.starts = self.starts[index]
-        self.positions, self.slot_valid = self.positions[index], self.slot_valid[index]
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.starts[: len(rows)] = self.starts[index]
         for layer in self.cache.layers:
             layer.select_rows(index)
-            layer.row_starts = self.starts
         self.batch = len(rows)
+        if rows:
+            self._set_rows()
 
     def _check_length(self, after: str) -> None:
         lengths, written = _written_lengths(self.cache)

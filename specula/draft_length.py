@@ -35,19 +35,100 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Hashable
+from typing import TYPE_CHECKING, Hashable, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .proposer import Draft
 
 _STEP_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def shared_step_seconds(owner: object, setting: Hashable, max_draft: int) -> np.ndarray:
-    """The step-cost table (seconds of a step verifying ``n`` tokens, at index ``n``) that every
-    :class:`DraftLength` for ``owner`` (a target model) in ``setting`` (its device and dtype) shares: what one
-    generation measured, the next starts from. Forgotten with the model."""
+def shared_step_seconds(owner: object, setting: Hashable, max_draft: int, rows: int = 1) -> np.ndarray:
+    """The pass-cost table (seconds of a pass verifying ``n`` tokens in all, at index ``n``, whatever the number of
+    rows they belong to) that every decision for ``owner`` (a target model) in ``setting`` (its device and dtype)
+    shares: what one generation measured, the next starts from. At least ``rows * (max_draft + 1) + 1`` entries
+    long (batches of up to ``rows`` rows). Forgotten with the model."""
     tables = _STEP_SECONDS.setdefault(owner, {})
-    return tables.setdefault((setting, max_draft), np.full(max_draft + 2, np.nan))
+    size = rows * (max_draft + 1) + 1
+    table = tables.get((setting, max_draft))
+    if table is None or len(table) < size:
+        grown = np.full(size, np.nan)
+        if table is not None:
+            grown[: len(table)] = table
+        table = tables[(setting, max_draft)] = grown
+    return table
+
+
+def _costs(table: np.ndarray, rows: int) -> np.ndarray:
+    """Estimated seconds of a pass over ``rows + e`` tokens (index ``e``), from ``table`` (index: tokens); lengths
+    not measured yet take the value of the nearest measured ones (interpolated), all 1.0 before any measurement."""
+    tokens = np.arange(rows, len(table))
+    measured = ~np.isnan(table[rows:])
+    if not measured.any():
+        return np.ones(len(tokens))
+    return np.interp(tokens, tokens[measured], table[rows:][measured])
+
+
+def _record(table: np.ndarray, tokens: int, seconds: float) -> None:
+    """A pass over ``tokens`` tokens took ``seconds``: smoothed, and a one-off stall (another process, the
+    allocator) counts at most 2x."""
+    if tokens >= len(table):
+        return
+    previous = table[tokens]
+    table[tokens] = seconds if np.isnan(previous) else 0.8 * previous + 0.2 * min(seconds, 2.0 * previous)
+
+
+def _explored_extra(table: np.ndarray, rows: int) -> int:
+    """The most draft tokens worth the risk in a pass of ``rows`` rows: ``2e + 1`` once a pass with ``e`` draft
+    tokens has been timed (none before any)."""
+    measured = np.flatnonzero(~np.isnan(table[rows:]))
+    return 2 * int(measured[-1]) + 1 if len(measured) else 0
+
+
+def choose_lengths(rows: Sequence["DraftLength"], chances: Sequence[np.ndarray], table: np.ndarray | None) -> list[int]:
+    """How many draft tokens each row of a pass sends: ``chances[r]`` holds ``P_1, P_2 ..`` for the tokens row ``r``
+    has, ``table`` the measured pass costs for ``len(rows)`` rows (``None``: untimed, every pass costs the same).
+
+    A pass yields ``R + sum of the sent tokens' P`` tokens; since each row's ``P`` only falls along its draft, the
+    best ``e`` tokens to send are the ``e`` highest ``P`` of all rows, and ``e`` is chosen to maximise tokens per
+    second. One row is the single-request case. Worked example, two rows with ``P = [0.9, 0.5]`` and ``[0.6]``,
+    pass costs 1.0 / 1.2 / 1.3 / 2.0 for 2 / 3 / 4 / 5 tokens: ``e = 0..3`` gives ``2.0, 2.42, 2.69, 2.0`` tokens
+    per second, so 2 tokens go: ``[1, 1]``.
+    """
+    counts = [0] * len(rows)
+    if not rows:
+        return counts
+    usable = [
+        chance[: int(np.sum(chance >= row.min_chance)) if len(chance) and chance[0] >= row.min_chance else 0]
+        for row, chance in zip(rows, chances)
+    ]
+    flat = np.concatenate([np.zeros(0), *usable])
+    owner = np.concatenate([np.zeros(0, dtype=int), *(np.full(len(c), r) for r, c in enumerate(usable))])
+    order = np.argsort(-flat, kind="stable")[: len(flat) if table is None else _explored_extra(table, len(rows))]
+    if not len(order):
+        return counts
+    expected = len(rows) + np.concatenate([[0.0], np.cumsum(flat[order])])
+    costs = np.ones(len(expected)) if table is None else _costs(table, len(rows))[: len(expected)]
+    rates = expected / (costs + sum(row.draft_seconds for row in rows))
+    for r in owner[order[: int(np.argmax(rates))]]:  # the first maximum: ties go to fewer tokens
+        counts[r] += 1
+    return counts
+
+
+def budgets(rows: Sequence["DraftLength"], remaining: Sequence[int], table: np.ndarray | None) -> list[int]:
+    """How many tokens to ask each row's proposer for (0: do not ask), ``remaining`` the room each row has left.
+    While a row's drafts pay (were its draft full, from its best source so far): what it would send, plus one token
+    whose fate the step will reveal for free, when asking is cheap. When not: a one-token probe that is never sent,
+    rationed to ``probe_budget`` of the row's share of a plain pass."""
+    hopes = [
+        np.max([row.chances(source) for source in row.acceptance or [None]], axis=0)[: max(left, 0)]
+        for row, left in zip(rows, remaining)
+    ]
+    best = choose_lengths(rows, hopes, table)
+    share = 1.0 if table is None else _costs(table, len(rows))[0] / len(rows)
+    return [row.ask(k, left, share) for row, k, left in zip(rows, best, remaining)]
 
 
 class DraftLength:
@@ -113,46 +194,27 @@ class DraftLength:
             estimate = rates[position] = (accepts[position] + estimate) / (trials[position] + 1.0)
         return np.cumprod(rates)
 
+    def _table(self) -> np.ndarray | None:
+        return self.step_seconds if self.timed else None
+
     def costs(self) -> np.ndarray:
-        """Estimated seconds of a step verifying ``n = 1 .. max_draft + 1`` tokens; lengths not measured yet take
-        the value of the nearest measured ones (interpolated), all 1.0 before any measurement."""
-        lengths = np.arange(1, self.max_draft + 2)
-        measured = ~np.isnan(self.step_seconds[1:])
-        if not measured.any():
-            return np.ones(len(lengths))
-        return np.interp(lengths, lengths[measured], self.step_seconds[1:][measured])
+        """Estimated seconds of a step verifying ``n = 1 .. max_draft + 1`` tokens (see :func:`_costs`)."""
+        return _costs(self.step_seconds, 1)
 
     def best_length(self, available: int, source: object = None) -> int:
         """The number of draft tokens (0 .. ``available``) from ``source`` that maximises expected tokens per
         second."""
-        available = min(available, self.max_draft, self._explored_length())
-        if available <= 0:
-            return 0
-        chances = self.chances(source)[:available]
-        usable = int(np.sum(chances >= self.min_chance)) if chances[0] >= self.min_chance else 0
-        if usable == 0:
-            return 0
-        expected = 1.0 + np.concatenate([[0.0], np.cumsum(chances[:usable])])
-        rates = expected / (self.costs()[: usable + 1] + self.draft_seconds)
-        return int(np.argmax(rates))  # the first maximum: ties go to the shorter draft
+        return choose_lengths([self], [self.chances(source)[: max(min(available, self.max_draft), 0)]], self._table())[0]
 
-    def _explored_length(self) -> int:
-        """The longest draft worth the risk: ``2n - 1`` tokens once a pass over ``n`` tokens has been timed (none
-        before any; no limit when untimed, where every length is taken to cost the same)."""
-        if not self.timed:
-            return self.max_draft
-        measured = np.flatnonzero(~np.isnan(self.step_seconds))
-        return 2 * int(measured[-1]) - 1 if len(measured) else 0
-
-    # Decisions
     def budget(self, remaining: int) -> int:
-        """How many tokens to ask the proposer for (0: do not ask). While drafting pays: the best length if the
-        draft were full, plus one token whose fate the step will reveal for free, when asking is cheap. When it
-        does not: a one-token probe that is never sent, rationed to ``probe_budget`` of a one-token step."""
+        """How many tokens to ask the proposer for, alone (see :func:`budgets`)."""
+        return budgets([self], [remaining], self._table())[0]
+
+    def ask(self, best: int, remaining: int, one_step: float) -> int:
+        """How many tokens to ask for when ``best`` would be sent from a full draft and a plain pass costs this row
+        ``one_step`` seconds: ``best`` + 1 if asking is cheap; else, when nothing would be sent, a rationed probe."""
         if remaining <= 0:
             return 0
-        best = max(self.best_length(remaining, source) for source in self.acceptance or [None])
-        one_step = self.costs()[0]
         cheap = self.draft_seconds <= self.probe_budget * one_step
         if best > 0:
             self.steps_since_probe = 0
@@ -172,13 +234,8 @@ class DraftLength:
 
     def record_step(self, verified: int, seconds: float) -> None:
         """A step verified ``verified`` tokens (last token + drafts) in ``seconds``."""
-        if not self.timed or verified >= len(self.step_seconds):
-            return
-        previous = self.step_seconds[verified]
-        if np.isnan(previous):
-            self.step_seconds[verified] = seconds
-        else:  # smoothed, and a one-off stall (another process, the allocator) counts at most 2x
-            self.step_seconds[verified] = 0.8 * previous + 0.2 * min(seconds, 2.0 * previous)
+        if self.timed:
+            _record(self.step_seconds, verified, seconds)
 
     def record_outcome(self, draft: list[int], new_tokens: list[int], source: object = None) -> None:
         """Learn from a proposed ``draft`` (sent in full, in part or not at all) and the tokens the step produced:
@@ -194,3 +251,54 @@ class DraftLength:
         trials[:tried] = self.decay * trials[:tried] + 1.0
         accepts[:tried] *= self.decay
         accepts[:matched] += 1.0
+
+
+class DraftPolicy:
+    """Draft lengths for the requests of a pass (one, or the rows of a batch): each row's acceptance is its own
+    (:class:`DraftLength`), what a pass costs is measured by the tokens it verifies in all and shared per target
+    model (``table``; ignored when untimed). The loop talks to it through :meth:`budgets`, :meth:`trim` and
+    :meth:`learn`; :class:`FixedDrafts` is the same interface sending every draft as proposed."""
+
+    def __init__(self, max_draft: int, timed: bool, table: np.ndarray | None) -> None:
+        self.max_draft, self.timed, self.table = max_draft, timed, table
+
+    def new_row(self) -> DraftLength:
+        return DraftLength(self.max_draft, timed=self.timed)
+
+    def budgets(self, lengths: Sequence[DraftLength], remaining: Sequence[int]) -> list[int]:
+        """How many tokens to ask each row's proposer for, with ``remaining`` tokens of room per row."""
+        return budgets(lengths, remaining, self.table if self.timed else None)
+
+    def trim(self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"]) -> list[int]:
+        """How many tokens of each row's draft this pass verifies."""
+        chances = [row.chances(draft.source)[: len(draft)] for row, draft in zip(lengths, drafts)]
+        return choose_lengths(lengths, chances, self.table if self.timed else None)
+
+    def learn(
+        self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"], new_tokens: Sequence[list[int]],
+        tokens: int, seconds: float,
+    ) -> None:
+        """A pass over ``tokens`` tokens in all took ``seconds`` and gave each row ``new_tokens[r]`` for its
+        proposed (not necessarily sent) ``drafts[r]``."""
+        table = self.table if self.timed else None
+        if table is not None:
+            _record(table, tokens, seconds)
+        for row, draft, new in zip(lengths, drafts, new_tokens):
+            row.record_outcome(draft.tokens.tolist(), new, draft.source)
+
+
+class FixedDrafts:
+    """The :class:`DraftPolicy` interface for ``adaptive_draft=False``: ask for every token there is room for, send
+    every draft whole."""
+
+    def new_row(self) -> None:
+        return None
+
+    def budgets(self, lengths: Sequence[None], remaining: Sequence[int]) -> list[int]:
+        return list(remaining)
+
+    def trim(self, lengths: Sequence[None], drafts: Sequence["Draft"]) -> list[int]:
+        return [len(draft) for draft in drafts]
+
+    def learn(self, *args) -> None:
+        pass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -12,7 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .acceptance import accept_draft
 from .cached_model import CachedModel
-from .draft_length import DraftLength, shared_step_seconds
+from .draft_length import DraftLength, DraftPolicy, FixedDrafts, shared_step_seconds
 from .inputs import Request, vocab_size
 from .proposer import Draft, Proposer
 from .row_exact import is_half_precision, wanted
@@ -72,9 +73,10 @@ class _Sequence:
 
 def _propose(
     proposer: Proposer | None, context: np.ndarray, budget: int, vocab: int, stats: SpecStats,
-    lengths: DraftLength | None, row: int | None = None,
+    lengths: DraftLength | None, row: object = None,
 ) -> Draft:
-    """Ask the proposer for at most ``budget`` tokens and check what it returns (``row``: which row of a batch)."""
+    """Ask the proposer for at most ``budget`` tokens and check what it returns (``row``: which request of a batch,
+    ``None`` alone)."""
     if proposer is None or budget <= 0:
         return Draft.empty()
     started = time.perf_counter()
@@ -83,12 +85,12 @@ def _propose(
     except Exception as error:
         if row is None:
             raise
-        raise RuntimeError(f"{proposer!r}.propose() failed for row {row} of the batch: {error}") from error
+        raise RuntimeError(f"{proposer!r}.propose() failed for request {row!r} of the batch: {error}") from error
     seconds = time.perf_counter() - started
     stats.draft_time_s += seconds
     if lengths is not None:
         lengths.record_draft_time(seconds)
-    where = "" if row is None else f" (row {row} of the batch)"
+    where = "" if row is None else f" (request {row!r} of the batch)"
     if not isinstance(draft, Draft):
         raise TypeError(f"{proposer!r}.propose(){where} must return a specula.Draft, got {type(draft).__name__}.")
     draft = draft.head(budget)
@@ -106,41 +108,155 @@ def _propose(
     return draft
 
 
-class _Row:
-    """One request of a batch: its sequence, proposer, draft-length policy, counters, and the draft it sends next."""
+@dataclasses.dataclass
+class Job:
+    """One request for :class:`Decoder`: a prompt and what ends its output."""
 
-    def __init__(
-        self, index: int | None, sequence: _Sequence, proposer: Proposer | None, lengths: DraftLength | None,
-        sampling: Sampling,
-    ) -> None:
-        self.index = index  # the row of the batch (None when there is one)
-        self.sequence, self.proposer, self.lengths, self.sampling = sequence, proposer, lengths, sampling
-        self.stats = SpecStats(prompt_tokens=sequence.length)
+    prompt: np.ndarray  # [n] prompt tokens, no padding
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    stopping_criteria: StoppingCriteriaList | None = None
+    generator: torch.Generator | None = None  # its own random stream when sampling (None: the decoder's)
+    key: object = None  # the caller's name for it (a row of a batch, a line of a file)
+    # a left-padded prompt decoded alone, fed as model.generate feeds it: (tokens [L], positions [1, max_length],
+    # attention mask [1, max_length])
+    padded: tuple[np.ndarray, torch.Tensor, torch.Tensor] | None = None
+
+
+class Row:
+    """The state of one request being decoded: its sequence, proposer, draft-length state, counters, and the draft
+    it sends next."""
+
+    def __init__(self, job: Job, proposer: Proposer | None, lengths: DraftLength | None, sampling: Sampling) -> None:
+        self.job, self.proposer, self.lengths = job, proposer, lengths
+        self.sequence = _Sequence(job.prompt, job.max_new_tokens, job.eos_token_ids, job.stopping_criteria)
+        self.sampling = sampling if job.generator is None else dataclasses.replace(sampling, generator=job.generator)
+        self.stats = SpecStats(prompt_tokens=len(job.prompt))
         self.draft = self.sent = Draft.empty()
+        self.finished = False
+        self.started = time.perf_counter()
+        if proposer is not None:
+            proposer.begin(self.sequence.ids, self.sampling)
 
-    def choose(self) -> Draft:
-        """The part of the proposed draft this step verifies."""
-        lengths = self.lengths
-        self.sent = self.draft if lengths is None else self.draft.head(lengths.best_length(len(self.draft), self.draft.source))
-        return self.sent
-
-    def take(self, new_tokens: list[int], verified: int, seconds: float, streamer: BaseStreamer | None) -> bool:
-        """Record a step that verified ``verified`` tokens and produced ``new_tokens``; return whether the request
-        is finished."""
-        if self.lengths is not None:
-            if self.stats.steps:  # (the prefill is not a verification step)
-                self.lengths.record_step(verified, seconds)
-            self.lengths.record_outcome(self.draft.tokens.tolist(), new_tokens, self.draft.source)
+    def advance(self, new_tokens: list[int]) -> list[int]:
+        """Record a pass that produced ``new_tokens`` for this row; return the tokens its output kept."""
         self.stats.record_step(drafted=len(self.sent), accepted=len(new_tokens) - 1)
-        kept, finished = self.sequence.append(new_tokens)
-        if streamer is not None:
-            streamer.put(torch.tensor(kept))
+        kept, self.finished = self.sequence.append(new_tokens)
         if self.proposer is not None:
             self.proposer.observe(kept, min(len(new_tokens) - 1, len(kept)))
-        return finished
+        now = time.perf_counter() - self.started
+        if self.stats.steps == 1:
+            self.stats.prefill_time_s = now
+        self.stats.wall_time_s = now
+        self.stats.new_tokens = self.sequence.length - self.stats.prompt_tokens
+        self.draft = self.sent = Draft.empty()
+        return kept
 
 
-@torch.inference_mode()
+class Decoder:
+    """The speculation loop over a stream of requests, up to ``slots`` at a time in one verification pass per step
+    (see :func:`specula.generate` for the arguments).
+
+    :meth:`run` is a generator: for every pass it yields, per request, ``(row, kept_tokens)``; ``row.finished``
+    says when a request is done, and a new one takes its place in the same pass as the next step. Each request's
+    prompt is computed alone, as ``model.generate`` computes it; its tokens do not depend on the others in its
+    batch (bit for bit where verification is row-exact, else up to rounding).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, proposer: Proposer | None, sampling: Sampling, slots: int = 1,
+        adaptive_draft: bool = True, row_exact: bool | None = None,
+    ) -> None:
+        self.model, self.proposer, self.sampling, self.slots = model, proposer, sampling, slots
+        # Draft lengths follow measured timings only where the output cannot depend on them: greedy, with passes
+        # that round as one-token steps do (or in fp32, far below the gaps between logits). Elsewhere they follow
+        # acceptance alone, so that a request decodes the same on every run.
+        self.row_exact = proposer is not None and slots == 1 and wanted(model, row_exact)
+        timed = sampling.greedy and (self.row_exact or not is_half_precision(model))
+        setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
+        table = shared_step_seconds(model, setting, MAX_DRAFT, rows=slots) if timed else None
+        self.policy = DraftPolicy(MAX_DRAFT, timed, table) if adaptive_draft else FixedDrafts()
+        self.vocab = vocab_size(model)
+        self.passes = 0  # target forward passes, prefills included
+        if proposer is not None:
+            proposer.check_target(model)
+        self._spare = [] if proposer is None else [proposer]  # proposer objects free for the next request
+        self._target: CachedModel | None = None
+
+    def _cached_model(self, job: Job, capacity: int) -> CachedModel:
+        # position ids as model.generate passes them (some models number tokens wrongly by themselves: Bamba)
+        positions, mask = (torch.arange(len(job.prompt) + job.max_new_tokens, device=self.model.device)[None], None)
+        if job.padded is not None:
+            positions, mask = job.padded[1:]
+        return CachedModel(self.model, positions, mask, rollback=self.proposer is not None, capacity=capacity,
+                           row_exact=self.row_exact, slots=self.slots)
+
+    def _start(self, index: int, job: Job) -> tuple[Row, list[int]]:
+        """Make ``job`` row ``index`` of the batch: prefill its prompt alone, take its first token."""
+        proposer = None if self.proposer is None else self._spare.pop() if self._spare else self.proposer.fork()
+        row = Row(job, proposer, self.policy.new_row(), self.sampling)
+        capacity = len(job.prompt) + job.max_new_tokens + 2 * (MAX_DRAFT + 1)
+        if self.slots == 1 or self._target is None:
+            self._target = self._cached_model(job, capacity)
+        if self.slots == 1:
+            feed = job.prompt if job.padded is None else job.padded[0]
+            logits = self._target.forward(torch.from_numpy(feed).to(self._target.model.device), 1)
+        else:
+            logits = self._target.start_row(index, torch.from_numpy(job.prompt).to(self._target.device))
+        self.passes += 1
+        return row, row.advance(accept_draft(logits, Draft.empty(), row.sampling, self._tokens(row)))
+
+    def _tokens(self, row: Row) -> torch.Tensor | None:
+        """What logits processors read: the row's sequence followed by the draft it sends."""
+        return row.sequence.with_draft(row.sent, self.model.device) if self.sampling.reads_tokens else None
+
+    def _finish(self, row: Row) -> None:
+        if row.proposer is not None:
+            self._spare.append(row.proposer)
+
+    @torch.inference_mode()
+    def run(self, jobs: Iterable[Job]) -> Iterator[tuple[Row, list[int]]]:
+        jobs, rows = iter(jobs), []  # rows[i]: row i of the target's batch
+        while True:
+            # Fill the free slots; a request may end with its first token (then the next one takes the slot).
+            for index in range(self.slots):
+                while (index >= len(rows) or rows[index] is None) and (job := next(jobs, None)) is not None:
+                    row, kept = self._start(index, job)
+                    rows[index : index + 1] = [None if row.finished else row]
+                    yield row, kept
+                    if row.finished:
+                        self._finish(row)
+                if index >= len(rows):
+                    break
+            if None in rows:  # no request left to take these slots: the batch shrinks
+                self._target.select_rows([i for i, row in enumerate(rows) if row is not None])
+                rows = [row for row in rows if row is not None]
+            if not rows:
+                return
+            lengths = [row.lengths for row in rows]
+            budgets = self.policy.budgets(lengths, [row.sequence.room - 1 for row in rows])
+            for row, budget in zip(rows, budgets):
+                row.draft = _propose(row.proposer, row.sequence.ids, budget, self.vocab, row.stats, row.lengths,
+                                     None if self.slots == 1 else row.job.key)
+            for row, length in zip(rows, self.policy.trim(lengths, [row.draft for row in rows])):
+                row.sent = row.draft.head(length)
+            started = time.perf_counter()
+            device = self.model.device
+            blocks = [torch.cat([torch.from_numpy(row.sequence.ids[-1:]), row.sent.tokens]).to(device) for row in rows]
+            logits = self._target.forward_rows(blocks, [len(block) for block in blocks])
+            outcomes = [accept_draft(row_logits, row.sent, row.sampling, self._tokens(row))
+                        for row, row_logits in zip(rows, logits)]
+            seconds = time.perf_counter() - started
+            self.passes += 1
+            self._target.keep_rows([len(tokens) for tokens in outcomes])  # the last token and the accepted drafts
+            self.policy.learn(lengths, [row.draft for row in rows], outcomes, sum(map(len, blocks)), seconds)
+            for index, (row, tokens) in enumerate(zip(rows, outcomes)):
+                yield row, row.advance(tokens)
+                if row.finished:
+                    rows[index] = None
+                    self._finish(row)
+
+
 def decode(
     model: torch.nn.Module,
     request: Request,
@@ -152,79 +268,36 @@ def decode(
     row_exact: bool | None = None,
     row_generators: list[torch.Generator] | None = None,
 ) -> GenerateOutput:
-    """The speculation loop on a validated request of one or more rows (see :func:`specula.generate`);
+    """:class:`Decoder` on a validated request of one or more rows, all in one batch (see :func:`specula.generate`);
     ``row_generators`` gives each row its own random stream."""
     started = time.perf_counter()
     batch, width = request.input_ids.shape
-    new_tokens = request.max_length - width
-    # Draft lengths follow measured timings only where the output cannot depend on them: greedy, one row, with
-    # passes that round as one-token steps do (or in fp32, far below the gaps between logits). Elsewhere they follow
-    # acceptance alone, so that a request decodes the same on every run.
-    row_exact = proposer is not None and batch == 1 and wanted(model, row_exact)
-    timed = sampling.greedy and batch == 1 and (row_exact or not is_half_precision(model))
-    costs = shared_step_seconds(model, (request.device, getattr(model, "dtype", None)), MAX_DRAFT) if timed else None
-    if proposer is not None and new_tokens > 0:
-        proposer.check_target(model)
-    rows = []
-    for b in range(batch):
-        row_proposer = None if proposer is None else proposer if b == 0 else proposer.fork()
-        lengths = DraftLength(MAX_DRAFT, timed=timed, step_seconds=costs) if proposer and adaptive_draft else None
-        sequence = _Sequence(request.prompt(b), new_tokens, request.eos_token_ids, stopping_criteria)
-        row_sampling = sampling if row_generators is None else dataclasses.replace(sampling, generator=row_generators[b])
-        rows.append(_Row(b if batch > 1 else None, sequence, row_proposer, lengths, row_sampling))
-    passes = 0
-    if new_tokens > 0:
-        target = CachedModel(
-            model, request.positions, request.attention_mask, rollback=proposer is not None,
-            capacity=request.max_length + (MAX_DRAFT + 1 if batch > 1 else 0), row_exact=row_exact,
-        )
-        vocab = vocab_size(model)
-        for row in rows:
-            if row.proposer is not None:
-                row.proposer.begin(row.sequence.ids, row.sampling)
-        # The first pass is the prefill of the prompts alone, as model.generate's: some models compute a prompt
-        # differently when more tokens share its pass (Doge's dynamic masks; rounding in bf16).
-        active = rows  # in the target's row order
-        blocks = [torch.from_numpy(request.input_ids[b]) for b in range(batch)]
-        while active:
-            step_started = time.perf_counter()
-            blocks = [torch.cat([block, row.choose().tokens]).to(request.device) for block, row in zip(blocks, active)]
-            logits = target.forward_rows(blocks, [len(row.sent) + 1 for row in active])
-            seconds, kept, finished = time.perf_counter() - step_started, [], []
-            for row, block, row_logits in zip(active, blocks, logits):
-                input_ids = row.sequence.with_draft(row.sent, request.device) if sampling.reads_tokens else None
-                tokens = accept_draft(row_logits, row.sent, row.sampling, input_ids)
-                kept.append(len(block) - len(row.sent) + len(tokens) - 1)  # the block but its rejected drafts
-                finished.append(row.take(tokens, len(block), seconds, streamer))
-            target.keep_rows(kept)
-            passes += 1
-            now = time.perf_counter() - started
-            if passes == 1:
-                prefill_time = now
-            for row in active:  # (a finished row keeps the time it ended)
-                row.stats.prefill_time_s, row.stats.wall_time_s = prefill_time, now
-            target.select_rows([i for i, done in enumerate(finished) if not done])
-            active = [row for row, done in zip(active, finished) if not done]
-            for row in active:
-                remaining = row.sequence.room - 1
-                budget = remaining if row.lengths is None else row.lengths.budget(remaining)
-                row.draft = _propose(row.proposer, row.sequence.ids, budget, vocab, row.stats, row.lengths, row.index)
-            blocks = [torch.from_numpy(row.sequence.ids[-1:]) for row in active]
+    padded = batch == 1 and request.attention_mask is not None
+    jobs = [
+        Job(request.prompt(b), request.max_length - width, request.eos_token_ids, stopping_criteria,
+            None if row_generators is None else row_generators[b], key=b if batch > 1 else None,
+            padded=(request.input_ids[0], request.positions, request.attention_mask) if padded else None)
+        for b in range(batch)
+    ]
+    decoder = Decoder(model, proposer, sampling, batch, adaptive_draft, row_exact)
+    rows = {}
+    if request.max_length > width:
+        for row, kept in decoder.run(jobs):
+            rows[row.job.key] = row
+            if streamer is not None:
+                streamer.put(torch.tensor(kept))
     if streamer is not None:
         streamer.end()
-    for row in rows:
-        row.stats.new_tokens = row.sequence.length - row.stats.prompt_tokens
-    stats = SpecStats.total([row.stats for row in rows], steps=passes, wall_time_s=time.perf_counter() - started,
-                            prefill_time_s=prefill_time if passes else 0.0)
-    return GenerateOutput(sequences=_padded(request, rows).to(request.device), stats=stats)
-
-
-def _padded(request: Request, rows: list[_Row]) -> torch.Tensor:
-    """``[B, L + new]``: each row's (padded) prompt and new tokens, rows that ended early padded after their end
-    with ``request.pad_token_id``, as ``model.generate`` pads them."""
+    new = [rows[job.key].sequence.ids[len(job.prompt) :] if job.key in rows else np.zeros(0, np.int64) for job in jobs]
+    per_row = [rows[job.key].stats if job.key in rows else SpecStats(prompt_tokens=len(job.prompt)) for job in jobs]
+    stats = SpecStats.total(per_row, steps=decoder.passes, wall_time_s=time.perf_counter() - started,
+                            prefill_time_s=sum(row.prefill_time_s for row in per_row))
+    return GenerateOutput(sequences=_padded(request, new).to(request.device), stats=stats)
+def _padded(request: Request, new: list[np.ndarray]) -> torch.Tensor:
+    """``[B, L + new]``: each row's (padded) prompt and its new tokens ``new[b]``, rows that ended early padded after
+    their end with ``request.pad_token_id``, as ``model.generate`` pads them."""
     width = request.input_ids.shape[1]
-    new = [row.sequence.ids[row.stats.prompt_tokens :] for row in rows]
-    out = np.full((len(rows), width + max(map(len, new))), request.pad_token_id, dtype=np.int64)
+    out = np.full((len(new), width + max(map(len, new))), request.pad_token_id, dtype=np.int64)
     out[:, :width] = request.input_ids
     for b, tokens in enumerate(new):
         out[b, width : width + len(tokens)] = tokens

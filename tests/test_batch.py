@@ -147,7 +147,7 @@ class FailsOnRow(specula.Proposer):
 def test_a_proposer_failing_for_one_row_is_named() -> None:
     rows = prompts()
     ids, mask = left_padded(rows)
-    with pytest.raises(RuntimeError, match=r"failed for row 1 of the batch: 'no table"):
+    with pytest.raises(RuntimeError, match=r"failed for request 1 of the batch: 'no table"):
         specula.generate(model("llama"), ids, FailsOnRow(rows[1]), attention_mask=mask, max_new_tokens=4)
 
 

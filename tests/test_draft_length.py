@@ -192,15 +192,19 @@ def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) 
     loop = importlib.import_module("specula.loop")
 
     def recording(*args, **kwargs):
-        tables.append(kwargs.get("step_seconds"))
-        return DraftLength(*args, **kwargs)
+        tables.append(shared_step_seconds(*args, **kwargs))
+        return tables[-1]
 
-    monkeypatch.setattr(loop, "DraftLength", recording)
+    monkeypatch.setattr(loop, "shared_step_seconds", recording)
     prompt = torch.tensor([PROMPT])
     expected = hf_greedy(target, prompt, 12, eos_token_id=[])
+    runs, steps = [], []
     for _ in range(2):
         out = specula.generate(target, prompt, Oracle(expected, 8), max_new_tokens=12, eos_token_id=[])
         assert torch.equal(out.sequences, expected)
-    assert tables[0] is tables[1] and not np.isnan(tables[1]).all()
+        runs.append(len(tables))
+        steps.append(out.stats.steps)
+    assert runs[0] > 0 and all(table is tables[0] for table in tables) and not np.isnan(tables[0]).all()
+    assert steps[1] < steps[0]  # the second run does not explore again
     specula.generate(target, prompt, specula.PromptLookup(), max_new_tokens=4, do_sample=True)
-    assert tables[2] is None  # sampling decides without timings
+    assert len(tables) == runs[1]  # sampling decides without timings

@@ -81,4 +81,4 @@ def test_a_batch_of_workload_prompts_gives_each_its_own_output() -> None:
     out = specula.generate(model, ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=32)
     got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
     assert got == expected
-    assert out.stats.accepted > 0 and out.stats.steps < 32
+    assert out.stats.accepted > 0 and sum(row.steps for row in out.stats.rows) < out.stats.new_tokens
