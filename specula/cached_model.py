@@ -352,7 +352,10 @@ class CachedModel:
         }
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = keep
-        logits = self.model(**inputs).logits[:, -keep:]  # [B, keep, vocab]
+        # row-exact: every token as its row's one-token step computes it, whatever the other rows
+        exact = self.row_exact.applied(self.cache, (slots + 1).tolist()) if self.row_exact else contextlib.nullcontext()
+        with exact:
+            logits = self.model(**inputs).logits[:, -keep:]  # [B, keep, vocab]
         self.cached_tokens = len(keys)
         self._check_length("a forward pass")
         return [logits[b, first[b] - (n - keep) : lengths[b] - (n - keep)] for b in range(self.batch)]

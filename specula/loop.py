@@ -171,7 +171,7 @@ class Decoder:
         # Draft lengths follow measured timings only where the output cannot depend on them: greedy, with passes
         # that round as one-token steps do (or in fp32, far below the gaps between logits). Elsewhere they follow
         # acceptance alone, so that a request decodes the same on every run.
-        self.row_exact = proposer is not None and slots == 1 and wanted(model, row_exact)
+        self.row_exact = (proposer is not None or slots > 1) and wanted(model, row_exact)
         timed = sampling.greedy and (self.row_exact or not is_half_precision(model))
         setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
         table = shared_step_seconds(model, setting, MAX_DRAFT, rows=slots) if timed else None

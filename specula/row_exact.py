@@ -130,40 +130,52 @@ class _ExactLinear:
         return self.layer.weight.data_ptr(), self.layer.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(1, -1, x.shape[-1])  # [1, rows of every batch row, in]
         if self.weight_t is None:
-            return _in_chunks(functools.partial(type(self.layer).forward, self.layer), self.rows, x)
-        if self._version() != self._source:
-            self.weight_t, self._source = _weight_t(self.layer), self._version()
-        return _in_chunks(functools.partial(_by_columns, self.weight_t, self.layer.bias), self.rows, x)
+            out = _in_chunks(functools.partial(type(self.layer).forward, self.layer), self.rows, flat)
+        else:
+            if self._version() != self._source:
+                self.weight_t, self._source = _weight_t(self.layer), self._version()
+            out = _in_chunks(functools.partial(_by_columns, self.weight_t, self.layer.bias), self.rows, flat)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _grouped_sdpa(module, query, key, value, ends: list[int], width: int, dropout: float = 0.0, scaling=None, **kwargs):
-    """Attention of query row ``i`` over keys ``[0, ends[i])``, with one SDPA call per group of rows whose
-    ``ends // width`` agree: each row is a batch entry with one query, over the group's longest keys, the keys past
-    its own end masked.
+def _grouped_sdpa(module, query, key, value, ends: list[list[int]], width: int, dropout: float = 0.0, scaling=None,
+                  **kwargs):
+    """Attention of query ``i`` of batch row ``b`` over that row's keys ``[0, ends[b][i])``, with one SDPA call per
+    group of queries whose ``end // width`` agree: each query is a batch entry of its own, over the group's longest
+    keys, the keys past its own end masked.
 
     Where :meth:`RowExact._group_width` finds this exact, it is so because of how torch's CPU flash kernel reduces:
     it takes the keys in blocks of 512 and each block in vectors of 16 floats plus a scalar tail, and the tail's
-    exponentials round otherwise than the vectors'. A row over 300 keys has keys 288..299 in the tail; padded to
+    exponentials round otherwise than the vectors'. A query over 300 keys has keys 288..299 in the tail; padded to
     303 keys they still are, and the masked keys add exact zeros; padded to 304 they would not be. Hence groups of
-    ``ends // 16``.
+    ``end // 16``.
     """
     del kwargs
-    # query: [1, heads, rows, dim]; key, value: [1, kv_heads, keys, dim]
-    outputs = []
-    for _, members in itertools.groupby(range(len(ends)), key=lambda i: ends[i] // width):
-        members = list(members)
-        keys = ends[members[-1]]
-        lengths = torch.tensor([ends[i] for i in members], device=query.device)
+    # query: [B, heads, n, dim]; key, value: [B, kv_heads, keys, dim]; ends: B lists of n key counts
+    batch, heads, n, dim = query.shape
+    flat_ends = [end for row in ends for end in row]  # query j = b * n + i
+    queries = query.transpose(1, 2).reshape(batch * n, heads, 1, dim)
+    groups: dict[int, list[int]] = {}
+    for j, end in enumerate(flat_ends):
+        groups.setdefault(end // width, []).append(j)
+    out = query.new_empty(batch * n, 1, heads, dim)
+    for members in groups.values():
+        keys = max(flat_ends[j] for j in members)
+        rows = sorted({j // n for j in members})
+        if len(rows) == 1:  # one row's queries: its keys, shared without a copy
+            k, v = (t[rows[0] : rows[0] + 1, :, :keys].expand(len(members), -1, -1, -1) for t in (key, value))
+        else:
+            index = torch.tensor([j // n for j in members], device=query.device)
+            k, v = (t[index, :, :keys] for t in (key, value))
+        lengths = torch.tensor([flat_ends[j] for j in members], device=query.device)
         mask = torch.arange(keys, device=query.device) < lengths[:, None]  # [members, keys]
-        q = query[0, :, members[0] : members[-1] + 1].transpose(0, 1).unsqueeze(2)  # [members, heads, 1, dim]
-        k, v = (t[:, :, :keys].expand(len(members), -1, -1, -1) for t in (key, value))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None, None], dropout_p=dropout, scale=scaling,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # [members, heads, 1, dim]
-        outputs.append(out.permute(2, 0, 1, 3))  # [1, members, heads, dim]
-    return torch.cat(outputs, dim=1).contiguous(), None
+        out[members] = torch.nn.functional.scaled_dot_product_attention(
+            queries[members], k, v, attn_mask=mask[:, None, None], dropout_p=dropout, scale=scaling,
+            enable_gqa=heads != k.shape[1],
+        ).transpose(1, 2)  # [members, 1, heads, dim]
+    return out.reshape(batch, n, heads, dim), None
 
 
 class RowExact:
@@ -182,6 +194,7 @@ class RowExact:
         self._group_widths: dict[tuple, int] = {}
         by_shape: dict[tuple, tuple[int, int]] = {}
         plans = []  # (layer, rows exact as it is, rows exact by columns) of those a multi-row pass rounds otherwise
+        plain = []  # the others: exact as they are for up to _CALIBRATION_ROWS rows
         for module in model.modules():
             if type(module) in (torch.nn.Linear, Conv1D):
                 shape = (module.weight.shape, module.weight.stride(), module.weight.dtype, module.weight.device,
@@ -190,6 +203,8 @@ class RowExact:
                     by_shape[shape] = _calibrate(module)
                 if by_shape[shape][0] < _CALIBRATION_ROWS:
                     plans.append((module, *by_shape[shape]))
+                else:
+                    plain.append(_ExactLinear(module, _CALIBRATION_ROWS, False))
         # Column-major copies of row-major weights, where they pay, unless they would take half the spare memory.
         copies = sum(layer.weight.nbytes for layer, as_is, by_columns in plans
                      if by_columns > as_is and _needs_copy(layer))
@@ -208,8 +223,9 @@ class RowExact:
             else _ExactLinear(layer, as_is, False)
             for layer, as_is, by_columns in plans
         ]
+        self.plain_linears = plain  # chunked only in passes wider than calibrated (batches)
 
-    def _attention(self, inner_of: Callable, cache) -> Callable:
+    def _attention(self, inner_of: Callable, cache, ends: list[list[int]] | None) -> Callable:
         def window_of(module: torch.nn.Module) -> int | None:
             index = getattr(module, "layer_idx", None)
             if index is None or index >= len(cache.layers):
@@ -219,13 +235,24 @@ class RowExact:
         def attention(module, query, key, value, attention_mask, **kwargs):
             # query: [batch, heads, rows, dim]; key, value: [batch, kv_heads, keys, dim]; the last row is the newest
             inner = inner_of(module)
+            if ends is not None:  # a batch whose row b's query i sees that row's keys [0, ends[b][i])
+                width = self._group_width(module, query, key, kwargs)
+                if width > 1:
+                    return _grouped_sdpa(module, query, key, value, ends, width, **kwargs)
+                eager = self.implementation != "sdpa"  # (sdpa's one-token step gets no mask; eager's adds zeros)
+                outputs = [
+                    inner(module, query[b : b + 1, :, i : i + 1], key[b : b + 1, :, :end], value[b : b + 1, :, :end],
+                          attention_mask[b : b + 1, :, i : i + 1, :end] if eager else None, **kwargs)[0]
+                    for b, row in enumerate(ends) for i, end in enumerate(row)
+                ]  # each [1, 1, heads, dim]
+                return torch.cat(outputs, dim=1).reshape(len(ends), len(ends[0]), *outputs[0].shape[2:]), None
             if query.shape[2] == 1:
                 return inner(module, query, key, value, attention_mask, **kwargs)
             calls = self._one_token_calls(window_of(module), query.shape[2], key.shape[2], attention_mask)
             if query.shape[0] == 1 and all(mask is None and start == 0 for start, _, mask in calls):
                 width = self._group_width(module, query, key, kwargs)
                 if width > 1:
-                    return _grouped_sdpa(module, query, key, value, [end for _, end, _ in calls], width, **kwargs)
+                    return _grouped_sdpa(module, query, key, value, [[end for _, end, _ in calls]], width, **kwargs)
             outputs = [
                 inner(module, query[:, :, i : i + 1], key[:, :, start:end], value[:, :, start:end], mask, **kwargs)[0]
                 for i, (start, end, mask) in enumerate(calls)
@@ -263,18 +290,24 @@ class RowExact:
             generator = torch.Generator().manual_seed(2)
             heads, kv_heads, dim, rows = query.shape[1], key.shape[1], query.shape[3], _CALIBRATION_ROWS
 
-            def rand(heads: int, length: int) -> torch.Tensor:  # laid out as a model's projections lay it out
-                x = torch.randn((1, length, heads, dim), generator=generator)
+            def rand(heads: int, length: int, batch: int) -> torch.Tensor:  # laid out as a model's projections
+                x = torch.randn((batch, length, heads, dim), generator=generator)
                 return x.to(query.device, query.dtype).transpose(1, 2)
 
-            cases = []
-            for start in (0, 300, 495, 1100):
-                q, k, v = rand(heads, rows), rand(kv_heads, start + rows), rand(kv_heads, start + rows)
-                ends = [start + i + 1 for i in range(rows)]
+            def one_token(q, k, v, b: int, i: int, end: int) -> torch.Tensor:  # [1, 1, heads, dim]
+                return ALL_ATTENTION_FUNCTIONS["sdpa"](
+                    module, q[b : b + 1, :, i : i + 1], k[b : b + 1, :, :end], v[b : b + 1, :, :end], None, **kwargs
+                )[0]
+
+            cases = []  # one row, and two rows of a batch whose queries share groups
+            for starts in ((0,), (300,), (495,), (1100,), (290, 300)):
+                keys = max(starts) + rows
+                q, k, v = rand(heads, rows, len(starts)), rand(kv_heads, keys, len(starts)), rand(kv_heads, keys, len(starts))
+                ends = [[start + i + 1 for i in range(rows)] for start in starts]
                 alone = torch.cat([
-                    ALL_ATTENTION_FUNCTIONS["sdpa"](module, q[:, :, i : i + 1], k[:, :, :end], v[:, :, :end], None, **kwargs)[0]
-                    for i, end in enumerate(ends)
-                ], dim=1)
+                    torch.cat([one_token(q, k, v, b, i, end) for i, end in enumerate(row)], dim=1)
+                    for b, row in enumerate(ends)
+                ])
                 cases.append((q, k, v, ends, alone))
             widths = [w for w in (16, 8, 4, 2) if all(
                 torch.equal(_grouped_sdpa(module, q, k, v, ends, w, **kwargs)[0], alone) for q, k, v, ends, alone in cases
@@ -283,9 +316,10 @@ class RowExact:
         return self._group_widths[geometry]
 
     @contextlib.contextmanager
-    def applied(self, cache) -> Iterator[None]:
+    def applied(self, cache, ends: list[list[int]] | None = None) -> Iterator[None]:
         """Within the block, every multi-token pass of the model over ``cache`` (whose layers say which attention
-        layers keep a sliding window) is row-exact."""
+        layers keep a sliding window) is row-exact. For a batch whose rows keep their own lengths, ``ends[b][i]``
+        is how many keys of row ``b`` its query ``i`` sees (its keys start at slot 0: no padding)."""
         mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
         saved = mapping.get(self.implementation)
         if self.implementation == "sdpa":
@@ -293,13 +327,16 @@ class RowExact:
             inner_of = lambda module: sdpa  # noqa: E731
         else:
             inner_of = lambda module: sys.modules[type(module).__module__].eager_attention_forward  # noqa: E731
-        mapping[self.implementation] = self._attention(inner_of, cache)
-        for linear in self.linears:
+        mapping[self.implementation] = self._attention(inner_of, cache, ends)
+        linears = self.linears
+        if ends is not None and sum(map(len, ends)) > _CALIBRATION_ROWS:  # wider than any width calibrated
+            linears = linears + self.plain_linears
+        for linear in linears:
             linear.layer.forward = linear.forward
         try:
             yield
         finally:
-            for linear in self.linears:
+            for linear in linears:
                 del linear.layer.forward
             if saved is None:
                 del mapping[self.implementation]

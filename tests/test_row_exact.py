@@ -88,7 +88,7 @@ def test_probe_finds_what_rounds_differently_and_row_exact_removes_it(name: str)
 
 def test_verifying_attention_the_old_way_is_caught(monkeypatch) -> None:
     """A mutant RowExact that leaves attention to the ordinary multi-query call: the probe names attention."""
-    monkeypatch.setattr(RowExact, "_attention", lambda self, inner_of, cache: lambda m, *args, **kw: inner_of(m)(m, *args, **kw))
+    monkeypatch.setattr(RowExact, "_attention", lambda self, inner_of, cache, ends: lambda m, *args, **kw: inner_of(m)(m, *args, **kw))
     row_exact_module._BUILT.clear()
     report = probe(model("llama"), prompt(), width=WIDE, row_exact=True)
     assert not report.logits_identical
@@ -144,3 +144,27 @@ def test_weights_changed_in_place_are_copied_again() -> None:
             layer.mlp.down_proj.weight.mul_(-1.5)
     ref = hf_greedy(changed, prompt(), NEW_TOKENS, eos_token_id=[])
     assert speculate_with(changed).sequences.tolist() == ref.tolist()
+
+
+def _batch(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``[B, L]`` ids and mask."""
+    width = max(len(p) for p in prompts)
+    ids, mask = torch.zeros(len(prompts), width, dtype=torch.long), torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :], mask[b, width - len(p) :] = p, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2"])
+def test_bf16_rows_of_a_batch_do_not_depend_on_their_batch_mates(name: str) -> None:
+    """bf16: a request gives model.generate's tokens for it alone, alone and inside two different batches (rows of
+    other lengths, accepting other numbers of drafts)."""
+    text = prompt()[0]
+    prompts = [text, text[:217], text[41:], torch.flip(text[:180], [0])]
+    expected = [hf_greedy(model(name), p[None], NEW_TOKENS, eos_token_id=[])[0, len(p) :].tolist() for p in prompts]
+    for members in ([0], [0, 1], [2, 0, 3], [3, 2, 1, 0]):
+        ids, mask = _batch([prompts[i] for i in members])
+        out = specula.generate(model(name), ids, specula.PromptLookup(), attention_mask=mask,
+                               max_new_tokens=NEW_TOKENS, eos_token_id=[])
+        got = [row[ids.shape[1] :] for row in out.sequences.tolist()]
+        assert got == [expected[i] for i in members], members
