@@ -236,7 +236,7 @@ class RowExact:
             # query: [batch, heads, rows, dim]; key, value: [batch, kv_heads, keys, dim]; the last row is the newest
             inner = inner_of(module)
             if ends is not None:  # a batch whose row b's query i sees that row's keys [0, ends[b][i])
-                width = self._group_width(module, query, key, kwargs)
+                width = self._group_width(module, query, key, kwargs, inner)
                 if width > 1:
                     return _grouped_sdpa(module, query, key, value, ends, width, **kwargs)
                 eager = self.implementation != "sdpa"  # (sdpa's one-token step gets no mask; eager's adds zeros)
@@ -250,7 +250,7 @@ class RowExact:
                 return inner(module, query, key, value, attention_mask, **kwargs)
             calls = self._one_token_calls(window_of(module), query.shape[2], key.shape[2], attention_mask)
             if query.shape[0] == 1 and all(mask is None and start == 0 for start, _, mask in calls):
-                width = self._group_width(module, query, key, kwargs)
+                width = self._group_width(module, query, key, kwargs, inner)
                 if width > 1:
                     return _grouped_sdpa(module, query, key, value, [[end for _, end, _ in calls]], width, **kwargs)
             outputs = [
@@ -278,7 +278,7 @@ class RowExact:
             calls.append((start, end, mask))
         return calls
 
-    def _group_width(self, module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> int:
+    def _group_width(self, module, query: torch.Tensor, key: torch.Tensor, kwargs: dict, sdpa: Callable) -> int:
         """The widest grouping (16, 8, 4 or 2; 1 for none) with which :func:`_grouped_sdpa` gives every row the bits
         of its own one-token call, for this attention geometry on this device: checked once, on random rows over
         key counts of every residue and either side of the kernel's blocks of 512."""
@@ -295,7 +295,7 @@ class RowExact:
                 return x.to(query.device, query.dtype).transpose(1, 2)
 
             def one_token(q, k, v, b: int, i: int, end: int) -> torch.Tensor:  # [1, 1, heads, dim]
-                return ALL_ATTENTION_FUNCTIONS["sdpa"](
+                return sdpa(
                     module, q[b : b + 1, :, i : i + 1], k[b : b + 1, :, :end], v[b : b + 1, :, :end], None, **kwargs
                 )[0]
 
