@@ -263,6 +263,16 @@ class CachedModel:
         self._set_rows()
         return logits
 
+    def copy_prefix(self, source: int, index: int, length: int) -> None:
+        """Make row ``index`` hold the first ``length`` tokens of row ``source`` (their states do not depend on
+        later tokens)."""
+        for layer in self.cache.layers:
+            for buffer in (layer._key_buffer, layer._value_buffer):
+                buffer[index, :, :length] = buffer[source, :, :length]
+        self.starts[index] = length
+        self.batch = max(self.batch, index + 1)
+        self._set_rows()
+
     def _set_rows(self) -> None:
         """Tell the cache layers which rows are in use and where each writes next."""
         starts = self.starts[: self.batch]

@@ -5,6 +5,7 @@ rounds differently in a pass over several tokens)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -21,9 +22,12 @@ from .bench import (
     format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method,
     specula_method,
 )
+from .batch_size import fastest_batch_size
 from .drift import drift
 from .generate import generate
+from .hf import prepare_jobs
 from .invariance import probe
+from .loop import Decoder, Job
 from .models import ModelNotFoundError, load_model
 from .proposers import PROPOSER_NAMES, proposer_factory
 from .workloads import encode, left_padded, load_workloads
@@ -174,7 +178,7 @@ def _file_problem(args: argparse.Namespace) -> str | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    sampling = _sampling(args)
+    sampling_settings = _sampling(args)
     row_exact = False if args.no_row_exact else None
     model, tokenizer, device = _load(args)
     proposer = proposer_factory(args.proposer, tokenizer, model.dtype, device)()  # kept across requests
@@ -186,56 +190,59 @@ def cmd_generate(args: argparse.Namespace) -> None:
         }
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         out = generate(model, _encode(tokenizer, request, device), proposer, max_new_tokens=args.max_new_tokens,
-                       streamer=streamer, row_exact=row_exact, **sampling)
+                       streamer=streamer, row_exact=row_exact, **sampling_settings)
         print(f"[{out.stats}]", file=sys.stderr)
         return
 
-    started, totals = time.perf_counter(), {"requests": 0, "new_tokens": 0, "steps": 0}
-    with args.output.open("w") as output:
-        total = sum(1 for line in args.input.open() if line.strip())
-        batch: list[tuple[dict, torch.Tensor, int]] = []  # (request, prompt ids, line number)
+    started, answered, new_tokens = time.perf_counter(), 0, 0
+    lines = sum(1 for line in args.input.open() if line.strip())
+    progress = tqdm(total=lines, desc="specula", unit="req")
+    samplings = []  # what generate prepared for each request (the same settings for all)
 
-        def flush() -> None:
-            """Decode the batch and write its answers, in file order."""
-            if not batch:
-                return
-            ids, mask = left_padded([prompt for _, prompt, _ in batch], _pad_token_id(tokenizer))
-            out = generate(model, ids, proposer, attention_mask=mask, max_new_tokens=args.max_new_tokens,
-                           row_exact=row_exact, **sampling)
-            width = ids.shape[1]
-            for (request, _, number), tokens, stats in zip(batch, out.sequences, out.stats.rows):
-                text = tokenizer.decode(tokens[width : width + stats.new_tokens], skip_special_tokens=True)
-                record = {"id": request.get("id", number), "text": text, "stats": _stats(stats)}
-                output.write(json.dumps(record, ensure_ascii=False) + "\n")
-            output.flush()  # a later failure loses nothing already written
-            totals["requests"] += len(batch)
-            totals["new_tokens"] += out.stats.new_tokens
-            totals["steps"] += out.stats.steps
-            progress.update(len(batch))
-            batch.clear()
-
-        progress = tqdm(total=total, desc="specula", unit="req")
+    def jobs() -> Iterator[Job]:
+        """The file's requests, prepared as generate() prepares them; bad lines reported and skipped."""
         for number, request in _requests(args.input, args.strict):
             if request is None:
                 progress.update()
                 continue
+            # --seed: each request its own random stream, so its answer does not depend on its batch-mates
+            generator = None if args.seed is None else [torch.Generator(device).manual_seed(args.seed + number)]
             try:
-                batch.append((request, _encode(tokenizer, request, device)[0], number))
+                (job,), sampling = prepare_jobs(model, _encode(tokenizer, request, device), generator=generator,
+                                                max_new_tokens=args.max_new_tokens, **sampling_settings)
             except ValueError as error:
                 if args.strict:
                     raise SystemExit(f"error: {args.input}:{number}: {error} (--strict)") from None
                 print(f"skipped {args.input}:{number}: {error}", file=sys.stderr)
                 progress.update()
                 continue
-            if len(batch) == args.batch_size:
-                flush()
-        flush()
-        progress.close()
+            job.key = request.get("id", number)
+            samplings.append(sampling)
+            yield job
+
+    stream = jobs()
+    if args.strict:  # every line checked before any decoding
+        stream = iter(list(stream))
+    with args.output.open("w") as output:
+        first = next(stream, None)
+        slots = args.batch_size or fastest_batch_size(model, largest=min(lines, 32))
+        decoder = Decoder(model, proposer, samplings[0], slots, row_exact=row_exact) if first else None
+        # Requests run up to --batch-size at a time; when one ends, its answer is written and the next takes its slot.
+        for row, _ in decoder.run(itertools.chain([first], stream)) if first else ():
+            if not row.finished:
+                continue
+            text = tokenizer.decode(row.sequence.ids[len(row.job.prompt) :], skip_special_tokens=True)
+            output.write(json.dumps({"id": row.job.key, "text": text, "stats": _stats(row.stats)}, ensure_ascii=False)
+                         + "\n")
+            output.flush()  # a later failure loses nothing already written
+            answered, new_tokens = answered + 1, new_tokens + row.stats.new_tokens
+            progress.update()
+    progress.close()
     seconds = time.perf_counter() - started
+    passes = decoder.passes if decoder else 0
     print(
-        f"{totals['requests']} requests, {totals['new_tokens']} new tokens in {seconds:.1f}s "
-        f"({totals['new_tokens'] / seconds:.1f} tok/s), {totals['new_tokens'] / max(totals['steps'], 1):.2f} tokens "
-        f"per target step -> {args.output}",
+        f"{answered} requests, {new_tokens} new tokens in {seconds:.1f}s ({new_tokens / seconds:.1f} tok/s), "
+        f"batches of {slots}, {new_tokens / max(passes, 1):.2f} tokens per target pass -> {args.output}",
         file=sys.stderr,
     )
 
@@ -349,10 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--overwrite", action="store_true", help="replace an --output file that already exists")
     source.add_argument("--prompt", help="a single prompt; the answer streams to stdout")
     source.add_argument("--raw", action="store_true", help="with --prompt: no chat template")
-    source.add_argument("--strict", action="store_true", help="stop at the first bad input line")
+    source.add_argument(
+        "--strict", action="store_true", help="check every input line first and stop at the first bad one, before decoding"
+    )
     gen.add_argument(
-        "--batch-size", type=_positive_int, default=1,
-        help="with --input: decode this many requests together, each verified in the same passes (default: 1)",
+        "--batch-size", type=_positive_int, default=None,
+        help="with --input: decode up to this many requests at once, verified in the same passes; when one ends, the "
+        "next takes its place (default: the size whose passes make the most tokens per second here, measured at "
+        "start)",
     )
     gen.add_argument(
         "--proposer", default="prompt-lookup",

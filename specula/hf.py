@@ -17,7 +17,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from .loop import decode
+from .loop import Job, decode, jobs_of
 from .inputs import prepare_request
 from .proposer import Proposer
 from .sampling import Sampling
@@ -59,6 +59,18 @@ def custom_generate(
     and ``row_exact`` as in :func:`specula.generate`.
     """
     del synced_gpus, tokenizer  # one process; the tokenizer already went into the stop-string criteria
+    request, sampling, generators = _prepared(model, input_ids, logits_processor, generation_config, generator,
+                                              model_kwargs)
+    out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, row_exact,
+                 generators)
+    if generation_config.return_dict_in_generate:
+        return SpeculaGenerateOutput(sequences=out.sequences, stats=out.stats)
+    return out.sequences
+
+
+def _prepared(model, input_ids, logits_processor, generation_config, generator, model_kwargs):
+    """The checked request, its sampling and per-row generators (``None``: one stream) from what ``generate``
+    prepared."""
     _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator, model_kwargs.get("past_key_values"))
     request = prepare_request(
         model,
@@ -71,11 +83,35 @@ def custom_generate(
     per_row = isinstance(generator, (list, tuple))
     sampling = Sampling(do_sample=bool(generation_config.do_sample), processors=logits_processor,
                         generator=None if per_row else generator)
-    out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, row_exact,
-                 list(generator) if per_row else None)
-    if generation_config.return_dict_in_generate:
-        return SpeculaGenerateOutput(sequences=out.sequences, stats=out.stats)
-    return out.sequences
+    return request, sampling, list(generator) if per_row else None
+
+
+def _jobs_only(
+    model: torch.nn.Module,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer: BaseStreamer | None = None,
+    tokenizer=None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    **model_kwargs,
+) -> tuple[list[Job], Sampling]:
+    """A ``custom_generate`` that decodes nothing: the requests ``generate`` prepared, for :func:`prepare_jobs`."""
+    del synced_gpus, streamer, tokenizer
+    request, sampling, generators = _prepared(model, input_ids, logits_processor, generation_config, generator,
+                                              model_kwargs)
+    return jobs_of(request, stopping_criteria, generators), sampling
+
+
+def prepare_jobs(model: torch.nn.Module, input_ids: torch.Tensor, **generate_kwargs) -> tuple[list[Job], Sampling]:
+    """The requests (one per row of ``input_ids``) and sampling that ``specula.generate(model, input_ids,
+    **generate_kwargs)`` would decode, prepared by ``model.generate`` itself (generation config, logits processors,
+    stopping criteria), for a :class:`specula.loop.Decoder` that takes requests as they come."""
+    mask = generate_kwargs.pop("attention_mask", None)
+    return model.generate(input_ids, attention_mask=torch.ones_like(input_ids) if mask is None else mask,
+                          custom_generate=_jobs_only, **generate_kwargs)
 
 
 def _pad_token_id(generation_config: GenerationConfig) -> int | None:
@@ -132,7 +168,7 @@ def _keep_tokenizer_and_streamer(extract):
         bound = signature.bind(*args, **kwargs)
         tokenizer = bound.arguments["kwargs"].get("tokenizer")
         mode_kwargs = extract(*args, **kwargs)
-        if bound.arguments["custom_generate"] is custom_generate:
+        if bound.arguments["custom_generate"] in (custom_generate, _jobs_only):
             for name, value in (("tokenizer", tokenizer), ("streamer", bound.arguments.get("streamer"))):
                 if value is not None:
                     mode_kwargs[name] = value

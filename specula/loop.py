@@ -257,6 +257,21 @@ class Decoder:
                     self._finish(row)
 
 
+def jobs_of(
+    request: Request, stopping_criteria: StoppingCriteriaList | None = None,
+    row_generators: list[torch.Generator] | None = None,
+) -> list[Job]:
+    """One :class:`Job` per row of ``request`` (its key: the row, ``None`` alone)."""
+    batch, width = request.input_ids.shape
+    padded = batch == 1 and request.attention_mask is not None
+    return [
+        Job(request.prompt(b), request.max_length - width, request.eos_token_ids, stopping_criteria,
+            None if row_generators is None else row_generators[b], key=b if batch > 1 else None,
+            padded=(request.input_ids[0], request.positions, request.attention_mask) if padded else None)
+        for b in range(batch)
+    ]
+
+
 def decode(
     model: torch.nn.Module,
     request: Request,
@@ -272,13 +287,7 @@ def decode(
     ``row_generators`` gives each row its own random stream."""
     started = time.perf_counter()
     batch, width = request.input_ids.shape
-    padded = batch == 1 and request.attention_mask is not None
-    jobs = [
-        Job(request.prompt(b), request.max_length - width, request.eos_token_ids, stopping_criteria,
-            None if row_generators is None else row_generators[b], key=b if batch > 1 else None,
-            padded=(request.input_ids[0], request.positions, request.attention_mask) if padded else None)
-        for b in range(batch)
-    ]
+    jobs = jobs_of(request, stopping_criteria, row_generators)
     decoder = Decoder(model, proposer, sampling, batch, adaptive_draft, row_exact)
     rows = {}
     if request.max_length > width:
@@ -293,6 +302,8 @@ def decode(
     stats = SpecStats.total(per_row, steps=decoder.passes, wall_time_s=time.perf_counter() - started,
                             prefill_time_s=sum(row.prefill_time_s for row in per_row))
     return GenerateOutput(sequences=_padded(request, new).to(request.device), stats=stats)
+
+
 def _padded(request: Request, new: list[np.ndarray]) -> torch.Tensor:
     """``[B, L + new]``: each row's (padded) prompt and its new tokens ``new[b]``, rows that ended early padded after
     their end with ``request.pad_token_id``, as ``model.generate`` pads them."""

@@ -11,6 +11,8 @@ from helpers import hf_greedy
 from tiny_models import tiny_model, tiny_tokenizer
 
 import specula
+import specula.cached_model
+import specula.loop
 from specula import bench, cli, models, precision
 
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>assistant:"
@@ -81,12 +83,14 @@ def test_generate_follows_the_models_generation_config_unless_told(model_folder,
     assert texts[0] != tokenizer.decode(plain, skip_special_tokens=True)
 
 
-def test_strict_stops_at_the_bad_line_and_keeps_what_was_written(model_folder, tmp_path) -> None:
+def test_strict_checks_every_line_before_decoding(model_folder, tmp_path, monkeypatch) -> None:
     (tmp_path / "in.jsonl").write_text("\n".join(REQUESTS) + "\n")
+    decoded = []
+    monkeypatch.setattr(specula.loop.Decoder, "run", lambda self, jobs: decoded.append(1) or iter(()))
     with pytest.raises(SystemExit, match=r"in.jsonl:2: .*--strict"):
         run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--strict",
                 "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
-    assert [json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == ["copy"]
+    assert not decoded and not (tmp_path / "out.jsonl").exists()
 
 
 @pytest.mark.parametrize("proposer", ["none", "ngram", "prompt-lookup"])
@@ -210,7 +214,13 @@ def test_generate_passes_the_row_exact_choice(model_folder, tmp_path, monkeypatc
         seen.append(kwargs["row_exact"])
         return specula.generate(*args, **kwargs)
 
+    class Recording(specula.loop.Decoder):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs["row_exact"])
+            super().__init__(*args, **kwargs)
+
     monkeypatch.setattr(cli, "generate", recording)
+    monkeypatch.setattr(cli, "Decoder", Recording)
     (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
     run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--model", model_folder,
             "--dtype", "bf16", "--max-new-tokens", 8, *flag)
@@ -222,14 +232,21 @@ def test_generate_passes_the_row_exact_choice(model_folder, tmp_path, monkeypatc
 
 def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_path, capsys, monkeypatch) -> None:
     """A file longer than the batch, prompts of different lengths, bad lines in the middle (fp32): every good line
-    is answered with its id, in file order, with the text a batch of one gives it; the bad lines are reported."""
-    batches = []
+    is answered once with its id, with the text it gets alone; when a request ends, the next takes its slot while
+    the others go on (continuous batching); the bad lines are reported."""
+    starts, widths = [], []
+    start_row, forward_rows = specula.cached_model.CachedModel.start_row, specula.cached_model.CachedModel.forward_rows
 
-    def recording(model, input_ids, *args, **kwargs):
-        batches.append(input_ids.shape[0])
-        return specula.generate(model, input_ids, *args, **kwargs)
+    def recording_start(self, index, token_ids):
+        starts.append((index, self.batch))  # (the slot it takes, rows in the batch then)
+        return start_row(self, index, token_ids)
 
-    monkeypatch.setattr(cli, "generate", recording)
+    def recording_forward(self, blocks, num_logits):
+        widths.append(len(blocks))
+        return forward_rows(self, blocks, num_logits)
+
+    monkeypatch.setattr(specula.cached_model.CachedModel, "start_row", recording_start)
+    monkeypatch.setattr(specula.cached_model.CachedModel, "forward_rows", recording_forward)
     lines = REQUESTS + ['{"id": "long", "prompt": "' + "alpha beta gamma delta " * 6 + '"}', '{"id": 7, "prompt": "hi"}']
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     answers = {}
@@ -237,12 +254,14 @@ def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_
         out = tmp_path / f"out{size}.jsonl"
         run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", out, "--model", model_folder,
                 "--dtype", "fp32", "--max-new-tokens", 12, "--temperature", 0, "--batch-size", size)
-        answers[size] = [json.loads(line) for line in out.read_text().splitlines()]
+        answers[size] = {record["id"]: record for record in map(json.loads, out.read_text().splitlines())}
         assert "in.jsonl:2" in capsys.readouterr().err
-    assert batches == [1] * 5 + [3, 2]
-    assert [record["id"] for record in answers[3]] == ["copy", "chat", 6, "long", 7]
-    assert [r["text"] for r in answers[3]] == [r["text"] for r in answers[1]]
-    assert [r["stats"]["new_tokens"] for r in answers[3]] == [r["stats"]["new_tokens"] for r in answers[1]]
+    assert set(answers[3]) == set(answers[1]) == {"copy", "chat", 6, "long", 7}
+    assert all(answers[3][key]["text"] == answers[1][key]["text"] for key in answers[1])
+    assert all(answers[3][key]["stats"]["new_tokens"] == answers[1][key]["stats"]["new_tokens"] for key in answers[1])
+    assert starts[:3] == [(0, 0), (1, 1), (2, 2)]  # three slots filled ...
+    assert [batch for _, batch in starts[3:]] == [3, 3]  # ... and refilled while the other rows were in flight
+    assert max(widths) == 3
 
 
 def test_batch_size_must_be_positive(model_folder, tmp_path, capsys) -> None:
