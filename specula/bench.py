@@ -11,13 +11,17 @@ import numpy as np
 import torch
 
 from .generate import generate
+from .hf import prepare_jobs
+from .loop import Decoder
 from .proposer import Draft, Proposer
+from .stats import SpecStats
 from .workloads import encode, left_padded
 
 # A method turns a prompt into (new token ids, seconds, SpecStats or None).
 Method = Callable[[torch.Tensor, int], tuple[list[int], float, object]]
 # A batch method turns prompts (1-D) into (each row's new token ids, seconds, SpecStats or None).
-BatchMethod = Callable[[list[torch.Tensor], int], tuple[list[list[int]], float, object]]
+# (prompts, max new tokens, batch size) -> (new tokens per prompt, seconds, SpecStats or None)
+BatchMethod = Callable[[list[torch.Tensor], int, int], tuple[list[list[int]], float, object]]
 
 
 def hf_method(model: torch.nn.Module, **generate_kwargs) -> Method:
@@ -47,38 +51,47 @@ def specula_method(model: torch.nn.Module, make_proposer: Callable[[], Proposer 
 
 
 def hf_batch_method(model: torch.nn.Module, pad_token_id: int | None, **generate_kwargs) -> BatchMethod:
-    """``model.generate`` on the prompts left-padded into one batch; each row's new tokens end at its first EOS."""
+    """``model.generate`` on the prompts left-padded into batches of ``batch_size`` in turn (static batches: HF's
+    ``generate`` has no slots to refill); each row's new tokens end at its first EOS."""
     generate_kwargs.setdefault("do_sample", False)
     eos = model.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])
 
-    def run(prompts: list[torch.Tensor], max_new_tokens: int):
-        ids, mask = left_padded([prompt.to(model.device) for prompt in prompts], pad_token_id)
-        started = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
-                             **generate_kwargs)
-        seconds = time.perf_counter() - started
-        rows = []
-        for tokens in out[:, ids.shape[1] :].tolist():
-            end = next((i + 1 for i, token in enumerate(tokens) if token in eos), len(tokens))
-            rows.append(tokens[:end])
+    def run(prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int):
+        rows, seconds = [], 0.0
+        for first in range(0, len(prompts), batch_size):
+            ids, mask = left_padded([p.to(model.device) for p in prompts[first : first + batch_size]], pad_token_id)
+            started = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                                 **generate_kwargs)
+            seconds += time.perf_counter() - started
+            for tokens in out[:, ids.shape[1] :].tolist():
+                rows.append(tokens[: next((i + 1 for i, token in enumerate(tokens) if token in eos), len(tokens))])
         return rows, seconds, None
 
     return run
 
 
 def specula_batch_method(
-    model: torch.nn.Module, make_proposer: Callable[[], Proposer | None], pad_token_id: int | None, **generate_kwargs
+    model: torch.nn.Module, make_proposer: Callable[[], Proposer | None], **generate_kwargs
 ) -> BatchMethod:
-    """``specula.generate`` on the prompts left-padded into one batch, one fresh proposer for the batch."""
+    """specula decoding the prompts ``batch_size`` at a time with continuous batching, as ``specula generate
+    --batch-size`` runs a file: one fresh proposer for the run."""
 
-    def run(prompts: list[torch.Tensor], max_new_tokens: int):
-        ids, mask = left_padded([prompt.to(model.device) for prompt in prompts], pad_token_id)
-        out = generate(model, ids, make_proposer(), attention_mask=mask, max_new_tokens=max_new_tokens,
-                       **generate_kwargs)
-        width = ids.shape[1]
-        rows = [tokens[width : width + stats.new_tokens] for tokens, stats in zip(out.sequences.tolist(), out.stats.rows)]
-        return rows, out.stats.wall_time_s, out.stats
+    def run(prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int):
+        jobs, sampling = [], None
+        for key, prompt in enumerate(prompts):
+            (job,), sampling = prepare_jobs(model, prompt[None].to(model.device), max_new_tokens=max_new_tokens,
+                                            **generate_kwargs)
+            job.key = key
+            jobs.append(job)
+        decoder = Decoder(model, make_proposer(), sampling, batch_size, row_exact=generate_kwargs.get("row_exact"))
+        started, rows = time.perf_counter(), {}
+        for row, _ in decoder.run(jobs):
+            rows[row.job.key] = row
+        seconds = time.perf_counter() - started
+        stats = SpecStats.total([rows[k].stats for k in range(len(prompts))], decoder.passes, seconds, 0.0)
+        return [rows[k].sequence.ids[len(prompt) :].tolist() for k, prompt in enumerate(prompts)], seconds, stats
 
     return run
 
@@ -246,28 +259,24 @@ def run_batch_bench(
     rows = []
     for workload, requests in workloads.items():
         prompts = [encode(tokenizer, request)[0] for request in requests]
-        chunks = [range(i, min(i + batch_size, len(prompts))) for i in range(0, len(prompts), batch_size)]
         for name, method in methods.items():
-            tokens, seconds, same, repeatable, drafted, accepted, steps = 0, 0.0, 0, 0, 0, 0, 0
-            for chunk in chunks:
-                runs = [method([prompts[i] for i in chunk], max_new_tokens) for _ in range(repeats)]
-                outputs, _, stats = runs[-1]
-                seconds += statistics.median(run[1] for run in runs)
-                tokens += sum(map(len, outputs))
-                repeatable += sum(all(run[0][k] == outputs[k] for run in runs) for k in range(len(chunk)))
-                if reference is not None:
-                    same += sum(outputs[k] == reference[workload, i] for k, i in enumerate(chunk))
-                if stats is not None:
-                    drafted, accepted, steps = drafted + stats.drafted, accepted + stats.accepted, steps + stats.steps
-                if progress:
-                    progress(f"{workload} {name}")
+            runs = [method(prompts, max_new_tokens, batch_size) for _ in range(repeats)]
+            outputs, _, stats = runs[-1]
+            seconds = statistics.median(run[1] for run in runs)
+            tokens = sum(map(len, outputs))
+            repeatable = sum(all(run[0][k] == outputs[k] for run in runs) for k in range(len(prompts)))
+            same = sum(outputs[k] == reference[workload, k] for k in range(len(prompts))) if reference is not None else 0
+            if progress:
+                progress(f"{workload} {name}")
             rate = tokens / seconds
             rows.append(BenchRow(
                 workload=workload, method=name, prompts=len(prompts), new_tokens=tokens, seconds=seconds,
                 tokens_per_s=rate, speedup_vs_hf_greedy=rate / baseline_rates[workload],
                 identical_to_greedy=same / len(prompts) if reference is not None else None,
-                repeatable=repeatable / len(prompts), acceptance_rate=accepted / drafted if drafted else None,
-                tokens_per_step=None, drafted=drafted,
+                repeatable=repeatable / len(prompts),
+                acceptance_rate=stats.acceptance_rate if stats is not None and stats.drafted else None,
+                tokens_per_step=stats.tokens_per_step if stats is not None else None,
+                drafted=stats.drafted if stats is not None else 0,
             ))
     return rows
 

@@ -284,7 +284,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         for spec in args.proposers.split(","):
             name = "specula-" + (spec.split(":")[0] if spec.startswith("draft:") else spec)
             batched[f"{name}-b{size}"] = specula_batch_method(
-                model, proposer_factory(spec, tokenizer, model.dtype, device), pad, **sampling
+                model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling
             )
         rows += run_batch_bench(batched, tokenizer, workloads, args.max_new_tokens, size, rates,
                                 None if sampled else reference, args.repeats)
@@ -394,9 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave out the oracle row (greedy only: drafts that replay the first proposer's own output, K=10)",
     )
     bench.add_argument(
-        "--batch-sizes", type=_batch_sizes, default=[],
-        help="also run model.generate and each proposer on batches of these sizes (e.g. 4,8) over each whole "
-        "workload: throughput rows (suffix -bN), speedups against hf-greedy one prompt at a time",
+        "--batch-sizes", "--batch-size", type=_batch_sizes, default=[],
+        help="also run each whole workload through model.generate on left-padded batches of these sizes (e.g. 1,4,8) "
+        "and through each proposer with up to that many requests at once (continuous batching): throughput rows "
+        "(suffix -bN), speedups against hf-greedy one prompt at a time",
     )
     bench.add_argument(
         "--also-ordinary", action="store_true",
