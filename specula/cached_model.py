@@ -9,7 +9,9 @@ import inspect
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import (
+    CacheLayerMixin, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin,
+)
 
 from .row_exact import row_exact_for
 
@@ -81,6 +83,7 @@ class PreallocatedLayer(DynamicLayer):
         self.capacity = max(capacity, 1)
         self.length = 0
         self.rows: int | None = None  # rows in use of a batch's buffers (None: all of them)
+        self.sliding_window: int | None = None  # the window of a sliding-window layer it stands for (batches)
         self.row_starts: torch.Tensor | None = None  # [rows]: where each row writes its next block (batches)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None) -> None:
@@ -130,14 +133,15 @@ class PreallocatedLayer(DynamicLayer):
         self._expose()
         return self.keys, self.values
 
-    def put_row(self, index: int, keys: torch.Tensor, values: torch.Tensor, slots: int) -> None:
-        """Write a request's prompt states (``[1, heads, n, dim]``, computed alone) as row ``index`` of a batch of up
+    def put_row(self, index: int, keys: torch.Tensor, values: torch.Tensor, slots: int, end: int) -> None:
+        """Write a request's prompt states (``[1, heads, n, dim]``, computed alone: the last ``n`` of its ``end``
+        tokens, fewer than ``end`` where a sliding window kept only its last ones) as row ``index`` of a batch of up
         to ``slots`` rows."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values, slots)
-        self._grow(keys.shape[-2])
-        self._key_buffer[index, :, : keys.shape[-2]] = keys[0]
-        self._value_buffer[index, :, : values.shape[-2]] = values[0]
+        self._grow(end)
+        self._key_buffer[index, :, end - keys.shape[-2] : end] = keys[0]
+        self._value_buffer[index, :, end - values.shape[-2] : end] = values[0]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows, moved to the front (finished requests leave the batch)."""
@@ -221,11 +225,19 @@ class CachedModel:
         self.batch = 0 if self.ragged else 1  # rows in use
         self._block_lengths: list[int] = []
         if self.ragged:
-            self._begin_rows(model, parameters)
+            self._begin_rows(model, parameters, capacity)
 
-    def _begin_rows(self, model: torch.nn.Module, parameters) -> None:
+    def _begin_rows(self, model: torch.nn.Module, parameters, capacity: int) -> None:
         """Set up a batch: every row keeps its own length (``starts``), and the verifier passes the model its own
-        4D attention mask and position ids, so that rows accepting different numbers of tokens stay exact."""
+        4D attention mask and position ids, so that rows accepting different numbers of tokens stay exact.
+        Sliding-window layers keep every state too; the mask hides what is past their window."""
+        for i, layer in enumerate(self.cache.layers):
+            if type(layer) is DynamicSlidingWindowLayer:
+                self.cache.layers[i] = PreallocatedLayer(capacity)
+                self.cache.layers[i].sliding_window = layer.sliding_window
+        windows = {layer.sliding_window for layer in self.cache.layers if type(layer) is PreallocatedLayer}
+        self.window = max(windows - {None}, default=None)  # (the cache gives every sliding layer the config's)
+        self.mixed = len(windows) > 1  # full-attention and sliding-window layers: a mask for each (by layer type)
         other = sorted({type(layer).__name__ for layer in self.cache.layers if type(layer) is not PreallocatedLayer})
         if other:
             raise UnsupportedModelError(
@@ -257,7 +269,7 @@ class CachedModel:
             inputs["logits_to_keep"] = 1
         logits = self.model(**inputs).logits[0, -1:]
         for layer, computed in zip(self.cache.layers, alone.layers):
-            layer.put_row(index, computed.keys, computed.values, self.slots)
+            layer.put_row(index, computed.keys, computed.values, self.slots, len(token_ids))
         self.starts[index] = len(token_ids)
         self.batch = max(self.batch, index + 1)
         self._set_rows()
@@ -351,9 +363,17 @@ class CachedModel:
         tokens = torch.stack([torch.cat([b, b[-1:].expand(n - len(b))]) for b in blocks])  # [B, n], padded at the end
         slots = starts[:, None] + torch.arange(n, device=self.device)  # [B, n]: where each token goes
         keys = torch.arange(int(starts.max()) + n, device=self.device)  # every slot a query may see
-        mask = (keys <= slots[..., None])[:, None]  # [B, 1, n, keys]: a token sees its row up to itself
-        if self.attention == "eager":  # (eager attention adds its mask to the scores)
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(~mask, torch.finfo(self.dtype).min)
+        seen = keys <= slots[..., None]  # [B, n, keys]: a token sees its row up to itself ...
+        masks = {"full_attention": seen}
+        if self.window is not None:  # ... and in a sliding-window layer only its last `window` slots
+            masks["sliding_attention"] = seen & (keys > slots[..., None] - self.window)
+        for kind, seen in masks.items():
+            mask = seen[:, None]  # [B, 1, n, keys]
+            if self.attention == "eager":  # (eager attention adds its mask to the scores)
+                mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(~mask, torch.finfo(self.dtype).min)
+            masks[kind] = mask
+        # models with both kinds of layers take a mask per layer type; the others the one their layers use
+        mask = masks if self.mixed else masks["sliding_attention" if self.window is not None else "full_attention"]
         first = lengths - torch.tensor(num_logits, device=self.device)  # [B]: first position wanted per row
         keep = n - int(first.min())
         inputs = {

@@ -235,16 +235,17 @@ class RowExact:
         def attention(module, query, key, value, attention_mask, **kwargs):
             # query: [batch, heads, rows, dim]; key, value: [batch, kv_heads, keys, dim]; the last row is the newest
             inner = inner_of(module)
-            if ends is not None:  # a batch whose row b's query i sees that row's keys [0, ends[b][i])
-                width = self._group_width(module, query, key, kwargs, inner)
+            if ends is not None:  # a batch whose row b's query i sees that row's keys up to ends[b][i]
+                window = window_of(module)
+                width = 1 if window is not None else self._group_width(module, query, key, kwargs, inner)
                 if width > 1:
                     return _grouped_sdpa(module, query, key, value, ends, width, **kwargs)
-                eager = self.implementation != "sdpa"  # (sdpa's one-token step gets no mask; eager's adds zeros)
-                outputs = [
-                    inner(module, query[b : b + 1, :, i : i + 1], key[b : b + 1, :, :end], value[b : b + 1, :, :end],
-                          attention_mask[b : b + 1, :, i : i + 1, :end] if eager else None, **kwargs)[0]
-                    for b, row in enumerate(ends) for i, end in enumerate(row)
-                ]  # each [1, 1, heads, dim]
+                outputs = []  # each [1, 1, heads, dim]
+                for b, row in enumerate(ends):
+                    for i, end in enumerate(row):
+                        start, mask = self._one_token_call(window, end, attention_mask[b : b + 1, :, i : i + 1])
+                        outputs.append(inner(module, query[b : b + 1, :, i : i + 1], key[b : b + 1, :, start:end],
+                                             value[b : b + 1, :, start:end], mask, **kwargs)[0])
                 return torch.cat(outputs, dim=1).reshape(len(ends), len(ends[0]), *outputs[0].shape[2:]), None
             if query.shape[2] == 1:
                 return inner(module, query, key, value, attention_mask, **kwargs)
@@ -262,21 +263,25 @@ class RowExact:
         return attention
 
     def _one_token_calls(self, window: int | None, rows: int, keys: int, attention_mask) -> list[tuple]:
-        """For each query row, the keys ``[start, end)`` and the mask a one-token step at its position attends with
-        (a sliding-window layer's one-token step sees the last ``window`` keys)."""
+        """For each query row of a one-row pass, the keys ``[start, end)`` and the mask a one-token step at its
+        position attends with."""
         calls = []
-        for i in range(rows):
-            end = keys - (rows - 1 - i)
-            start = 0 if window is None else max(end - window, 0)
-            mask = None
-            if attention_mask is not None:
-                mask = attention_mask[:, :, i : i + 1, start:end].contiguous()
-                # sdpa's one-token step gets no mask where nothing is masked (HF's is_causal skip)
-                unbounded = window is None or end - start < window
-                if self.implementation == "sdpa" and mask.dtype == torch.bool and unbounded and bool(mask.all()):
-                    mask = None
+        for i, end in enumerate(range(keys - rows + 1, keys + 1)):
+            start, mask = self._one_token_call(window, end, None if attention_mask is None else attention_mask[:, :, i : i + 1])
             calls.append((start, end, mask))
         return calls
+
+    def _one_token_call(self, window: int | None, end: int, mask: torch.Tensor | None) -> tuple:
+        """The keys ``[start, end)`` and the mask (from ``mask``, this query's row of the pass's mask) that a
+        one-token step seeing ``end`` keys attends with: a sliding-window layer's sees its last ``window`` keys."""
+        start = 0 if window is None else max(end - window, 0)
+        if mask is not None:
+            mask = mask[..., start:end].contiguous()
+            # sdpa's one-token step gets no mask where nothing is masked (HF's is_causal skip)
+            unbounded = window is None or end - start < window
+            if self.implementation == "sdpa" and mask.dtype == torch.bool and unbounded and bool(mask.all()):
+                mask = None
+        return start, mask
 
     def _group_width(self, module, query: torch.Tensor, key: torch.Tensor, kwargs: dict, sdpa: Callable) -> int:
         """The widest grouping (16, 8, 4 or 2; 1 for none) with which :func:`_grouped_sdpa` gives every row the bits

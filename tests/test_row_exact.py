@@ -155,7 +155,7 @@ def _batch(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_bf16_rows_of_a_batch_do_not_depend_on_their_batch_mates(name: str) -> None:
     """bf16: a request gives model.generate's tokens for it alone, alone and inside two different batches (rows of
     other lengths, accepting other numbers of drafts)."""
