@@ -6,7 +6,8 @@
 """
 
 from .generate import generate
-from .hf import SpeculaGenerateOutput, custom_generate
+from .hf import SpeculaGenerateOutput, custom_generate, prepare_jobs
+from .loop import Decoder, Job
 from .ngram import NGramPredictor
 from .prompt_lookup import PromptLookup
 from .proposer import Draft, Proposer
@@ -17,7 +18,8 @@ from .cached_model import UnsupportedModelError
 from .cpu_layout import tune_cpu_layout
 
 __all__ = [
-    "Draft", "GenerateOutput", "SpeculaGenerateOutput", "custom_generate", "NGramPredictor", "PromptLookup", "Proposer", "Sampling", "SmallModelDrafter", "SpecStats",
-    "UnsupportedModelError", "generate", "tune_cpu_layout",
+    "Decoder", "Draft", "GenerateOutput", "Job", "SpeculaGenerateOutput", "custom_generate", "NGramPredictor",
+    "PromptLookup", "Proposer", "Sampling", "SmallModelDrafter", "SpecStats", "UnsupportedModelError", "generate",
+    "prepare_jobs", "tune_cpu_layout",
 ]
 __version__ = "0.1.0"

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -46,19 +46,12 @@ _STEP_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shared_step_seconds(owner: object, setting: Hashable, max_draft: int, rows: int = 1) -> np.ndarray:
-    """The pass-cost table (seconds of a pass verifying ``n`` tokens in all, at index ``n``, whatever the number of
-    rows they belong to) that every decision for ``owner`` (a target model) in ``setting`` (its device and dtype)
-    shares: what one generation measured, the next starts from. At least ``rows * (max_draft + 1) + 1`` entries
-    long (batches of up to ``rows`` rows). Forgotten with the model."""
+    """The pass-cost table (seconds of a pass of ``rows`` rows verifying ``n`` tokens in all, at index ``n``) that
+    every decision for ``owner`` (a target model) in ``setting`` (its device and dtype) shares: what one generation
+    measured, the next starts from. Kept per number of rows: ``n`` tokens over one row and over ``n`` rows cost
+    differently (attention reads one cache or ``n``). Forgotten with the model."""
     tables = _STEP_SECONDS.setdefault(owner, {})
-    size = rows * (max_draft + 1) + 1
-    table = tables.get((setting, max_draft))
-    if table is None or len(table) < size:
-        grown = np.full(size, np.nan)
-        if table is not None:
-            grown[: len(table)] = table
-        table = tables[(setting, max_draft)] = grown
-    return table
+    return tables.setdefault((setting, max_draft, rows), np.full(rows * (max_draft + 1) + 1, np.nan))
 
 
 def _costs(table: np.ndarray, rows: int) -> np.ndarray:
@@ -145,6 +138,10 @@ class DraftLength:
             depend on timings (costs are then taken as equal for every length, proposers as free to ask).
         step_seconds: a step-cost table to start from and update (:func:`shared_step_seconds`); a fresh one if
             ``None``.
+        pool: acceptance pooled over the requests of a run (a :class:`DraftLength` the policy feeds every row's
+            outcomes): a position's estimate starts from the pool's, with the weight of ``pool_weight`` trials,
+            instead of from ``prior``. A new request then drafts as well as the earlier ones did from its first step,
+            and a few lucky trials of its own do not make long drafts look safe.
     """
 
     def __init__(
@@ -156,8 +153,11 @@ class DraftLength:
         probe_budget: float = 0.03,
         timed: bool = True,
         step_seconds: np.ndarray | None = None,
+        pool: "DraftLength | None" = None,
+        pool_weight: float = 4.0,
     ) -> None:
         self.max_draft = max_draft
+        self.pool, self.pool_weight = pool, pool_weight
         self.decay = 1.0 - 1.0 / memory
         self.min_chance = min_chance
         self.probe_budget = probe_budget
@@ -187,12 +187,19 @@ class DraftLength:
         one before it. While drafts are not sent only the first position is checked (against the token generated
         anyway); were later positions pinned at ``prior``, known costs would keep a right proposer from ever being
         sent again (on the Xeon in bf16 a pass over 4 tokens costs 2.8x one)."""
+        return np.cumprod(self._rates(source))
+
+    def _rates(self, source: object) -> np.ndarray:
+        """Each position's chance of acceptance given the ones before it were accepted (see :meth:`chances`)."""
         trials, accepts = self.acceptance.get(source, (np.zeros(self.max_draft), np.zeros(self.max_draft)))
         rates = np.empty(self.max_draft)
+        if self.pool is not None:
+            pooled = self.pool._rates(source)
+            return (accepts + self.pool_weight * pooled) / (trials + self.pool_weight)
         estimate = self.prior
         for position in range(self.max_draft):
             estimate = rates[position] = (accepts[position] + estimate) / (trials[position] + 1.0)
-        return np.cumprod(rates)
+        return rates
 
     def _table(self) -> np.ndarray | None:
         return self.step_seconds if self.timed else None
@@ -255,24 +262,26 @@ class DraftLength:
 
 class DraftPolicy:
     """Draft lengths for the requests of a pass (one, or the rows of a batch): each row's acceptance is its own
-    (:class:`DraftLength`), what a pass costs is measured by the tokens it verifies in all and shared per target
-    model (``table``; ignored when untimed). The loop talks to it through :meth:`budgets`, :meth:`trim` and
-    :meth:`learn`; :class:`FixedDrafts` is the same interface sending every draft as proposed."""
+    (:class:`DraftLength`), what a pass costs is measured by the tokens it verifies in all, per number of rows,
+    and shared per target model (``tables(rows)``; not consulted when untimed). The loop talks to it through
+    :meth:`budgets`, :meth:`trim` and :meth:`learn`; :class:`FixedDrafts` is the same interface sending every draft
+    as proposed."""
 
-    def __init__(self, max_draft: int, timed: bool, table: np.ndarray | None) -> None:
-        self.max_draft, self.timed, self.table = max_draft, timed, table
+    def __init__(self, max_draft: int, timed: bool, tables: Callable[[int], np.ndarray]) -> None:
+        self.max_draft, self.timed, self.tables = max_draft, timed, tables
+        self.pool = DraftLength(max_draft, memory=48.0, timed=False)  # every request's outcomes, for new ones
 
     def new_row(self) -> DraftLength:
-        return DraftLength(self.max_draft, timed=self.timed)
+        return DraftLength(self.max_draft, timed=self.timed, pool=self.pool)
 
     def budgets(self, lengths: Sequence[DraftLength], remaining: Sequence[int]) -> list[int]:
         """How many tokens to ask each row's proposer for, with ``remaining`` tokens of room per row."""
-        return budgets(lengths, remaining, self.table if self.timed else None)
+        return budgets(lengths, remaining, self.tables(len(lengths)) if self.timed else None)
 
     def trim(self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"]) -> list[int]:
         """How many tokens of each row's draft this pass verifies."""
         chances = [row.chances(draft.source)[: len(draft)] for row, draft in zip(lengths, drafts)]
-        return choose_lengths(lengths, chances, self.table if self.timed else None)
+        return choose_lengths(lengths, chances, self.tables(len(lengths)) if self.timed else None)
 
     def learn(
         self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"], new_tokens: Sequence[list[int]],
@@ -280,11 +289,12 @@ class DraftPolicy:
     ) -> None:
         """A pass over ``tokens`` tokens in all took ``seconds`` and gave each row ``new_tokens[r]`` for its
         proposed (not necessarily sent) ``drafts[r]``."""
-        table = self.table if self.timed else None
+        table = self.tables(len(lengths)) if self.timed else None
         if table is not None:
             _record(table, tokens, seconds)
         for row, draft, new in zip(lengths, drafts, new_tokens):
             row.record_outcome(draft.tokens.tolist(), new, draft.source)
+            self.pool.record_outcome(draft.tokens.tolist(), new, draft.source)
 
 
 class FixedDrafts:

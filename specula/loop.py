@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Iterable, Iterator
 
@@ -174,8 +175,8 @@ class Decoder:
         self.row_exact = (proposer is not None or slots > 1) and wanted(model, row_exact)
         timed = sampling.greedy and (self.row_exact or not is_half_precision(model))
         setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
-        table = shared_step_seconds(model, setting, MAX_DRAFT, rows=slots) if timed else None
-        self.policy = DraftPolicy(MAX_DRAFT, timed, table) if adaptive_draft else FixedDrafts()
+        tables = functools.partial(shared_step_seconds, model, setting, MAX_DRAFT)
+        self.policy = DraftPolicy(MAX_DRAFT, timed, tables) if adaptive_draft else FixedDrafts()
         self.vocab = vocab_size(model)
         self.passes = 0  # target forward passes, prefills included
         if proposer is not None:

@@ -143,8 +143,8 @@ class _ExactLinear:
 def _grouped_sdpa(module, query, key, value, ends: list[list[int]], width: int, dropout: float = 0.0, scaling=None,
                   **kwargs):
     """Attention of query ``i`` of batch row ``b`` over that row's keys ``[0, ends[b][i])``, with one SDPA call per
-    group of queries whose ``end // width`` agree: each query is a batch entry of its own, over the group's longest
-    keys, the keys past its own end masked.
+    group of a row's queries whose ``end // width`` agree: each query is a batch entry of its own, over the group's
+    longest keys (the row's, shared without a copy), the keys past its own end masked.
 
     Where :meth:`RowExact._group_width` finds this exact, it is so because of how torch's CPU flash kernel reduces:
     it takes the keys in blocks of 512 and each block in vectors of 16 floats plus a scalar tail, and the tail's
@@ -157,23 +157,19 @@ def _grouped_sdpa(module, query, key, value, ends: list[list[int]], width: int, 
     batch, heads, n, dim = query.shape
     flat_ends = [end for row in ends for end in row]  # query j = b * n + i
     queries = query.transpose(1, 2).reshape(batch * n, heads, 1, dim)
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple[int, int], range] = {}  # (row, end // width) -> its queries, consecutive
     for j, end in enumerate(flat_ends):
-        groups.setdefault(end // width, []).append(j)
+        first = groups.get((j // n, end // width), range(j, j)).start
+        groups[j // n, end // width] = range(first, j + 1)
     out = query.new_empty(batch * n, 1, heads, dim)
-    for members in groups.values():
-        keys = max(flat_ends[j] for j in members)
-        rows = sorted({j // n for j in members})
-        if len(rows) == 1:  # one row's queries: its keys, shared without a copy
-            k, v = (t[rows[0] : rows[0] + 1, :, :keys].expand(len(members), -1, -1, -1) for t in (key, value))
-        else:
-            index = torch.tensor([j // n for j in members], device=query.device)
-            k, v = (t[index, :, :keys] for t in (key, value))
-        lengths = torch.tensor([flat_ends[j] for j in members], device=query.device)
+    for (row, _), members in groups.items():
+        keys = flat_ends[members[-1]]
+        k, v = (t[row : row + 1, :, :keys].expand(len(members), -1, -1, -1) for t in (key, value))  # (no copy)
+        lengths = torch.tensor(flat_ends[members.start : members.stop], device=query.device)
         mask = torch.arange(keys, device=query.device) < lengths[:, None]  # [members, keys]
-        out[members] = torch.nn.functional.scaled_dot_product_attention(
-            queries[members], k, v, attn_mask=mask[:, None, None], dropout_p=dropout, scale=scaling,
-            enable_gqa=heads != k.shape[1],
+        out[members.start : members.stop] = torch.nn.functional.scaled_dot_product_attention(
+            queries[members.start : members.stop], k, v, attn_mask=mask[:, None, None], dropout_p=dropout,
+            scale=scaling, enable_gqa=heads != k.shape[1],
         ).transpose(1, 2)  # [members, 1, heads, dim]
     return out.reshape(batch, n, heads, dim), None
 

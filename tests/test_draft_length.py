@@ -12,7 +12,7 @@ from helpers import AlwaysWrong, Oracle, hf_greedy
 from tiny_models import VOCAB, tiny_model
 
 import specula
-from specula.draft_length import DraftLength, shared_step_seconds
+from specula.draft_length import DraftLength, budgets, choose_lengths, shared_step_seconds
 
 PROMPT = [1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]
 
@@ -208,3 +208,28 @@ def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) 
     assert steps[1] < steps[0]  # the second run does not explore again
     specula.generate(target, prompt, specula.PromptLookup(), max_new_tokens=4, do_sample=True)
     assert len(tables) == runs[1]  # sampling decides without timings
+
+
+def batch_table(rows: int, costs: dict[int, float]) -> np.ndarray:
+    """A pass-cost table for ``rows`` rows with ``costs[n]`` seconds for a pass over ``n`` tokens in all."""
+    table = np.full(rows * 17 + 1, np.nan)
+    for tokens, seconds in costs.items():
+        table[tokens] = seconds
+    return table
+
+
+def test_the_batch_decision_of_the_docstring() -> None:
+    rows = [lengths_with([1.0], [0.9, 0.5]), lengths_with([1.0], [0.6])]
+    table = batch_table(2, {2: 1.0, 3: 1.2, 4: 1.3, 5: 2.0})
+    assert choose_lengths(rows, [rows[0].chances()[:2], rows[1].chances()[:1]], table) == [1, 1]
+
+
+def test_a_batch_sends_its_likeliest_tokens_and_none_where_passes_cost_by_the_token() -> None:
+    sure, unsure = lengths_with([1.0], [0.95, 0.9, 0.85]), lengths_with([1.0], [0.3, 0.1, 0.05])
+    flat = batch_table(2, {n: 1.0 for n in range(2, 9)})  # extra tokens are free: send all that have a chance
+    assert choose_lengths([sure, unsure], [sure.chances()[:3], unsure.chances()[:3]], flat) == [3, 3]
+    step = batch_table(2, {2: 1.0, 3: 1.0, 4: 1.0, 5: 2.0, 8: 3.0})  # two extra tokens free, then dear
+    assert choose_lengths([sure, unsure], [sure.chances()[:3], unsure.chances()[:3]], step) == [2, 0]
+    linear = batch_table(2, {n: n / 2 for n in range(2, 9)})  # each token costs as much as a row's pass
+    assert choose_lengths([sure, unsure], [sure.chances()[:3], unsure.chances()[:3]], linear) == [0, 0]
+    assert budgets([sure, unsure], [10, 10], linear) == [1, 1]  # not sent, but probed while asking is cheap

@@ -82,3 +82,22 @@ def test_a_batch_of_workload_prompts_gives_each_its_own_output() -> None:
     got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
     assert got == expected
     assert out.stats.accepted > 0 and sum(row.steps for row in out.stats.rows) < out.stats.new_tokens
+
+
+def test_bf16_rows_of_a_batch_are_model_generate_alone() -> None:
+    """bf16 (row-exact): four workload prompts in one batch and in another order with a different batch-mate, each
+    row bit for bit model.generate's output for its prompt alone."""
+    model, tokenizer = smollm2_bf16()
+    rows = [prompt[0] for _, prompt in prompts()]
+    eos = model.generation_config.eos_token_id
+    expected = [hf_greedy(model, row[None], 32, eos_token_id=eos)[0, len(row) :].tolist() for row in rows]
+    for members in ([0, 1, 2, 3], [3, 4, 1]):
+        batch = [rows[i] for i in members]
+        width, pad = max(map(len, batch)), tokenizer.pad_token_id
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, row in enumerate(batch):
+            ids[b, width - len(row) :], mask[b, width - len(row) :] = row, 1
+        out = specula.generate(model, ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=32)
+        got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
+        assert got == [expected[i] for i in members], members
