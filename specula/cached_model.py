@@ -277,6 +277,12 @@ class CachedModel:
         self._set_rows()
         return logits
 
+    def truncate_row(self, index: int, length: int) -> None:
+        """Row ``index`` forgets all but its first ``length`` tokens."""
+        self.starts[index] = length
+        if index < self.batch:
+            self._set_rows()
+
     def copy_prefix(self, source: int, index: int, length: int) -> None:
         """Make row ``index`` hold the first ``length`` tokens of row ``source`` (their states do not depend on
         later tokens)."""

@@ -16,7 +16,7 @@ from .acceptance import accept_draft
 from .cached_model import CachedModel
 from .draft_length import DraftLength, DraftPolicy, FixedDrafts, shared_step_seconds
 from .inputs import Request, vocab_size
-from .proposer import Draft, Proposer
+from .proposer import Draft, Proposer, RowProposalError
 from .row_exact import is_half_precision, wanted
 from .sampling import Sampling
 from .stats import GenerateOutput, SpecStats
@@ -72,41 +72,45 @@ class _Sequence:
         return bool(self.stopping_criteria(torch.from_numpy(self.tokens[None, :length]), None).any())
 
 
-def _propose(
-    proposer: Proposer | None, context: np.ndarray, budget: int, vocab: int, stats: SpecStats,
-    lengths: DraftLength | None, row: object = None,
-) -> Draft:
-    """Ask the proposer for at most ``budget`` tokens and check what it returns (``row``: which request of a batch,
-    ``None`` alone)."""
-    if proposer is None or budget <= 0:
-        return Draft.empty()
+def _proposed(
+    proposer: Proposer, rows: list["Row"], budgets: list[int], vocab: int, batched: bool
+) -> list[Draft]:
+    """Ask ``proposer`` for every row's draft (at most ``budgets[r]`` tokens, 0: none) and check what it returns;
+    in a batch an error names the request (its key)."""
     started = time.perf_counter()
     try:
-        draft = proposer.propose(context, budget)
+        drafts = proposer.propose_rows([row.proposer for row in rows], [row.sequence.ids for row in rows], budgets)
     except Exception as error:
-        if row is None:
+        if isinstance(error, RowProposalError) and not batched:
+            raise error.error
+        if not batched:
             raise
-        raise RuntimeError(f"{proposer!r}.propose() failed for request {row!r} of the batch: {error}") from error
-    seconds = time.perf_counter() - started
-    stats.draft_time_s += seconds
-    if lengths is not None:
-        lengths.record_draft_time(seconds)
-    where = "" if row is None else f" (request {row!r} of the batch)"
-    if not isinstance(draft, Draft):
-        raise TypeError(f"{proposer!r}.propose(){where} must return a specula.Draft, got {type(draft).__name__}.")
-    draft = draft.head(budget)
-    if len(draft) and (int(draft.tokens.min()) < 0 or int(draft.tokens.max()) >= vocab):
-        bad = int(draft.tokens.min()) if int(draft.tokens.min()) < 0 else int(draft.tokens.max())
-        raise ValueError(
-            f"{proposer!r} proposed token id {bad}{where}, outside the target's vocabulary of {vocab} tokens; "
-            "the proposer must use the target's tokenizer."
-        )
-    if draft.probs is not None and draft.probs.shape[1] != vocab:
-        raise ValueError(
-            f"{proposer!r} returned draft probabilities{where} over {draft.probs.shape[1]} tokens but the target's "
-            f"vocabulary has {vocab}; give q over the target's token ids."
-        )
-    return draft
+        which = f"request {rows[error.row].job.key!r}" if isinstance(error, RowProposalError) else "the rows"
+        raise RuntimeError(f"{proposer!r}.propose() failed for {which} of the batch: {error}") from error
+    seconds = (time.perf_counter() - started) / max(sum(budget > 0 for budget in budgets), 1)
+    checked = []
+    for row, draft, budget in zip(rows, drafts, budgets):
+        where = f" (request {row.job.key!r} of the batch)" if batched else ""
+        if budget > 0:
+            row.stats.draft_time_s += seconds
+            if row.lengths is not None:
+                row.lengths.record_draft_time(seconds)
+        if not isinstance(draft, Draft):
+            raise TypeError(f"{proposer!r}.propose(){where} must return a specula.Draft, got {type(draft).__name__}.")
+        draft = draft.head(budget)
+        if len(draft) and (int(draft.tokens.min()) < 0 or int(draft.tokens.max()) >= vocab):
+            bad = int(draft.tokens.min()) if int(draft.tokens.min()) < 0 else int(draft.tokens.max())
+            raise ValueError(
+                f"{proposer!r} proposed token id {bad}{where}, outside the target's vocabulary of {vocab} tokens; "
+                "the proposer must use the target's tokenizer."
+            )
+        if draft.probs is not None and draft.probs.shape[1] != vocab:
+            raise ValueError(
+                f"{proposer!r} returned draft probabilities{where} over {draft.probs.shape[1]} tokens but the "
+                f"target's vocabulary has {vocab}; give q over the target's token ids."
+            )
+        checked.append(draft)
+    return checked
 
 
 @dataclasses.dataclass
@@ -235,10 +239,11 @@ class Decoder:
             if not rows:
                 return
             lengths = [row.lengths for row in rows]
-            budgets = self.policy.budgets(lengths, [row.sequence.room - 1 for row in rows])
-            for row, budget in zip(rows, budgets):
-                row.draft = _propose(row.proposer, row.sequence.ids, budget, self.vocab, row.stats, row.lengths,
-                                     None if self.slots == 1 else row.job.key)
+            if self.proposer is not None:
+                budgets = self.policy.budgets(lengths, [row.sequence.room - 1 for row in rows])
+                drafts = _proposed(self.proposer, rows, budgets, self.vocab, self.slots > 1)
+                for row, draft in zip(rows, drafts):
+                    row.draft = draft
             for row, length in zip(rows, self.policy.trim(lengths, [row.draft for row in rows])):
                 row.sent = row.draft.head(length)
             started = time.perf_counter()

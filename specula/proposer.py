@@ -84,6 +84,14 @@ def check_int(name: str, value: object, minimum: int, what: str = "") -> int:
     return value
 
 
+class RowProposalError(RuntimeError):
+    """``propose()`` failed for row ``row`` of a batch (raised by :meth:`Proposer.propose_rows`)."""
+
+    def __init__(self, row: int, error: Exception) -> None:
+        super().__init__(str(error))
+        self.row, self.error = row, error
+
+
 class Proposer:
     """Base class for drafting methods; subclasses implement ``propose`` and, if they keep state, the other hooks."""
 
@@ -99,6 +107,21 @@ class Proposer:
 
     def observe(self, new_ids: Sequence[int], num_accepted: int) -> None:
         """``new_ids`` were appended to the sequence; the first ``num_accepted`` of them were this proposer's draft."""
+
+    def propose_rows(
+        self, rows: Sequence["Proposer"], contexts: Sequence[np.ndarray], budgets: Sequence[int]
+    ) -> list[Draft]:
+        """Drafts for the rows of a batch at once, called on the batch's first proposer: ``rows[r]`` is row ``r``'s
+        proposer (this one or a :meth:`fork` of it), ``contexts[r]`` its sequence, ``budgets[r]`` the most tokens
+        it may propose (0: none). The default asks each row alone; a proposer that drafts rows together (one batched
+        pass of a draft model) overrides it."""
+        drafts = []
+        for index, (row, context, budget) in enumerate(zip(rows, contexts, budgets)):
+            try:
+                drafts.append(row.propose(context, budget) if budget > 0 else Draft.empty())
+            except Exception as error:
+                raise RowProposalError(index, error) from error
+        return drafts
 
     def fork(self) -> "Proposer":
         """A proposer for another row of the same batch: the state of a request is its own, state that should

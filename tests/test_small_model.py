@@ -167,3 +167,50 @@ def test_sampled_drafts_keep_the_targets_distribution() -> None:
     counts, expected, stats = sample_first_two(make, TRUNCATED, 3000)
     assert 0.2 < stats.acceptance_rate < 0.95, "q must differ from p for this test to exercise the residual"
     assert chi_square_p_value(counts, expected) > 0.001
+
+
+class CheckedRows(specula.SmallModelDrafter):
+    """Checks every batched proposal: each row's draft is what the draft model decodes greedily from that row's
+    context alone."""
+
+    checked = 0
+
+    def propose_rows(self, rows, contexts, budgets):
+        drafts = super().propose_rows(rows, contexts, budgets)
+        for context_ids, draft in zip(contexts, drafts):
+            if not len(draft):
+                continue
+            context = torch.tensor([context_ids.tolist()])
+            scratch = self.model.generate(context, attention_mask=torch.ones_like(context), do_sample=False,
+                                          max_new_tokens=len(draft), pad_token_id=0, eos_token_id=[])
+            assert draft.tokens.tolist() == scratch[0, context.shape[1] :].tolist()
+        CheckedRows.checked += 1
+        return drafts
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_a_batch_drafts_all_its_rows_in_shared_passes(name: str) -> None:
+    """Rows of different lengths (past gemma3's window) draft in batched passes of the draft model, each row's draft
+    its own, and decode model.generate's tokens for each row; drafting row by row takes several times the passes."""
+    rows = [torch.tensor(PROMPT), torch.tensor(PROMPT[3:] + PROMPT), torch.tensor(PROMPT[:9]), torch.tensor(PROMPT[::-1])]
+    expected = [hf_greedy(model(name), row[None], NEW_TOKENS, eos_token_id=[])[0, len(row) :].tolist() for row in rows]
+    width = max(map(len, rows))
+    ids, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row) :], mask[b, width - len(row) :] = row, 1
+    draft_model = noisy_copy(model(name), 0.2)
+    passes = []
+    draft_model.register_forward_hook(lambda *args: passes.append(1))
+    counts = {}
+    for kind, batched in ((CheckedRows, True), (specula.SmallModelDrafter, True), (specula.SmallModelDrafter, False)):
+        drafter = kind(draft_model, num_draft=3, min_confidence=0)
+        drafter.batch.batchable = batched
+        passes.clear()
+        out = specula.generate(model(name), ids, drafter, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                               eos_token_id=[], adaptive_draft=False)
+        got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
+        assert got == expected
+        assert out.stats.accepted > 0
+        counts[batched] = len(passes)  # (the checker's own decoding counts too, so it is not counted last)
+    assert CheckedRows.checked > 0
+    assert counts[True] * 2 < counts[False]
