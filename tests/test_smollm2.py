@@ -12,7 +12,7 @@ from helpers import hf_greedy
 
 import specula
 from specula.models import load_model
-from specula.workloads import encode, load_workloads
+from specula.workloads import encode, left_padded, load_workloads
 
 WORKLOADS = Path(os.environ.get("SPECULA_WORKLOADS", Path(__file__).resolve().parents[2] / "shared" / "workloads"))
 pytestmark = pytest.mark.slow
@@ -73,11 +73,8 @@ def test_a_batch_of_workload_prompts_gives_each_its_own_output() -> None:
     assert len({len(row) for row in rows}) > 4
     eos = model.generation_config.eos_token_id
     expected = [hf_greedy(model, row[None], 32, eos_token_id=eos)[0, len(row) :].tolist() for row in rows]
-    width, pad = max(map(len, rows)), tokenizer.pad_token_id
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, row in enumerate(rows):
-        ids[b, width - len(row) :], mask[b, width - len(row) :] = row, 1
+    ids, mask = left_padded(rows, tokenizer.pad_token_id)
+    width = ids.shape[1]
     out = specula.generate(model, ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=32)
     got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
     assert got == expected
@@ -92,12 +89,8 @@ def test_bf16_rows_of_a_batch_are_model_generate_alone() -> None:
     eos = model.generation_config.eos_token_id
     expected = [hf_greedy(model, row[None], 32, eos_token_id=eos)[0, len(row) :].tolist() for row in rows]
     for members in ([0, 1, 2, 3], [3, 4, 1]):
-        batch = [rows[i] for i in members]
-        width, pad = max(map(len, batch)), tokenizer.pad_token_id
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, row in enumerate(batch):
-            ids[b, width - len(row) :], mask[b, width - len(row) :] = row, 1
+        ids, mask = left_padded([rows[i] for i in members], tokenizer.pad_token_id)
+        width = ids.shape[1]
         out = specula.generate(model, ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=32)
         got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
         assert got == [expected[i] for i in members], members
