@@ -20,13 +20,13 @@ _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def fastest_batch_size(
     model: torch.nn.Module, largest: int = 32, context: int = 128, gain: float = 1.1, context_per_row: int = 4096,
 ) -> int:
-    """The batch size (a power of two up to ``largest``) whose plain decoding passes, as specula's loop runs them,
-    make the most tokens per second.
+    """The batch size (1, 2, 4 ... up to ``largest``) whose plain decoding passes, as specula's loop runs them, make
+    the most tokens per second.
 
-    Rows of ``context + 16 * largest``, ``context + 16``, ``context + 32`` ... tokens of cache (different lengths, as real requests
-    have) get one token each; each size is timed on 3 such passes (median). Doubling goes on while it gains at least
-    ``gain`` in tokens per second and that many rows of ``context_per_row`` tokens of KV cache fit in a quarter of
-    the free memory. 1 for models that cannot be batched. Measured once per model (a few seconds for
+    Rows of ``context + 16 * largest``, ``context + 16``, ``context + 32`` ... tokens of cache (different lengths, as
+    real requests have) get one token each; each size is timed on 3 such passes (median). Doubling goes on while it
+    gains at least ``gain`` in tokens per second and that many rows of ``context_per_row`` tokens of KV cache fit in
+    a quarter of the free memory. 1 for models that cannot be batched. Measured once per model (a few seconds for
     SmolLM2-135M on a 2-core CPU)."""
     if largest < 2:
         return 1
@@ -42,7 +42,7 @@ def fastest_batch_size(
     spare = _spare_bytes(device)
     best, best_rate, size = 1, 0.0, 1
     target.start_row(0, text.to(device))  # the longest row, whose prefixes the others take
-    while size <= largest:
+    while True:
         for index in range(target.batch, size):
             target.copy_prefix(0, index, context + 16 * index)
         kv_per_token = sum(t.nbytes for layer in target.cache.layers for t in (layer.keys, layer.values)) / (
@@ -62,6 +62,9 @@ def fastest_batch_size(
         rate = size / statistics.median(seconds[1:])  # (the first pass warms up)
         if rate < gain * best_rate:
             break
-        best, best_rate, size = size, rate, 2 * size
+        best, best_rate = size, rate
+        if size == largest:
+            break
+        size = min(2 * size, largest)
     _MEASURED[model] = (largest, best)
     return best

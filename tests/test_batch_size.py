@@ -1,0 +1,38 @@
+"""The default batch size: the one whose passes make the most tokens per second, as measured."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from architectures import tiny_causal_lm
+from tiny_models import tiny_model
+
+from specula import batch_size
+from specula.cached_model import CachedModel
+
+
+@pytest.mark.parametrize("cost, expected", [
+    (lambda rows: 1.0, 8),  # a pass costs the same whatever its rows (a GPU far from full): the largest
+    (lambda rows: float(rows), 1),  # a pass costs by the row (a full CPU): one at a time
+    (lambda rows: 1.0 if rows <= 4 else rows / 4, 4),  # flat up to 4 rows, then by the row
+    (lambda rows: 1.0 if rows <= 2 else 1.05 * rows / 2, 2),  # 4 rows would gain under 10%
+])
+def test_the_fastest_batch_size_follows_the_pass_costs(monkeypatch, cost, expected) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(batch_size, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    forward_rows = CachedModel.forward_rows
+
+    def timed(self, blocks, num_logits):
+        clock[0] += cost(len(blocks))
+        return forward_rows(self, blocks, num_logits)
+
+    monkeypatch.setattr(CachedModel, "forward_rows", timed)
+    model = tiny_model("llama")
+    batch_size._MEASURED.pop(model, None)
+    assert batch_size.fastest_batch_size(model, largest=8) == expected
+    assert batch_size.fastest_batch_size(model, largest=1) == 1
+
+
+def test_models_that_cannot_be_batched_get_one() -> None:
+    assert batch_size.fastest_batch_size(tiny_causal_lm("mamba"), largest=8) == 1  # (recurrent state)
