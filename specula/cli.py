@@ -30,7 +30,7 @@ from .invariance import probe
 from .loop import Decoder, Job
 from .models import ModelNotFoundError, load_model
 from .proposers import PROPOSER_NAMES, proposer_factory
-from .workloads import encode, left_padded, load_workloads
+from .workloads import BadRequest, encode, left_padded, load_workloads, read_requests
 
 DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -90,25 +90,13 @@ def _load(args: argparse.Namespace):
 def _requests(path: Path, strict: bool) -> Iterator[tuple[int, dict | None]]:
     """(line number, request) for every non-empty line; a bad line is reported on stderr and comes as ``None`` (or,
     with ``strict``, ends the run)."""
-    with path.open() as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                request = json.loads(line)
-                if not isinstance(request, dict) or not ("messages" in request or "prompt" in request):
-                    raise ValueError('each line must be a JSON object with "messages" (chat) or "prompt" (text)')
-                if "messages" in request and not isinstance(request["messages"], list):
-                    raise ValueError('"messages" must be a list of {"role": ..., "content": ...}')
-                if "prompt" in request and "messages" not in request and not isinstance(request["prompt"], str):
-                    raise ValueError('"prompt" must be a string')
-            except ValueError as error:  # json.JSONDecodeError is a ValueError
-                message = f"{path}:{number}: {error}"
-                if strict:
-                    raise SystemExit(f"error: {message} (--strict)") from None
-                print(f"skipped {message}", file=sys.stderr)
-                request = None
-            yield number, request
+    for number, request in read_requests(path):
+        if isinstance(request, BadRequest):
+            if strict:
+                raise SystemExit(f"error: {request} (--strict)")
+            print(f"skipped {request}", file=sys.stderr)
+            request = None
+        yield number, request
 
 
 def _encode(tokenizer, request: dict, device: str) -> torch.Tensor:
@@ -249,7 +237,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> None:
     sampling = _sampling(args)
-    workloads = load_workloads(args.workloads, args.limit)
+    try:  # every workload file checked before the model loads
+        workloads = load_workloads(args.workloads, args.limit)
+    except BadRequest as error:
+        raise SystemExit(f"error: {error}; fix or remove that line") from None
     if not workloads:
         raise SystemExit(f"error: no *.jsonl workloads in {args.workloads}")
     model, tokenizer, device = _load(args)

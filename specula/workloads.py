@@ -3,19 +3,50 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 
+class BadRequest(ValueError):
+    """A line of a requests file that is not a request; its message says where (``path:line``) and why."""
+
+
+def read_requests(path: Path) -> Iterator[tuple[int, dict | BadRequest]]:
+    """(line number, request) for every non-empty line of a JSONL file of requests (``generate``'s input, a
+    workload); a line that is not a request comes as a :class:`BadRequest` instead."""
+    with Path(path).open() as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                request = json.loads(line)
+                if not isinstance(request, dict) or not ("messages" in request or "prompt" in request):
+                    raise ValueError('each line must be a JSON object with "messages" (chat) or "prompt" (text)')
+                if "messages" in request and not isinstance(request["messages"], list):
+                    raise ValueError('"messages" must be a list of {"role": ..., "content": ...}')
+                if "prompt" in request and "messages" not in request and not isinstance(request["prompt"], str):
+                    raise ValueError('"prompt" must be a string')
+            except ValueError as error:  # json.JSONDecodeError is a ValueError
+                yield number, BadRequest(f"{path}:{number}: {error}")
+                continue
+            yield number, request
+
+
 def load_workloads(directory: Path, limit: int, names: list[str] | None = None) -> dict[str, list[dict]]:
-    """The first ``limit`` rows of every ``*.jsonl`` in ``directory`` (or only ``names``), by workload name."""
+    """The first ``limit`` rows of every ``*.jsonl`` in ``directory`` (or only ``names``), by workload name; every
+    line of those files is checked first (:class:`BadRequest` names the first bad one)."""
     workloads = {}
     for path in sorted(Path(directory).glob("*.jsonl")):
         if names and path.stem not in names:
             continue
-        with path.open() as lines:
-            workloads[path.stem] = [json.loads(line) for line in lines if line.strip()][:limit]
+        rows = []
+        for _, request in read_requests(path):
+            if isinstance(request, BadRequest):
+                raise request
+            rows.append(request)
+        workloads[path.stem] = rows[:limit]
     return workloads
 
 

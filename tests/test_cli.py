@@ -329,3 +329,15 @@ def test_overwrite_replaces_an_earlier_output(model_folder, tmp_path) -> None:
     run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "empty.jsonl",
             "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
     assert json.loads((tmp_path / "empty.jsonl").read_text())["id"] == "copy"
+
+
+def test_bench_checks_every_workload_line_before_loading_the_model(tmp_path, monkeypatch) -> None:
+    """A workload row with neither "messages" nor "prompt" (past --limit, too) stops the bench at once, naming the
+    file and line, before any model work."""
+    workloads = tmp_path / "workloads"
+    workloads.mkdir()
+    (workloads / "good.jsonl").write_text(REQUESTS[0] + "\n")
+    (workloads / "bad.jsonl").write_text("\n".join([REQUESTS[0], REQUESTS[2], REQUESTS[3]]) + "\n")
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit, match=r"bad.jsonl:3: .*\"messages\" \(chat\) or \"prompt\""):
+        run_cli("bench", "--workloads", workloads, "--limit", 1)
