@@ -183,6 +183,9 @@ class Decoder:
         self.policy = DraftPolicy(MAX_DRAFT, timed, tables) if adaptive_draft else FixedDrafts()
         self.vocab = vocab_size(model)
         self.passes = 0  # target forward passes, prefills included
+        self.prefill_seconds = self.step_seconds = 0.0  # time in prefills, and in steps (proposing included)
+        self._tables = tables if timed else None
+        self._made: dict[int, int] = {}  # tokens the steps made, by the rows they had
         if proposer is not None:
             proposer.check_target(model)
         self._spare = [] if proposer is None else [proposer]  # proposer objects free for the next request
@@ -203,13 +206,31 @@ class Decoder:
         capacity = len(job.prompt) + job.max_new_tokens + 2 * (MAX_DRAFT + 1)
         if self.slots == 1 or self._target is None:
             self._target = self._cached_model(job, capacity)
+        started = time.perf_counter()
         if self.slots == 1:
             feed = job.prompt if job.padded is None else job.padded[0]
             logits = self._target.forward(torch.from_numpy(feed).to(self._target.model.device), 1)
         else:
             logits = self._target.start_row(index, torch.from_numpy(job.prompt).to(self._target.device))
         self.passes += 1
-        return row, row.advance(accept_draft(logits, Draft.empty(), row.sampling, self._tokens(row)))
+        kept = row.advance(accept_draft(logits, Draft.empty(), row.sampling, self._tokens(row)))
+        self.prefill_seconds += time.perf_counter() - started
+        return row, kept
+
+    def plain_speedup(self) -> float | None:
+        """Estimated speedup of the run so far against plain decoding (one token a row a pass) in the same batches:
+        the tokens each step made, at the measured cost of a plain pass over as many rows, against the time the
+        steps took (proposing included; prefills count on both sides). ``None`` where passes are not timed
+        (sampling, ``adaptive_draft=False``) or no plain pass was."""
+        if self._tables is None or not self.step_seconds:
+            return None
+        plain = self.prefill_seconds
+        for rows, made in self._made.items():
+            cost = self._tables(rows)[rows]
+            if np.isnan(cost):
+                return None
+            plain += made / rows * cost
+        return plain / (self.prefill_seconds + self.step_seconds)
 
     def _tokens(self, row: Row) -> torch.Tensor | None:
         """What logits processors read: the row's sequence followed by the draft it sends."""
@@ -238,6 +259,7 @@ class Decoder:
                 rows = [row for row in rows if row is not None]
             if not rows:
                 return
+            step_started = time.perf_counter()
             lengths = [row.lengths for row in rows]
             if self.proposer is not None:
                 budgets = self.policy.budgets(lengths, [row.sequence.room - 1 for row in rows])
@@ -256,6 +278,8 @@ class Decoder:
             self.passes += 1
             self._target.keep_rows([len(tokens) for tokens in outcomes])  # the last token and the accepted drafts
             self.policy.learn(lengths, [row.draft for row in rows], outcomes, sum(map(len, blocks)), seconds)
+            self.step_seconds += time.perf_counter() - step_started
+            self._made[len(rows)] = self._made.get(len(rows), 0) + sum(map(len, outcomes))
             for index, (row, tokens) in enumerate(zip(rows, outcomes)):
                 yield row, row.advance(tokens)
                 if row.finished:

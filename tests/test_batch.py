@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -13,6 +15,7 @@ from tiny_models import VOCAB, tiny_model
 
 import specula
 from specula.cached_model import UnsupportedModelError
+from specula.loop import MAX_DRAFT
 
 NEW_TOKENS = 24
 PAD = 0  # the tiny models' pad_token_id
@@ -211,3 +214,23 @@ def test_sampling_in_a_batch_keeps_each_rows_distribution() -> None:
     assert drafted == 500 * len(rows)  # every row's second token was verified against a draft
     for b in range(len(rows)):
         assert chi_square_p_value(counts[b], expected[b]) > 0.001, b
+
+
+def test_the_decoder_estimates_its_speedup_over_plain_decoding() -> None:
+    """From the pass costs it measured: well above 1 with drafts that are always right, none when sampling (untimed)."""
+    rows = prompts()
+    expected = [alone("llama", row, eos_token_id=[]) for row in rows]
+    references = [torch.tensor(row.tolist() + out) for row, out in zip(rows, expected)]
+    sampling = specula.Sampling()
+    jobs = [specula.Job(row.numpy(), NEW_TOKENS, key=b) for b, row in enumerate(rows)]
+    decoder = specula.Decoder(model("llama"), Oracle(references, 6), sampling, slots=2)
+    outputs = {row.job.key: row.sequence.ids[len(row.job.prompt) :].tolist() for row, _ in decoder.run(jobs)}
+    assert [outputs[b] for b in range(len(rows))] == expected  # (two slots for four requests: continuous)
+    assert decoder.plain_speedup() is not None
+    # Were every pass to cost what a plain one does, the estimate would be the tokens a row makes per pass.
+    decoder._tables = lambda rows: np.ones(rows * (MAX_DRAFT + 1) + 1)
+    decoder.prefill_seconds, decoder.step_seconds = 0.0, float(decoder.passes - len(rows))
+    assert decoder.plain_speedup() > 3
+    sampled = specula.Decoder(model("llama"), Oracle(references, 6), specula.Sampling(do_sample=True), slots=2)
+    list(sampled.run([specula.Job(row.numpy(), 4, key=b) for b, row in enumerate(rows)]))
+    assert sampled.plain_speedup() is None
