@@ -46,9 +46,9 @@ _STEP_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shared_step_seconds(owner: object, setting: Hashable, max_draft: int, rows: int = 1) -> np.ndarray:
-    """The pass-cost table (seconds of a pass of ``rows`` rows verifying ``n`` tokens in all, at index ``n``) that
-    every decision for ``owner`` (a target model) in ``setting`` (its device and dtype) shares: what one generation
-    measured, the next starts from. Kept per number of rows: ``n`` tokens over one row and over ``n`` rows cost
+    """The pass-cost table (seconds of a pass of ``rows`` rows verifying ``n`` tokens in all, padding included, at
+    index ``n``) that every decision for ``owner`` (a target model) in ``setting`` (its device and dtype) shares:
+    what one generation measured, the next starts from. Kept per number of rows: ``n`` tokens over one row and over ``n`` rows cost
     differently (attention reads one cache or ``n``). Forgotten with the model."""
     tables = _STEP_SECONDS.setdefault(owner, {})
     return tables.setdefault((setting, max_draft, rows), np.full(rows * (max_draft + 1) + 1, np.nan))
@@ -73,41 +73,37 @@ def _record(table: np.ndarray, tokens: int, seconds: float) -> None:
     table[tokens] = seconds if np.isnan(previous) else 0.8 * previous + 0.2 * min(seconds, 2.0 * previous)
 
 
-def _explored_extra(table: np.ndarray, rows: int) -> int:
-    """The most draft tokens worth the risk in a pass of ``rows`` rows: ``2e + 1`` once a pass with ``e`` draft
-    tokens has been timed (none before any)."""
+def _explored_width(table: np.ndarray, rows: int) -> int:
+    """The longest draft worth the risk in a pass of ``rows`` rows: ``2w - 1`` tokens a row once a pass ``w``
+    tokens wide has been timed (none before any)."""
     measured = np.flatnonzero(~np.isnan(table[rows:]))
-    return 2 * int(measured[-1]) + 1 if len(measured) else 0
+    return 2 * (int(measured[-1]) + rows) // rows - 1 if len(measured) else 0
 
 
 def choose_lengths(rows: Sequence["DraftLength"], chances: Sequence[np.ndarray], table: np.ndarray | None) -> list[int]:
     """How many draft tokens each row of a pass sends: ``chances[r]`` holds ``P_1, P_2 ..`` for the tokens row ``r``
     has, ``table`` the measured pass costs for ``len(rows)`` rows (``None``: untimed, every pass costs the same).
 
-    A pass yields ``R + sum of the sent tokens' P`` tokens; since each row's ``P`` only falls along its draft, the
-    best ``e`` tokens to send are the ``e`` highest ``P`` of all rows, and ``e`` is chosen to maximise tokens per
-    second. One row is the single-request case. Worked example, two rows with ``P = [0.9, 0.5]`` and ``[0.6]``,
-    pass costs 1.0 / 1.2 / 1.3 / 2.0 for 2 / 3 / 4 / 5 tokens: ``e = 0..3`` gives ``2.0, 2.42, 2.69, 2.0`` tokens
-    per second, so 2 tokens go: ``[1, 1]``.
+    The ``R`` rows of a pass are computed equally wide, ``m + 1`` tokens with ``m`` the longest draft sent (shorter
+    blocks are padded), so a pass costs what ``R * (m + 1)`` tokens cost, and yields ``R + sum of the sent tokens'
+    P`` tokens. For a given ``m`` every row sends what it has up to ``m`` (the padding is computed anyway); ``m`` is
+    chosen to maximise tokens per second. One row is the single-request case. Worked example, two rows with
+    ``P = [0.9, 0.5]`` and ``[0.6]``, pass costs 1.0 / 1.3 / 2.0 for 2 / 4 / 6 tokens: ``m = 0, 1, 2`` gives
+    ``2.0, 2.69, 1.98`` tokens per second, so ``m = 1``: ``[1, 1]``.
     """
-    counts = [0] * len(rows)
-    if not rows:
-        return counts
     usable = [
         chance[: int(np.sum(chance >= row.min_chance)) if len(chance) and chance[0] >= row.min_chance else 0]
         for row, chance in zip(rows, chances)
     ]
-    flat = np.concatenate([np.zeros(0), *usable])
-    owner = np.concatenate([np.zeros(0, dtype=int), *(np.full(len(c), r) for r, c in enumerate(usable))])
-    order = np.argsort(-flat, kind="stable")[: len(flat) if table is None else _explored_extra(table, len(rows))]
-    if not len(order):
-        return counts
-    expected = len(rows) + np.concatenate([[0.0], np.cumsum(flat[order])])
-    costs = np.ones(len(expected)) if table is None else _costs(table, len(rows))[: len(expected)]
+    longest = max(map(len, usable), default=0)
+    if table is not None:
+        longest = min(longest, _explored_width(table, len(rows)))
+    widths = np.arange(longest + 1)  # m
+    expected = len(rows) + sum(np.concatenate([[0.0], np.cumsum(c)])[np.minimum(widths, len(c))] for c in usable)
+    costs = np.ones(len(widths)) if table is None else _costs(table, len(rows))[len(rows) * widths]
     rates = expected / (costs + sum(row.draft_seconds for row in rows))
-    for r in owner[order[: int(np.argmax(rates))]]:  # the first maximum: ties go to fewer tokens
-        counts[r] += 1
-    return counts
+    width = int(np.argmax(rates))  # the first maximum: ties go to fewer tokens
+    return [min(width, len(c)) for c in usable]
 
 
 def budgets(rows: Sequence["DraftLength"], remaining: Sequence[int], table: np.ndarray | None) -> list[int]:
@@ -287,8 +283,8 @@ class DraftPolicy:
         self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"], new_tokens: Sequence[list[int]],
         tokens: int, seconds: float,
     ) -> None:
-        """A pass over ``tokens`` tokens in all took ``seconds`` and gave each row ``new_tokens[r]`` for its
-        proposed (not necessarily sent) ``drafts[r]``."""
+        """A pass over ``tokens`` tokens in all (its rows padded to the widest) took ``seconds`` and gave each row
+        ``new_tokens[r]`` for its proposed (not necessarily sent) ``drafts[r]``."""
         table = self.tables(len(lengths)) if self.timed else None
         if table is not None:
             _record(table, tokens, seconds)

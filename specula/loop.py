@@ -277,7 +277,8 @@ class Decoder:
             seconds = time.perf_counter() - started
             self.passes += 1
             self._target.keep_rows([len(tokens) for tokens in outcomes])  # the last token and the accepted drafts
-            self.policy.learn(lengths, [row.draft for row in rows], outcomes, sum(map(len, blocks)), seconds)
+            width = max(map(len, blocks))  # (every row is computed this wide)
+            self.policy.learn(lengths, [row.draft for row in rows], outcomes, len(blocks) * width, seconds)
             self.step_seconds += time.perf_counter() - step_started
             self._made[len(rows)] = self._made.get(len(rows), 0) + sum(map(len, outcomes))
             for index, (row, tokens) in enumerate(zip(rows, outcomes)):

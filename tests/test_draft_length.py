@@ -13,6 +13,7 @@ from tiny_models import VOCAB, tiny_model
 
 import specula
 from specula.draft_length import DraftLength, budgets, choose_lengths, shared_step_seconds
+from specula.workloads import left_padded
 
 PROMPT = [1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]
 
@@ -220,16 +221,48 @@ def batch_table(rows: int, costs: dict[int, float]) -> np.ndarray:
 
 def test_the_batch_decision_of_the_docstring() -> None:
     rows = [lengths_with([1.0], [0.9, 0.5]), lengths_with([1.0], [0.6])]
-    table = batch_table(2, {2: 1.0, 3: 1.2, 4: 1.3, 5: 2.0})
+    table = batch_table(2, {2: 1.0, 4: 1.3, 6: 2.0})
     assert choose_lengths(rows, [rows[0].chances()[:2], rows[1].chances()[:1]], table) == [1, 1]
 
 
-def test_a_batch_sends_its_likeliest_tokens_and_none_where_passes_cost_by_the_token() -> None:
+def test_a_batch_pads_its_rows_to_the_widest_and_sends_none_where_passes_cost_by_the_token() -> None:
     sure, unsure = lengths_with([1.0], [0.95, 0.9, 0.85]), lengths_with([1.0], [0.3, 0.1, 0.05])
+    hopeless = lengths_with([1.0], [0.01])
     flat = batch_table(2, {n: 1.0 for n in range(2, 9)})  # extra tokens are free: send all that have a chance
     assert choose_lengths([sure, unsure], [sure.chances()[:3], unsure.chances()[:3]], flat) == [3, 3]
-    step = batch_table(2, {2: 1.0, 3: 1.0, 4: 1.0, 5: 2.0, 8: 3.0})  # two extra tokens free, then dear
-    assert choose_lengths([sure, unsure], [sure.chances()[:3], unsure.chances()[:3]], step) == [2, 0]
+    assert choose_lengths([sure, hopeless], [sure.chances()[:3], hopeless.chances()[:1]], flat) == [3, 0]
+    step = batch_table(2, {2: 1.0, 4: 1.0, 6: 1.1, 8: 3.0})  # two tokens a row nearly free, then dear
+    # the unsure row's second token would not pay alone, but its row is computed that wide anyway
+    assert choose_lengths([sure, unsure], [sure.chances()[:3], unsure.chances()[:3]], step) == [2, 2]
     linear = batch_table(2, {n: n / 2 for n in range(2, 9)})  # each token costs as much as a row's pass
     assert choose_lengths([sure, unsure], [sure.chances()[:3], unsure.chances()[:3]], linear) == [0, 0]
     assert budgets([sure, unsure], [10, 10], linear) == [1, 1]  # not sent, but probed while asking is cheap
+
+
+def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch) -> None:
+    target = tiny_model("llama", seed=5)
+    tables = {}
+    loop = importlib.import_module("specula.loop")
+
+    def recording(*args):
+        tables[args[-1]] = shared_step_seconds(*args)  # (the loop passes the number of rows last)
+        return tables[args[-1]]
+
+    monkeypatch.setattr(loop, "shared_step_seconds", recording)
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.tensor(PROMPT), torch.randint(3, VOCAB, (13,), generator=generator),
+            torch.randint(3, VOCAB, (18,), generator=generator)]
+    first = hf_greedy(target, rows[0][None], 24, eos_token_id=[])
+    ids, mask = left_padded(rows, 0)
+
+    class FirstRowOnly(Oracle):  # right for the first row, wrong for the others: rows send drafts of other lengths
+        def propose(self, context_ids, max_tokens):
+            draft = super().propose(context_ids, max_tokens)
+            right = context_ids.tolist() == self.references[0][: len(context_ids)]
+            return draft if right else specula.Draft((draft.tokens + 1) % VOCAB)
+
+    out = specula.generate(target, ids, FirstRowOnly(first, 6), attention_mask=mask, max_new_tokens=24,
+                           eos_token_id=[])
+    assert out.stats.rows[0].accepted > 12 and max(row.accepted for row in out.stats.rows[1:]) < 4
+    measured = np.flatnonzero(~np.isnan(tables[3]))
+    assert len(measured) > 1 and all(tokens % 3 == 0 for tokens in measured)  # every row as wide as the widest
