@@ -6,7 +6,7 @@ proposer for drafts, choosing how many to send with the same ``DraftLength`` rul
 The step costs come from ``--costs`` (seconds of a pass over n = 1, 2, ... tokens, relative to one token; the
 default is SmolLM2-135M bf16 on a 2-core CPU), so the estimated speedup over one-token decoding is printed too.
 
-Usage: python examples/draft_replay.py --outputs outputs.json [--proposers prompt-lookup,ngram,oracle] [--fixed]
+Usage: python examples/draft_replay.py --outputs outputs.json [--proposers copy-bound,prompt-lookup,...] [--fixed]
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 import specula
-from specula.draft_length import DraftLength
+from specula.draft_length import DraftPolicy, FixedDrafts
+from specula.kernels import lookup_candidates
 from specula.loop import MAX_DRAFT
 from specula.models import load_model
 from specula.proposers import PROPOSER_NAMES, proposer_factory
@@ -30,28 +31,27 @@ BF16_COSTS = "1.00,0.99,1.02,0.97,1.03,1.04,1.04,1.04,1.10,1.15,1.19,1.20,1.21,1
 
 
 def replay(proposer: specula.Proposer, prompt: list[int], output: list[int], costs: np.ndarray, adaptive: bool):
-    """(target steps, drafted tokens, estimated seconds) to produce ``output`` with ``proposer``."""
-    lengths = DraftLength(MAX_DRAFT) if adaptive else None
+    """(target steps, drafted tokens, estimated seconds) to produce ``output`` with ``proposer``, its drafts sized
+    by the loop's own policy (``adaptive``) or sent as proposed."""
+    table = np.full(MAX_DRAFT + 2, np.nan)
+    policy = DraftPolicy(MAX_DRAFT, timed=True, tables=lambda rows: table) if adaptive else FixedDrafts()
+    lengths = [policy.new_row()]
     proposer.begin(np.asarray(prompt, dtype=np.int64), specula.Sampling())
     context = list(prompt)
     steps = drafted = 0
     seconds = 0.0
     while len(context) - len(prompt) < len(output):
-        remaining = len(output) - (len(context) - len(prompt)) - 1
-        budget = remaining if lengths is None else lengths.budget(remaining)
-        proposed = proposer.propose(np.asarray(context, dtype=np.int64), budget) if budget else specula.Draft([])
-        draft = proposed.tokens[:budget].tolist()
-        sent = draft if lengths is None else draft[: lengths.best_length(len(draft), proposed.source)]
         done = len(context) - len(prompt)
-        accepted = 0
-        while accepted < len(sent) and sent[accepted] == output[done + accepted]:
-            accepted += 1
+        remaining = len(output) - done - 1
+        budget = policy.budgets(lengths, [remaining])[0]
+        proposed = specula.Draft.empty()
+        if budget:
+            proposed = proposer.propose(np.asarray(context, dtype=np.int64), budget).cut(budget).head(MAX_DRAFT)
+        sent = proposed.select(policy.trim(lengths, [proposed])[0])
+        accepted = len(sent.path(output[done:]))
         new = output[done : done + accepted + 1]
         cost = costs[min(len(sent), len(costs) - 1)]
-        if lengths is not None:
-            if steps:
-                lengths.record_step(len(sent) + 1, cost)
-            lengths.record_outcome(draft, new, proposed.source)
+        policy.learn(lengths, [proposed], [new], len(sent) + 1, cost)
         proposer.observe(new, accepted)
         context += new
         steps, drafted, seconds = steps + 1, drafted + len(sent), seconds + cost
@@ -69,6 +69,20 @@ class Oracle(specula.Proposer):
         return specula.Draft(self.output[start : start + min(max_tokens, self.num_draft)])
 
 
+class CopyBound(Oracle):
+    """The copy bound: at each step, of ALL earlier occurrences of the sequence's last token (however short the
+    match), the continuation that agrees longest with the real output. What copying from prompt + output can reach
+    at best; PromptLookup bets on one occurrence, its trees on several."""
+
+    def propose(self, context_ids, max_tokens):
+        start, length = len(context_ids) - self.prompt_length, min(max_tokens, self.num_draft)
+        truth = self.output[start : start + length]
+        continuations, _ = lookup_candidates(context_ids, 1, 1, length, len(context_ids))  # every occurrence
+        agree = [next((j for j, (a, b) in enumerate(zip(c, truth)) if a != b), len(truth)) for c in continuations.tolist()]
+        best = int(np.argmax(agree)) if agree else 0
+        return specula.Draft(continuations[best, : agree[best]] if agree else [])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
@@ -76,8 +90,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--model", default=None)
     parser.add_argument("--outputs", type=Path, required=True, help="cache of outputs (JSON), made when missing")
-    parser.add_argument("--proposers", default="prompt-lookup,ngram,oracle",
-                        help=f"comma-separated: {', '.join(PROPOSER_NAMES)}, oracle")
+    parser.add_argument("--proposers", default="copy-bound,prompt-lookup,prompt-lookup-tree,ngram,oracle",
+                        help=f"comma-separated: {', '.join(PROPOSER_NAMES)}, oracle[:K], copy-bound[:K] (K: most "
+                             "draft tokens, default 10; the copy bound is always sent whole)")
     parser.add_argument("--costs", default=BF16_COSTS, help="relative cost of a pass over n = 1, 2, ... tokens")
     parser.add_argument("--fixed", action="store_true", help="send every draft as proposed (no DraftLength)")
     args = parser.parse_args()
@@ -106,11 +121,12 @@ def main() -> None:
         for pairs in runs.values():
             tokens = steps = seconds = 0
             for prompt, output in pairs:
-                if spec.startswith("oracle"):
-                    proposer = Oracle(len(prompt), output, int(spec.partition(":")[2] or 10))
+                if spec.startswith(("oracle", "copy-bound")):
+                    kind = Oracle if spec.startswith("oracle") else CopyBound
+                    proposer = kind(len(prompt), output, int(spec.partition(":")[2] or 10))
                 else:
                     proposer = proposer_factory(spec, None, torch.float32, "cpu")()
-                s, _, t = replay(proposer, prompt, output, costs, adaptive=not args.fixed)
+                s, _, t = replay(proposer, prompt, output, costs, adaptive=not args.fixed and spec != "copy-bound")
                 tokens, steps, seconds = tokens + len(output), steps + s, seconds + t
             cells.append(f"{tokens / steps:.2f}/{tokens / seconds:.2f}x")
         print(f"{spec:<24}" + "".join(f"{c:>14}" for c in cells))

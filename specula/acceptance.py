@@ -41,39 +41,74 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def accept_draft(
     target_logits: torch.Tensor, draft: Draft, sampling: Sampling, input_ids: torch.Tensor | None = None
 ) -> list[int]:
-    """Verify ``draft`` against the target's logits; return the new tokens.
+    """Verify ``draft`` (a chain or a tree) against the target's logits; return the new tokens.
 
-    ``target_logits[i]`` is the target's prediction after the last verified token and ``draft.tokens[:i]``, so it has
-    ``len(draft) + 1`` rows. Keeps the accepted draft prefix and appends the target's own token (its choice at the
-    first rejection, or the bonus token when the whole draft was accepted): ``len(result) - 1`` of the returned
-    tokens came from the draft. ``input_ids`` (``[1, length]``: the sequence so far followed by the draft) is needed
-    when ``sampling.reads_tokens``. One host-device synchronisation per call.
+    ``target_logits[0]`` is the target's prediction after the last verified token, ``target_logits[i + 1]`` after
+    draft token ``i`` and its ancestors, so it has ``len(draft) + 1`` rows. From the last verified token on, the
+    children of the current node are tried in their order; an accepted child becomes the current node, and when
+    none is (or there are none) the target's own token ends the step: ``len(result) - 1`` of the returned tokens
+    came from the draft. Sampling tries the children by the multi-candidate rule of SpecInfer (Miao et al. 2024): a
+    child is accepted with probability ``min(1, r(d) / q(d))`` where ``r`` starts as the target's ``p`` and becomes
+    ``norm(max(0, r - q))`` after each rejected child; the target's token is drawn from the last ``r``. A chain has
+    one child per node, which is Leviathan et al.'s rule; greedy decoding is its temperature-0 case. Every emitted
+    token is distributed exactly as ``p``. ``input_ids`` (``[1, length]``: the sequence so far followed by the
+    draft) is needed when ``sampling.reads_tokens``. One host-device synchronisation per call.
 
     >>> logits = torch.eye(5)[[1, 2, 4]]                       # the target's argmax: 1, then 2, then 4
     >>> accept_draft(logits, Draft([1, 3]), Sampling())        # greedy: 1 agrees, 3 does not, correct to 2
     [1, 2]
+    >>> logits = torch.eye(5)[[1, 3, 0, 4]]                    # after 1: 3 (after 1 2: 0); after 1 3: 4
+    >>> accept_draft(logits, Draft([1, 2, 3], parents=[-1, 0, 0]), Sampling())  # the second child agrees
+    [1, 3, 4]
     """
-    draft_tokens = draft.tokens.tolist()
+    tokens, parents, children = draft.tokens.tolist(), draft.parent_list(), draft.children()
+    scores = _scores(target_logits, draft, sampling, input_ids)  # [n + 1, vocab]
     if sampling.greedy:
-        target_tokens = sampling.scores(target_logits, input_ids).argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < len(draft_tokens) and draft_tokens[accepted] == target_tokens[accepted]:
-            accepted += 1
-        return draft_tokens[:accepted] + [target_tokens[accepted]]
+        own = scores.argmax(dim=-1).tolist()  # [n + 1]: the target's token after each node
+        accepted = [token == own[parent + 1] for token, parent in zip(tokens, parents)]
+    else:
+        accepted, own = _sampled_decisions(torch.softmax(scores, dim=-1), draft, children, sampling)
+    new, node = [], -1
+    while (child := next((c for c in children[node + 1] if accepted[c]), None)) is not None:
+        new.append(tokens[child])
+        node = child
+    return new + [own[node + 1]]
 
-    p = sampling.probs(target_logits, input_ids)
-    num_draft, device = len(draft_tokens), p.device
+
+def _scores(logits: torch.Tensor, draft: Draft, sampling: Sampling, input_ids: torch.Tensor | None) -> torch.Tensor:
+    """The target's processed scores after each node; a processor that reads the tokens sees each node's own
+    path (in a chain, the rows' prefixes of ``input_ids``)."""
+    if not draft.is_tree or not sampling.reads_tokens:
+        return sampling.scores(logits, input_ids)
+    if input_ids is None:
+        raise ValueError("These logits processors read the tokens so far: pass input_ids to accept_draft().")
+    sequence, parents = input_ids[:, : input_ids.shape[1] - len(draft)], draft.parent_list()
+    paths = [sequence]  # paths[i + 1]: the tokens node i follows, itself included
+    for index, parent in enumerate(parents):
+        paths.append(torch.cat([paths[parent + 1], draft.tokens[index : index + 1, None].T.to(sequence.device)], 1))
+    return torch.cat([sampling.scores(logits[i : i + 1], path) for i, path in enumerate(paths)])
+
+
+def _sampled_decisions(
+    p: torch.Tensor, draft: Draft, children: list[list[int]], sampling: Sampling
+) -> tuple[list[bool], list[int]]:
+    """Whether each draft token is accepted if tried (after its elder siblings were rejected), and the target's
+    token drawn after each node should all its children be rejected. ``p``: ``[n + 1, vocab]``."""
+    num_draft, device = len(draft), p.device
     tokens = draft.tokens.to(device)
     if draft.probs is None:
-        q = torch.zeros_like(p[:num_draft]).scatter_(1, tokens[:, None], 1.0)
+        q = torch.zeros_like(p[:num_draft]).scatter_(1, tokens[:, None], 1.0)  # [n, vocab]
     else:
         q = draft.probs.to(device=device, dtype=p.dtype)
-    rows = torch.arange(num_draft, device=device)
-    accept = sampling.uniform(num_draft, device) < acceptance_probability(p[rows, tokens], q[rows, tokens])
-    # The target's token for every possible first rejection, and the bonus token; only one of them is used.
-    own_tokens = sampling.sample(torch.cat([residual_distribution(p[:num_draft], q), p[num_draft:]]))
-    decisions = torch.cat([accept.long(), own_tokens]).tolist()
-    accepted = 0
-    while accepted < num_draft and decisions[accepted]:
-        accepted += 1
-    return draft_tokens[:accepted] + [decisions[num_draft + accepted]]
+    chance = torch.empty(num_draft, device=device, dtype=p.dtype)
+    residual = p  # [n + 1, vocab]: r at each node once the children tried so far were rejected
+    for rank in range(max(map(len, children))):  # the first children of all nodes at once, then the second ...
+        nodes = [node for node, kids in enumerate(children) if len(kids) > rank]
+        kids = torch.tensor([children[node][rank] for node in nodes], device=device)
+        at = torch.tensor(nodes, device=device)
+        chance[kids] = acceptance_probability(residual[at, tokens[kids]], q[kids, tokens[kids]])
+        residual = residual.index_copy(0, at, residual_distribution(residual[at], q[kids]))
+    accept = sampling.uniform(num_draft, device) < chance
+    own = sampling.sample(residual)  # [n + 1]: only the one where the walk stops is used
+    decisions = torch.cat([accept.long(), own]).tolist()
+    return [bool(d) for d in decisions[:num_draft]], decisions[num_draft:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
@@ -161,6 +162,36 @@ class PreallocatedLayer(DynamicLayer):
             self._expose()
 
 
+def _ancestry(trees: list[list[int] | None], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows of ``n`` block tokens: whether token ``j`` is ``i`` or one of its ancestors (``[B, n, n]``), and
+    each token's depth (``[B, n]``). ``trees[b]`` gives row ``b``'s parents (``trees[b][i] < i``, ``-1`` for the
+    first; tokens past them, padding, follow the token before); ``None`` is a chain.
+
+    >>> ancestry, depth = _ancestry([[-1, 0, 0, 1], None], 4, torch.device("cpu"))  # 0 -> 1 -> 3, and 0 -> 2
+    >>> ancestry[0].int().tolist(), depth.tolist()
+    ([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], [[0, 1, 1, 2], [0, 1, 2, 3]])
+    """
+    ancestry = np.tril(np.ones((n, n), dtype=bool))[None].repeat(len(trees), axis=0)
+    depth = np.arange(n)[None].repeat(len(trees), axis=0)
+    for b, tree in enumerate(trees):
+        for i, parent in enumerate(tree or []):
+            if parent != i - 1:  # (only the first token has none: -1)
+                ancestry[b, i, :i], depth[b, i] = ancestry[b, parent, :i], depth[b, parent] + 1
+        for i in range(len(tree or range(n)), n):  # (padding after a tree: a chain from its last token)
+            ancestry[b, i, :i], depth[b, i] = ancestry[b, i - 1, :i], depth[b, i - 1] + 1
+    return torch.from_numpy(ancestry).to(device), torch.from_numpy(depth).to(device)
+
+
+def _paths(ancestry: torch.Tensor, trees: list[list[int] | None]) -> list[list[list[int] | None] | None]:
+    """For each tree row, each block token's ancestors and itself (block indices), ``None`` where they are just
+    the tokens before it; ``None`` for chain rows. ``ancestry``: ``[B, n, n]`` (see :func:`_ancestry`)."""
+    paths = []
+    for row, tree in zip(ancestry.cpu().numpy(), trees):
+        lists = None if tree is None else [np.flatnonzero(seen).tolist() for seen in row]
+        paths.append(None if lists is None else [None if p == list(range(len(p))) else p for p in lists])
+    return paths
+
+
 class CachedModel:
     """A HF causal LM with its own rollback-able KV cache, fed one block of new tokens at a time.
 
@@ -181,6 +212,8 @@ class CachedModel:
             one-token step computes it (:class:`specula.row_exact.RowExact`).
         slots: how many requests it holds at once. With more than one, each request's prompt is prefilled alone
             (:meth:`start_row`) and every row keeps its own length; ``positions`` and ``attention_mask`` are unused.
+        ragged: hold the rows so (own masks and position ids), also with one slot: what verifying a tree of drafts
+            takes. Default: with more than one slot.
     """
 
     def __init__(
@@ -192,6 +225,7 @@ class CachedModel:
         capacity: int = 256,
         row_exact: bool = False,
         slots: int = 1,
+        ragged: bool | None = None,
     ) -> None:
         config = model.config
         supports_dynamic_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
@@ -223,7 +257,7 @@ class CachedModel:
         self.can_roll_back = rollback
         self.row_exact = row_exact_for(model) if row_exact else None
         self.slots = slots
-        self.ragged = slots > 1  # rows keep their own lengths (stays so when rows leave the batch)
+        self.ragged = slots > 1 if ragged is None else ragged  # rows keep their own lengths (also when rows leave)
         self.batch = 0 if self.ragged else 1  # rows in use
         self._block_lengths: list[int] = []
         if self.ragged:
@@ -359,9 +393,13 @@ class CachedModel:
                 )
         return logits
 
-    def forward_rows(self, blocks: list[torch.Tensor], num_logits: list[int]) -> list[torch.Tensor]:
+    def forward_rows(
+        self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None = None
+    ) -> list[torch.Tensor]:
         """Append ``blocks[b]`` (1-D) to row ``b``'s cache; return each row's logits at the last ``num_logits[b]``
-        positions of its block (``[num_logits[b], vocab]``). Batch size 1 is :meth:`forward`."""
+        positions of its block (``[num_logits[b], vocab]``). ``trees[b]``, where given, makes row ``b``'s block a
+        tree: ``trees[b][i]`` is the block index of token ``i``'s parent (``-1`` for the first), and each token sees
+        the row's cache and its own ancestors only, at the position of its depth. Batch size 1 is :meth:`forward`."""
         self._block_lengths = [len(block) for block in blocks]
         if not self.ragged:
             return [self.forward(blocks[0], num_logits[0])]
@@ -369,12 +407,16 @@ class CachedModel:
         n = int(lengths.max())
         starts = self.starts[: self.batch]
         tokens = torch.stack([torch.cat([b, b[-1:].expand(n - len(b))]) for b in blocks])  # [B, n], padded at the end
-        slots = starts[:, None] + torch.arange(n, device=self.device)  # [B, n]: where each token goes
+        ancestry, depth = _ancestry(trees or [None] * len(blocks), n, self.device)  # [B, n, n]; [B, n]
+        positions = starts[:, None] + depth  # [B, n]
         keys = torch.arange(int(starts.max()) + n, device=self.device)  # every slot a query may see
-        seen = keys <= slots[..., None]  # [B, n, keys]: a token sees its row up to itself ...
+        inside = keys - starts[:, None]  # [B, keys]: a key's index in its row's block (< 0: the row's cache)
+        in_block = ancestry.gather(2, inside.clamp(0, n - 1)[:, None].expand(-1, n, -1))  # [B, n, keys]
+        seen = (inside < 0)[:, None] | ((inside < n)[:, None] & in_block)  # a token sees its row's past and path
         masks = {"full_attention": seen}
-        if self.window is not None:  # ... and in a sliding-window layer only its last `window` slots
-            masks["sliding_attention"] = seen & (keys > slots[..., None] - self.window)
+        if self.window is not None:  # ... and in a sliding-window layer only the last `window` positions
+            key_positions = torch.where(inside < 0, keys, starts[:, None] + depth.gather(1, inside.clamp(0, n - 1)))
+            masks["sliding_attention"] = seen & (key_positions[:, None] > positions[..., None] - self.window)
         for kind, seen in masks.items():
             mask = seen[:, None]  # [B, 1, n, keys]
             if self.attention == "eager":  # (eager attention adds its mask to the scores)
@@ -386,24 +428,35 @@ class CachedModel:
         keep = n - int(first.min())
         inputs = {
             "input_ids": tokens, self.cache_argument: self.cache, "use_cache": True, "attention_mask": mask,
-            "position_ids": slots,
+            "position_ids": positions,
         }
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = keep
         # row-exact: every token as its row's one-token step computes it, whatever the other rows
-        exact = self.row_exact.applied(self.cache, (slots + 1).tolist()) if self.row_exact else contextlib.nullcontext()
+        exact = contextlib.nullcontext()
+        if self.row_exact:
+            ends = (positions + 1).tolist()  # [B][n]: the keys each token's one-token step sees
+            exact = self.row_exact.applied(self.cache, ends, _paths(ancestry, trees) if trees else None)
         with exact:
             logits = self.model(**inputs).logits[:, -keep:]  # [B, keep, vocab]
         self.cached_tokens = len(keys)
         self._check_length("a forward pass")
         return [logits[b, first[b] - (n - keep) : lengths[b] - (n - keep)] for b in range(self.batch)]
 
-    def keep_rows(self, kept: list[int]) -> None:
-        """After :meth:`forward_rows`: row ``b`` keeps the first ``kept[b]`` tokens of its block, the rest of its
-        block is forgotten."""
+    def keep_rows(self, kept: list[int], paths: list[list[int] | None] | None = None) -> None:
+        """After :meth:`forward_rows`: row ``b`` keeps the first ``kept[b]`` tokens of its block, or where
+        ``paths[b]`` is given (a tree's accepted path: ascending block indices from 0), those tokens, moved into
+        place; the rest of its block is forgotten."""
         if not self.ragged:
             self.rollback(self._block_lengths[0] - kept[0])
             return
+        for b, path in enumerate(paths or []):
+            if path is not None and path != list(range(len(path))):
+                start = int(self.starts[b])
+                source = start + torch.tensor(path, device=self.device)
+                for layer in self.cache.layers:
+                    for buffer in (layer._key_buffer, layer._value_buffer):
+                        buffer[b, :, start : start + len(path)] = buffer[b, :, source]
         self.starts[: self.batch] += torch.tensor(kept, device=self.device)
         self._set_rows()
 

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .proposer import Draft
 
 _STEP_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+RANKS = 4  # sibling ranks learnt apart (a tree's first child, second, third, and the later ones together)
 
 
 def shared_step_seconds(owner: object, setting: Hashable, max_draft: int, rows: int = 1) -> np.ndarray:
@@ -95,7 +96,7 @@ def choose_lengths(rows: Sequence["DraftLength"], chances: Sequence[np.ndarray],
         chance[: int(np.sum(chance >= row.min_chance)) if len(chance) and chance[0] >= row.min_chance else 0]
         for row, chance in zip(rows, chances)
     ]
-    longest = max(map(len, usable), default=0)
+    longest = min(max(map(len, usable), default=0), max(row.max_draft for row in rows))
     if table is not None:
         longest = min(longest, _explored_width(table, len(rows)))
     widths = np.arange(longest + 1)  # m
@@ -170,31 +171,55 @@ class DraftLength:
 
     # Estimates
     def _counts(self, source: object) -> tuple[np.ndarray, np.ndarray]:
-        """(trials, accepts) per position for drafts from ``source``, with forgetting; none to start."""
+        """(trials, accepts) per position and sibling rank (``[max_draft, RANKS]``) for drafts from ``source``,
+        with forgetting; none to start."""
         if source not in self.acceptance:
-            self.acceptance[source] = (np.zeros(self.max_draft), np.zeros(self.max_draft))
+            self.acceptance[source] = (np.zeros((self.max_draft, RANKS)), np.zeros((self.max_draft, RANKS)))
         return self.acceptance[source]
 
     def chances(self, source: object = None) -> np.ndarray:
-        """``P_i``: chance that draft tokens ``1..i`` from ``source`` are all accepted, for ``i = 1..max_draft``.
+        """``P_i``: chance that draft tokens ``1..i`` of a chain from ``source`` are all accepted, for
+        ``i = 1..max_draft``.
 
         Each position's acceptance is its record smoothed, with the weight of one trial, toward the estimate of the
         position before it (the first toward ``prior``): a position not tried yet is expected to do as well as the
         one before it. While drafts are not sent only the first position is checked (against the token generated
         anyway); were later positions pinned at ``prior``, known costs would keep a right proposer from ever being
         sent again (on the Xeon in bf16 a pass over 4 tokens costs 2.8x one)."""
-        return np.cumprod(self._rates(source))
+        return np.cumprod(self._rates(source)[:, 0])
+
+    def node_chances(self, draft: "Draft") -> np.ndarray:
+        """For each token of ``draft`` (a chain or a tree), the chance that it is accepted: its parent's, times the
+        chance that its elder siblings are rejected and it is accepted (learnt per position and sibling rank).
+        Of a chain, :meth:`chances`."""
+        rates = self._rates(draft.source)  # [max_draft, RANKS]
+        chance, depth, rank = np.empty(len(draft)), np.zeros(len(draft), dtype=int), np.zeros(len(draft), dtype=int)
+        children: dict[int, int] = {}
+        for i, parent in enumerate(draft.parent_list()):
+            depth[i] = 0 if parent < 0 else depth[parent] + 1
+            rank[i] = children.get(parent, 0)
+            children[parent] = rank[i] + 1
+            at = rates[min(depth[i], self.max_draft - 1)]
+            siblings = at[np.minimum(np.arange(rank[i] + 1), RANKS - 1)]
+            chance[i] = (1.0 if parent < 0 else chance[parent]) * np.prod(1.0 - siblings[:-1]) * siblings[-1]
+        return chance
 
     def _rates(self, source: object) -> np.ndarray:
-        """Each position's chance of acceptance given the ones before it were accepted (see :meth:`chances`)."""
-        trials, accepts = self.acceptance.get(source, (np.zeros(self.max_draft), np.zeros(self.max_draft)))
-        rates = np.empty(self.max_draft)
+        """Each position's and sibling rank's chance of acceptance given that it is tried (its parent accepted, its
+        elder siblings rejected), ``[max_draft, RANKS]`` (see :meth:`chances`). An untried rank is expected to do
+        half as well as the one before it."""
+        empty = np.zeros((self.max_draft, RANKS))
+        trials, accepts = self.acceptance.get(source, (empty, empty))
         if self.pool is not None:
             pooled = self.pool._rates(source)
             return (accepts + self.pool_weight * pooled) / (trials + self.pool_weight)
+        rates = np.empty((self.max_draft, RANKS))
         estimate = self.prior
         for position in range(self.max_draft):
-            estimate = rates[position] = (accepts[position] + estimate) / (trials[position] + 1.0)
+            estimate = rates[position, 0] = (accepts[position, 0] + estimate) / (trials[position, 0] + 1.0)
+            for rank in range(1, RANKS):
+                prior = rates[position, rank - 1] / 2
+                rates[position, rank] = (accepts[position, rank] + prior) / (trials[position, rank] + 1.0)
         return rates
 
     def _table(self) -> np.ndarray | None:
@@ -240,20 +265,23 @@ class DraftLength:
         if self.timed:
             _record(self.step_seconds, verified, seconds)
 
-    def record_outcome(self, draft: list[int], new_tokens: list[int], source: object = None) -> None:
+    def record_outcome(self, draft: "Draft", new_tokens: list[int]) -> None:
         """Learn from a proposed ``draft`` (sent in full, in part or not at all) and the tokens the step produced:
-        position ``i`` was tried if tokens ``1..i-1`` matched, and accepted if it matched too."""
-        tried = min(len(draft), len(new_tokens))
-        matched = 0
-        while matched < tried and draft[matched] == new_tokens[matched]:
-            matched += 1
-        tried = min(matched + 1, tried)
-        if tried == 0:
-            return
-        trials, accepts = self._counts(source)
-        trials[:tried] = self.decay * trials[:tried] + 1.0
-        accepts[:tried] *= self.decay
-        accepts[:matched] += 1.0
+        from the last verified token on, the children of the node the tokens reached were tried in their order up to
+        the one the next token matches (accepted), or all of them (rejected)."""
+        tokens, children = draft.tokens.tolist(), draft.children()
+        trials, accepts = self._counts(draft.source)
+        node = -1
+        for position, token in enumerate(new_tokens[: self.max_draft]):
+            kids = children[node + 1]
+            hit = next((rank for rank, child in enumerate(kids) if tokens[child] == token), None)
+            for rank in range(len(kids) if hit is None else hit + 1):
+                at = (position, min(rank, RANKS - 1))
+                trials[at] = self.decay * trials[at] + 1.0
+                accepts[at] = self.decay * accepts[at] + (rank == hit)
+            if hit is None:
+                return
+            node = kids[hit]
 
 
 class DraftPolicy:
@@ -274,10 +302,13 @@ class DraftPolicy:
         """How many tokens to ask each row's proposer for, with ``remaining`` tokens of room per row."""
         return budgets(lengths, remaining, self.tables(len(lengths)) if self.timed else None)
 
-    def trim(self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"]) -> list[int]:
-        """How many tokens of each row's draft this pass verifies."""
-        chances = [row.chances(draft.source)[: len(draft)] for row, draft in zip(lengths, drafts)]
-        return choose_lengths(lengths, chances, self.tables(len(lengths)) if self.timed else None)
+    def trim(self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"]) -> list[list[int]]:
+        """Which tokens of each row's draft this pass verifies (indices, ascending): the likeliest, as many as pay.
+        Of a chain, its first ones; of a tree, a tree (a token is never likelier than its parent)."""
+        chances = [row.node_chances(draft) for row, draft in zip(lengths, drafts)]
+        orders = [np.argsort(-chance, kind="stable") for chance in chances]
+        counts = choose_lengths(lengths, [c[o] for c, o in zip(chances, orders)], self.tables(len(lengths)) if self.timed else None)
+        return [sorted(order[:count].tolist()) for order, count in zip(orders, counts)]
 
     def learn(
         self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"], new_tokens: Sequence[list[int]],
@@ -289,8 +320,8 @@ class DraftPolicy:
         if table is not None:
             _record(table, tokens, seconds)
         for row, draft, new in zip(lengths, drafts, new_tokens):
-            row.record_outcome(draft.tokens.tolist(), new, draft.source)
-            self.pool.record_outcome(draft.tokens.tolist(), new, draft.source)
+            row.record_outcome(draft, new)
+            self.pool.record_outcome(draft, new)
 
 
 class FixedDrafts:
@@ -303,8 +334,8 @@ class FixedDrafts:
     def budgets(self, lengths: Sequence[None], remaining: Sequence[int]) -> list[int]:
         return list(remaining)
 
-    def trim(self, lengths: Sequence[None], drafts: Sequence["Draft"]) -> list[int]:
-        return [len(draft) for draft in drafts]
+    def trim(self, lengths: Sequence[None], drafts: Sequence["Draft"]) -> list[list[int]]:
+        return [list(range(len(draft))) for draft in drafts]
 
     def learn(self, *args) -> None:
         pass

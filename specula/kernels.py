@@ -49,6 +49,50 @@ def prompt_lookup(tokens: np.ndarray, min_ngram: int, max_ngram: int, max_draft:
     return np.empty(0, dtype=np.int64), 0
 
 
+@njit(cache=True, nogil=True)
+def lookup_candidates(
+    tokens: np.ndarray, min_ngram: int, max_ngram: int, max_draft: int, max_candidates: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The continuations of up to ``max_candidates`` earlier occurrences of the sequence's suffix, the longest
+    matches first, then the most recent: returns ``(drafts [m, max_draft], matches [m])``.
+
+    Every earlier position is an occurrence of the suffix matched over as many tokens as the two agree going back
+    (at most ``max_ngram``; at least ``min_ngram`` to count); its continuation is what followed, up to
+    ``max_draft`` tokens, running into itself past the end of ``tokens`` as :func:`prompt_lookup`'s does.
+
+    Worked example, ``min_ngram=1, max_ngram=3, max_draft=2, max_candidates=3``::
+
+        tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+        occurrences of the suffix [.., 6, 7]: ending after 7 at 3 (match 2: [6, 7]) and at 7 (match 2);
+        of [7] alone: none other
+        -> drafts [[9, 2], [8, 1]], matches [2, 2]   (the most recent first among equal matches)
+    """
+    length = tokens.shape[0]
+    longest = min(max_ngram, length - 1)
+    ends = np.empty(max_candidates, dtype=np.int64)  # where each continuation starts
+    matches = np.zeros(max_candidates, dtype=np.int64)
+    found = 0
+    for end in range(length - 1, 0, -1):  # the most recent first
+        match = 0
+        while match < longest and match < end and tokens[end - 1 - match] == tokens[length - 1 - match]:
+            match += 1
+        if match < min_ngram or (found == max_candidates and match <= matches[found - 1]):
+            continue
+        if found < max_candidates:
+            found += 1
+        i = found - 1  # insert, keeping longer matches first and, among equal ones, earlier found (more recent)
+        while i > 0 and matches[i - 1] < match:
+            ends[i], matches[i] = ends[i - 1], matches[i - 1]
+            i -= 1
+        ends[i], matches[i] = end, match
+    drafts = np.empty((found, max_draft), dtype=np.int64)
+    for c in range(found):
+        for j in range(max_draft):
+            position = ends[c] + j
+            drafts[c, j] = tokens[position] if position < length else drafts[c, position - length]
+    return drafts, matches[:found]
+
+
 # --- n-gram tables ------------------------------------------------------------------------------------------------
 #
 # NGramPredictor keeps, for every order k = 2..max_order (a context of c = k - 1 tokens, table row r = c - 1), two

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -13,7 +14,7 @@ from transformers import StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from .acceptance import accept_draft
-from .cached_model import CachedModel
+from .cached_model import CachedModel, UnsupportedModelError
 from .draft_length import DraftLength, DraftPolicy, FixedDrafts, shared_step_seconds
 from .inputs import Request, vocab_size
 from .proposer import Draft, Proposer, RowProposalError
@@ -97,7 +98,7 @@ def _proposed(
                 row.lengths.record_draft_time(seconds)
         if not isinstance(draft, Draft):
             raise TypeError(f"{proposer!r}.propose(){where} must return a specula.Draft, got {type(draft).__name__}.")
-        draft = draft.head(budget)
+        draft = draft.cut(budget).head(MAX_DRAFT)
         if len(draft) and (int(draft.tokens.min()) < 0 or int(draft.tokens.max()) >= vocab):
             bad = int(draft.tokens.min()) if int(draft.tokens.min()) < 0 else int(draft.tokens.max())
             raise ValueError(
@@ -190,14 +191,22 @@ class Decoder:
             proposer.check_target(model)
         self._spare = [] if proposer is None else [proposer]  # proposer objects free for the next request
         self._target: CachedModel | None = None
+        self._trees = getattr(proposer, "proposes_trees", False)  # hold a single request as a batch row
 
     def _cached_model(self, job: Job, capacity: int) -> CachedModel:
         # position ids as model.generate passes them (some models number tokens wrongly by themselves: Bamba)
         positions, mask = (torch.arange(len(job.prompt) + job.max_new_tokens, device=self.model.device)[None], None)
         if job.padded is not None:
             positions, mask = job.padded[1:]
-        return CachedModel(self.model, positions, mask, rollback=self.proposer is not None, capacity=capacity,
-                           row_exact=self.row_exact, slots=self.slots)
+        make = functools.partial(CachedModel, self.model, positions, mask, rollback=self.proposer is not None,
+                                 capacity=capacity, row_exact=self.row_exact, slots=self.slots)
+        if self.slots == 1 and self._trees and job.padded is None:
+            try:
+                return make(ragged=True)
+            except UnsupportedModelError as error:
+                warnings.warn(f"{error} So {self.proposer!r}'s trees are cut to their first branch.", stacklevel=4)
+                self._trees = False
+        return make()
 
     def _start(self, index: int, job: Job) -> tuple[Row, list[int]]:
         """Make ``job`` row ``index`` of the batch: prefill its prompt alone, take its first token."""
@@ -207,7 +216,7 @@ class Decoder:
         if self.slots == 1 or self._target is None:
             self._target = self._cached_model(job, capacity)
         started = time.perf_counter()
-        if self.slots == 1:
+        if not self._target.ragged:
             feed = job.prompt if job.padded is None else job.padded[0]
             logits = self._target.forward(torch.from_numpy(feed).to(self._target.model.device), 1)
         else:
@@ -265,18 +274,21 @@ class Decoder:
                 budgets = self.policy.budgets(lengths, [row.sequence.room - 1 for row in rows])
                 drafts = _proposed(self.proposer, rows, budgets, self.vocab, self.slots > 1)
                 for row, draft in zip(rows, drafts):
-                    row.draft = draft
-            for row, length in zip(rows, self.policy.trim(lengths, [row.draft for row in rows])):
-                row.sent = row.draft.head(length)
+                    row.draft = draft if self._target.ragged else draft.chain()  # (trees need own masks)
+            for row, tokens in zip(rows, self.policy.trim(lengths, [row.draft for row in rows])):
+                row.sent = row.draft.select(tokens)
             started = time.perf_counter()
             device = self.model.device
             blocks = [torch.cat([torch.from_numpy(row.sequence.ids[-1:]), row.sent.tokens]).to(device) for row in rows]
-            logits = self._target.forward_rows(blocks, [len(block) for block in blocks])
+            trees = [_tree(row.sent) for row in rows]
+            logits = self._target.forward_rows(blocks, [len(block) for block in blocks], trees)
             outcomes = [accept_draft(row_logits, row.sent, row.sampling, self._tokens(row))
                         for row, row_logits in zip(rows, logits)]
             seconds = time.perf_counter() - started
             self.passes += 1
-            self._target.keep_rows([len(tokens) for tokens in outcomes])  # the last token and the accepted drafts
+            # the last token and the accepted drafts
+            paths = [_path(row.sent, tokens) for row, tokens in zip(rows, outcomes)]
+            self._target.keep_rows([len(tokens) for tokens in outcomes], paths)
             width = max(map(len, blocks))  # (every row is computed this wide)
             self.policy.learn(lengths, [row.draft for row in rows], outcomes, len(blocks) * width, seconds)
             self.step_seconds += time.perf_counter() - step_started
@@ -286,6 +298,18 @@ class Decoder:
                 if row.finished:
                     rows[index] = None
                     self._finish(row)
+
+
+def _tree(draft: Draft) -> list[int] | None:
+    """A tree draft's block layout for the target (block index of each token's parent: the last token, then the
+    draft); ``None`` for a chain."""
+    return None if draft.parents is None else [-1] + [parent + 1 for parent in draft.parents]
+
+
+def _path(draft: Draft, new_tokens: list[int]) -> list[int] | None:
+    """The block indices a step over a tree draft keeps (the last token and the accepted path); ``None``: a chain's
+    first ones."""
+    return None if draft.parents is None else [0] + [node + 1 for node in draft.path(new_tokens[:-1])]
 
 
 def jobs_of(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import prompt_lookup
+from .kernels import lookup_candidates, prompt_lookup
 from .proposer import Draft, Proposer, check_int
 
 
@@ -35,23 +35,59 @@ class PromptLookup(Proposer):
     tokens per step from 2.06 to 2.18 on code_edit and from 1.66 to 1.83 on summarize. Where verification is dear
     (fp32 on CPU) the learnt acceptance keeps weak matches from being sent.
 
+    Which occurrences: with ``branches > 1``, the continuations of several (the longest matches first, then the most
+    recent) as a tree, merged where they agree, all verified in one pass (:class:`specula.Draft` ``parents``); the
+    loop sends the likeliest of its tokens, as many as pay (:mod:`specula.draft_length`), so a tree costs a pass
+    over more tokens only where that is worth it.
+
     Args:
-        num_draft: maximum tokens proposed per step (K).
+        num_draft: maximum tokens proposed per step (K); of a tree, per branch.
         min_ngram: shortest suffix that may be matched.
         max_ngram: longest suffix tried first.
+        branches: occurrences whose continuations are proposed (1: a chain).
     """
 
-    def __init__(self, num_draft: int = 10, min_ngram: int = 1, max_ngram: int = 3) -> None:
+    def __init__(self, num_draft: int = 10, min_ngram: int = 1, max_ngram: int = 3, branches: int = 1) -> None:
         check_int("num_draft", num_draft, 1, " (tokens proposed per step)")
         check_int("min_ngram", min_ngram, 1)
         check_int("max_ngram", max_ngram, min_ngram, " (min_ngram)")
+        check_int("branches", branches, 1, " (occurrences proposed as a tree; 1: a chain)")
         self.num_draft = num_draft
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
+        self.branches = branches
+        self.proposes_trees = branches > 1
 
     def propose(self, context_ids: np.ndarray, max_tokens: int) -> Draft:
-        tokens, match_length = prompt_lookup(context_ids, self.min_ngram, self.max_ngram, min(self.num_draft, max_tokens))
-        return Draft(tokens, source=match_length)
+        length = min(self.num_draft, max_tokens)
+        if self.branches == 1:
+            tokens, match_length = prompt_lookup(context_ids, self.min_ngram, self.max_ngram, length)
+            return Draft(tokens, source=match_length)
+        continuations, matches = lookup_candidates(context_ids, self.min_ngram, self.max_ngram, length, self.branches)
+        return merged(continuations, source=int(matches[0]) if len(matches) else 0)
 
     def __repr__(self) -> str:
-        return f"PromptLookup(num_draft={self.num_draft}, min_ngram={self.min_ngram}, max_ngram={self.max_ngram})"
+        branches = f", branches={self.branches}" if self.branches > 1 else ""
+        return (f"PromptLookup(num_draft={self.num_draft}, min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
+                f"{branches})")
+
+
+def merged(continuations: np.ndarray, source: object = None) -> Draft:
+    """The tree of these continuations (``[m, length]``, the likeliest first) with shared prefixes merged: each
+    token's first child comes from the likeliest continuation through it.
+
+    >>> merged(np.array([[4, 5, 6], [4, 7, 8], [9, 5, 6]])).parents  # 4 -> 5 -> 6, 4 -> 7 -> 8, 9 -> 5 -> 6
+    (-1, 0, 1, 0, 3, -1, 5, 6)
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for continuation in continuations.tolist():
+        node = -1
+        for token in continuation:
+            if (node, token) not in index:
+                index[node, token] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+            node = index[node, token]
+    return Draft(tokens, source=source, parents=parents)

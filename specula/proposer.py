@@ -7,7 +7,7 @@ A proposer sees one sequence at a time. The loop calls
    how the target decodes: a drafter that samples must draw with ``sampling.probs`` and ``sampling.generator`` and
    return the distributions it drew from as ``Draft.probs``;
 3. ``propose(context_ids, max_tokens)`` before every target forward pass, and sends the returned draft to the target
-   for verification;
+   for verification (``max_tokens`` bounds a chain's length, a tree's depth);
 4. ``observe(new_ids, num_accepted)`` after every verification, with the tokens appended to the sequence (the
    accepted draft prefix followed by the target's own token) and how many of them came from the draft.
 
@@ -35,7 +35,8 @@ from .sampling import Sampling
 
 @dataclass(frozen=True)
 class Draft:
-    """Tokens a proposer guesses will come next, optionally with the distribution each was drawn from.
+    """Tokens a proposer guesses will come next, optionally with the distribution each was drawn from: a chain, or a
+    tree of candidate continuations verified in the same pass.
 
     Args:
         tokens: 1-D token ids (list, numpy array or tensor), at most the ``max_tokens`` the loop asked for.
@@ -43,11 +44,16 @@ class Draft:
             ``None`` for deterministic proposers (their ``q`` is one-hot on the token).
         source: a hashable label of how the draft was made (e.g. ``("match", 3)``), for proposers whose drafts
             differ in quality: the loop learns acceptance per label and sends each kind as far as it pays.
+        parents: for a tree, ``parents[i]`` is the index of token ``i``'s parent (``-1``: it follows the last
+            verified token), always below ``i``; siblings are tried in their order, so put the likelier first, and
+            they must differ. ``None`` (or ``[-1, 0, 1, ..]``) is a chain. Tree ``[-1, 0, 0, -1]`` over tokens
+            ``[a, b, c, d]``: ``a b`` or ``a c`` or ``d``.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     source: object = None
+    parents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         tokens = self.tokens
@@ -62,19 +68,96 @@ class Draft:
             raise ValueError(
                 f"Draft probs must have shape [num_tokens, vocab_size] = [{len(self)}, V], got {tuple(self.probs.shape)}."
             )
+        if self.parents is not None:
+            object.__setattr__(self, "parents", _checked_parents(self.parents, self.tokens.tolist()))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def parent_list(self) -> list[int]:
+        """Each token's parent (``-1``: the last verified token); ``[-1, 0, 1, ..]`` for a chain."""
+        return list(range(-1, len(self) - 1)) if self.parents is None else list(self.parents)
+
     def head(self, num_tokens: int) -> "Draft":
-        """The first ``num_tokens`` tokens (and their probabilities)."""
+        """The first ``num_tokens`` tokens (and their probabilities): of a tree, the tree they form."""
         if num_tokens >= len(self):
             return self
-        return Draft(self.tokens[:num_tokens], None if self.probs is None else self.probs[:num_tokens], self.source)
+        probs = None if self.probs is None else self.probs[:num_tokens]
+        parents = None if self.parents is None else self.parents[:num_tokens]
+        return Draft(self.tokens[:num_tokens], probs, self.source, parents)
+
+    def cut(self, depth: int) -> "Draft":
+        """The tokens at most ``depth`` deep (the first ``depth`` of a chain): what ``max_tokens`` bounds."""
+        if self.parents is None:
+            return self.head(depth)
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return self.select([i for i, d in enumerate(depths) if d <= depth])
+
+    def children(self) -> list[list[int]]:
+        """``children()[i + 1]``: the tokens whose parent is token ``i`` (``[0]``: of the last verified token)."""
+        children: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for index, parent in enumerate(self.parent_list()):
+            children[parent + 1].append(index)
+        return children
+
+    def path(self, new_tokens: Sequence[int]) -> list[int]:
+        """The draft tokens (indices) that ``new_tokens`` took, from the first on, while they follow the draft."""
+        children, tokens, taken, node = self.children(), self.tokens.tolist(), [], -1
+        for token in new_tokens:
+            node = next((child for child in children[node + 1] if tokens[child] == token), None)
+            if node is None:
+                break
+            taken.append(node)
+        return taken
+
+    def select(self, indices: Sequence[int]) -> "Draft":
+        """The draft of these tokens (ascending indices, each with its parent): of a chain, its first ones."""
+        if list(indices) == list(range(len(indices))):
+            return self.head(len(indices))
+        where = {old: new for new, old in enumerate(indices)}
+        parents = [-1 if self.parents[i] < 0 else where[self.parents[i]] for i in indices]
+        probs = None if self.probs is None else self.probs[list(indices)]
+        return Draft(self.tokens[list(indices)], probs, self.source, parents)
+
+    def chain(self) -> "Draft":
+        """A tree's first branch (each node's first child), as a chain; a chain itself."""
+        if self.parents is None:
+            return self
+        nodes, last = [], -1
+        for index, parent in enumerate(self.parents):
+            if parent == last:
+                nodes.append(index)
+                last = index
+        return Draft(self.tokens[nodes], None if self.probs is None else self.probs[nodes], self.source)
 
     @classmethod
     def empty(cls) -> "Draft":
         return cls(torch.empty(0, dtype=torch.long))
+
+
+def _checked_parents(parents: Sequence[int], tokens: list[int]) -> tuple[int, ...] | None:
+    """``parents`` as a tuple (``None`` for a chain), or a ValueError saying what is wrong."""
+    parents = tuple(int(parent) for parent in np.asarray(parents).reshape(-1))
+    if len(parents) != len(tokens):
+        raise ValueError(f"Draft parents must have one entry per token ({len(tokens)}), got {len(parents)}.")
+    seen = set()
+    for index, parent in enumerate(parents):
+        if not -1 <= parent < index:
+            raise ValueError(
+                f"Draft parents[{index}] = {parent}: a token's parent must come before it (-1 .. {index - 1})."
+            )
+        if (parent, tokens[index]) in seen:
+            raise ValueError(
+                f"Draft token {index} repeats a sibling's token {tokens[index]} under parent {parent}; merge them."
+            )
+        seen.add((parent, tokens[index]))
+    return None if parents == tuple(range(-1, len(parents) - 1)) else parents
 
 
 def check_int(name: str, value: object, minimum: int, what: str = "") -> int:
@@ -94,6 +177,10 @@ class RowProposalError(RuntimeError):
 
 class Proposer:
     """Base class for drafting methods; subclasses implement ``propose`` and, if they keep state, the other hooks."""
+
+    # Whether drafts may be trees (``Draft.parents``): the verifier then holds the target so that it can verify
+    # them, and cuts them to their first branch where the model cannot (see ``specula.generate``).
+    proposes_trees: bool = False
 
     def check_target(self, model: torch.nn.Module) -> None:
         """Raise ``ValueError`` if this proposer cannot draft for ``model``; called before every generation."""

@@ -1,4 +1,5 @@
-"""Naming proposers on the command line: ``prompt-lookup``, ``ngram``, ``none`` or ``draft:PATH``."""
+"""Naming proposers on the command line: ``prompt-lookup``, ``prompt-lookup-tree[:N]``, ``ngram``, ``none`` or
+``draft:PATH``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from .prompt_lookup import PromptLookup
 from .proposer import Proposer
 from .small_model import SmallModelDrafter
 
-PROPOSER_NAMES = ("prompt-lookup", "ngram", "none", "draft:PATH")
+PROPOSER_NAMES = ("prompt-lookup", "prompt-lookup-tree[:N]", "ngram", "none", "draft:PATH")
+TREE_BRANCHES = 4  # occurrences a prompt-lookup tree proposes by default
 
 
 def proposer_factory(
@@ -20,10 +22,16 @@ def proposer_factory(
 ) -> Callable[[], Proposer | None]:
     """A function that makes a fresh proposer for each request, from its name (see ``PROPOSER_NAMES``).
 
+    ``prompt-lookup-tree:N`` proposes the continuations of ``N`` occurrences as a tree (default 4).
     ``draft:PATH`` loads the draft model (an HF folder or ``.gguf`` file) once, here, with ``dtype`` on ``device``.
     """
     if spec == "prompt-lookup":
         return PromptLookup
+    if spec.partition(":")[0] == "prompt-lookup-tree":
+        branches = spec.partition(":")[2] or str(TREE_BRANCHES)
+        if not branches.isdigit() or int(branches) < 2:
+            raise ValueError(f"prompt-lookup-tree:N takes a number of branches >= 2, got {branches!r}.")
+        return lambda: PromptLookup(branches=int(branches))
     if spec == "ngram":
         return NGramPredictor
     if spec == "none":

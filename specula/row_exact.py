@@ -140,11 +140,33 @@ class _ExactLinear:
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _group_plan(ends: list[list[int]], width: int, device: torch.device) -> list[tuple]:
+    """How :func:`_grouped_sdpa` splits a pass's queries (query ``j = b * n + i``; ``ends[b][i]`` keys): per group,
+    ``(row, first query, last query + 1, keys, mask [members, keys] or None)``. The same for every layer of a pass,
+    so it is made once."""
+    n = len(ends[0])
+    flat_ends = [end for row in ends for end in row]
+    groups: dict[tuple[int, int], range] = {}  # (row, end // width) -> its queries, consecutive
+    for j, end in enumerate(flat_ends):
+        first = groups.get((j // n, end // width), range(j, j)).start
+        groups[j // n, end // width] = range(first, j + 1)
+    plan = []
+    for (row, _), members in groups.items():
+        keys = flat_ends[members[-1]]
+        mask = None  # a group of one sees all its keys: the one-token call itself
+        if len(members) > 1:
+            lengths = torch.tensor(flat_ends[members.start : members.stop], device=device)
+            mask = (torch.arange(keys, device=device) < lengths[:, None])[:, None, None]  # [members, 1, 1, keys]
+        plan.append((row, members.start, members.stop, keys, mask))
+    return plan
+
+
 def _grouped_sdpa(module, query, key, value, ends: list[list[int]], width: int, dropout: float = 0.0, scaling=None,
-                  **kwargs):
+                  plan: list[tuple] | None = None, **kwargs):
     """Attention of query ``i`` of batch row ``b`` over that row's keys ``[0, ends[b][i])``, with one SDPA call per
     group of a row's queries whose ``end // width`` agree: each query is a batch entry of its own, over the group's
-    longest keys (the row's, shared without a copy), the keys past its own end masked.
+    longest keys (the row's, shared without a copy), the keys past its own end masked (``plan``: the groups, made
+    by :func:`_group_plan` where not given).
 
     Where :meth:`RowExact._group_width` finds this exact, it is so because of how torch's CPU flash kernel reduces:
     it takes the keys in blocks of 512 and each block in vectors of 16 floats plus a scalar tail, and the tail's
@@ -155,21 +177,13 @@ def _grouped_sdpa(module, query, key, value, ends: list[list[int]], width: int, 
     del kwargs
     # query: [B, heads, n, dim]; key, value: [B, kv_heads, keys, dim]; ends: B lists of n key counts
     batch, heads, n, dim = query.shape
-    flat_ends = [end for row in ends for end in row]  # query j = b * n + i
     queries = query.transpose(1, 2).reshape(batch * n, heads, 1, dim)
-    groups: dict[tuple[int, int], range] = {}  # (row, end // width) -> its queries, consecutive
-    for j, end in enumerate(flat_ends):
-        first = groups.get((j // n, end // width), range(j, j)).start
-        groups[j // n, end // width] = range(first, j + 1)
     out = query.new_empty(batch * n, 1, heads, dim)
-    for (row, _), members in groups.items():
-        keys = flat_ends[members[-1]]
-        k, v = (t[row : row + 1, :, :keys].expand(len(members), -1, -1, -1) for t in (key, value))  # (no copy)
-        lengths = torch.tensor(flat_ends[members.start : members.stop], device=query.device)
-        mask = torch.arange(keys, device=query.device) < lengths[:, None]  # [members, keys]
-        out[members.start : members.stop] = torch.nn.functional.scaled_dot_product_attention(
-            queries[members.start : members.stop], k, v, attn_mask=mask[:, None, None], dropout_p=dropout,
-            scale=scaling, enable_gqa=heads != k.shape[1],
+    for row, first, stop, keys, mask in plan or _group_plan(ends, width, query.device):
+        k, v = (t[row : row + 1, :, :keys].expand(stop - first, -1, -1, -1) for t in (key, value))  # (no copy)
+        out[first:stop] = torch.nn.functional.scaled_dot_product_attention(
+            queries[first:stop], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+            enable_gqa=heads != k.shape[1],
         ).transpose(1, 2)  # [members, 1, heads, dim]
     return out.reshape(batch, n, heads, dim), None
 
@@ -221,12 +235,20 @@ class RowExact:
         ]
         self.plain_linears = plain  # chunked only in passes wider than calibrated (batches)
 
-    def _attention(self, inner_of: Callable, cache, ends: list[list[int]] | None) -> Callable:
+    def _attention(self, inner_of: Callable, cache, ends: list[list[int]] | None, paths: list | None) -> Callable:
         def window_of(module: torch.nn.Module) -> int | None:
             index = getattr(module, "layer_idx", None)
             if index is None or index >= len(cache.layers):
                 return None
             return getattr(cache.layers[index], "sliding_window", None)
+
+        plans: dict[tuple, list[tuple]] = {}  # the pass's query groups: made once, the same in every layer
+
+        def plan(ends: list[list[int]], width: int, device: torch.device) -> list[tuple]:
+            key = (width, tuple(map(tuple, ends)))
+            if key not in plans:
+                plans[key] = _group_plan(ends, width, device)
+            return plans[key]
 
         def attention(module, query, key, value, attention_mask, **kwargs):
             # query: [batch, heads, rows, dim]; key, value: [batch, kv_heads, keys, dim]; the last row is the newest
@@ -235,21 +257,30 @@ class RowExact:
                 window = window_of(module)
                 width = 1 if window is not None else self._group_width(module, query, key, kwargs, inner)
                 if width > 1:
-                    return _grouped_sdpa(module, query, key, value, ends, width, **kwargs)
-                outputs = []  # each [1, 1, heads, dim]
-                for b, row in enumerate(ends):
-                    for i, end in enumerate(row):
-                        start, mask = self._one_token_call(window, end, attention_mask[b : b + 1, :, i : i + 1])
-                        outputs.append(inner(module, query[b : b + 1, :, i : i + 1], key[b : b + 1, :, start:end],
-                                             value[b : b + 1, :, start:end], mask, **kwargs)[0])
-                return torch.cat(outputs, dim=1).reshape(len(ends), len(ends[0]), *outputs[0].shape[2:]), None
+                    out = _grouped_sdpa(module, query, key, value, ends, width, plan=plan(ends, width, query.device),
+                                       **kwargs)[0]
+                else:
+                    outputs = []  # each [1, 1, heads, dim]
+                    for b, row in enumerate(ends):
+                        for i, end in enumerate(row):
+                            start, mask = self._one_token_call(window, end, attention_mask[b : b + 1, :, i : i + 1])
+                            outputs.append(inner(module, query[b : b + 1, :, i : i + 1], key[b : b + 1, :, start:end],
+                                                 value[b : b + 1, :, start:end], mask, **kwargs)[0])
+                    out = torch.cat(outputs, dim=1).reshape(len(ends), len(ends[0]), *outputs[0].shape[2:])
+                for b, row_paths in enumerate(paths or []):
+                    if row_paths is not None:
+                        self._tree_row(out, b, module, query, key, value, attention_mask, row_paths, ends[b], window,
+                                       width, inner, kwargs)
+                return out, None
             if query.shape[2] == 1:
                 return inner(module, query, key, value, attention_mask, **kwargs)
             calls = self._one_token_calls(window_of(module), query.shape[2], key.shape[2], attention_mask)
             if query.shape[0] == 1 and all(mask is None and start == 0 for start, _, mask in calls):
                 width = self._group_width(module, query, key, kwargs, inner)
                 if width > 1:
-                    return _grouped_sdpa(module, query, key, value, [[end for _, end, _ in calls]], width, **kwargs)
+                    ends_one = [[end for _, end, _ in calls]]
+                    return _grouped_sdpa(module, query, key, value, ends_one, width, plan=plan(ends_one, width, query.device),
+                                         **kwargs)
             outputs = [
                 inner(module, query[:, :, i : i + 1], key[:, :, start:end], value[:, :, start:end], mask, **kwargs)[0]
                 for i, (start, end, mask) in enumerate(calls)
@@ -257,6 +288,34 @@ class RowExact:
             return torch.cat(outputs, dim=1), None
 
         return attention
+
+    def _tree_row(self, out, b: int, module, query, key, value, attention_mask, paths: list, ends: list[int],
+                  window: int | None, width: int, inner: Callable, kwargs: dict) -> None:
+        """Recompute in ``out`` (``[B, n, heads, dim]``) the queries of batch row ``b`` (a tree) whose ancestors
+        are not the block tokens before them (``paths[i]``: the block indices of query ``i``'s ancestors and
+        itself; ``None`` where they are): as a one-token step at its place computes it, over the row's cache
+        followed by its path, laid out contiguously (one copy per branch)."""
+        done: set[int] = set()
+        for leaf in reversed(range(len(paths))):  # each branch from its deepest query; its ancestors come along
+            if paths[leaf] is None or leaf in done:
+                continue
+            members = [i for i in paths[leaf] if paths[i] is not None and i not in done]
+            cached = ends[leaf] - len(paths[leaf])  # the row's keys before its block
+            slots = torch.cat([torch.arange(cached), cached + torch.tensor(paths[leaf])]).to(key.device)
+            k, v = key[b : b + 1, :, slots], value[b : b + 1, :, slots]  # [1, kv_heads, keys, dim]: contiguous
+            member_ends = [cached + len(paths[i]) for i in members]
+            if width > 1:
+                out[b, members] = _grouped_sdpa(module, query[b : b + 1, :, members], k, v, [member_ends], width,
+                                                **kwargs)[0][0]
+            else:
+                for i, end in zip(members, member_ends):
+                    # its one-token step sees all of these keys (a bool mask: True; eager's additive one: 0)
+                    fill = torch.ones if attention_mask.dtype == torch.bool else torch.zeros
+                    visible = fill((1, 1, 1, end), dtype=attention_mask.dtype, device=attention_mask.device)
+                    start, mask = self._one_token_call(window, end, visible)
+                    out[b, i] = inner(module, query[b : b + 1, :, i : i + 1], k[..., start:end, :],
+                                      v[..., start:end, :], mask, **kwargs)[0][0, 0]
+            done.update(members)
 
     def _one_token_calls(self, window: int | None, rows: int, keys: int, attention_mask) -> list[tuple]:
         """For each query row of a one-row pass, the keys ``[start, end)`` and the mask a one-token step at its
@@ -317,10 +376,12 @@ class RowExact:
         return self._group_widths[geometry]
 
     @contextlib.contextmanager
-    def applied(self, cache, ends: list[list[int]] | None = None) -> Iterator[None]:
+    def applied(self, cache, ends: list[list[int]] | None = None, paths: list | None = None) -> Iterator[None]:
         """Within the block, every multi-token pass of the model over ``cache`` (whose layers say which attention
         layers keep a sliding window) is row-exact. For a batch whose rows keep their own lengths, ``ends[b][i]``
-        is how many keys of row ``b`` its query ``i`` sees (its keys start at slot 0: no padding)."""
+        is how many keys of row ``b`` its query ``i`` sees (its keys start at slot 0: no padding). ``paths[b]``,
+        for a row whose block is a tree, gives for each query the block indices of its ancestors and itself, or
+        ``None`` where those are just the block tokens before it."""
         mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
         saved = mapping.get(self.implementation)
         if self.implementation == "sdpa":
@@ -328,7 +389,7 @@ class RowExact:
             inner_of = lambda module: sdpa  # noqa: E731
         else:
             inner_of = lambda module: sys.modules[type(module).__module__].eager_attention_forward  # noqa: E731
-        mapping[self.implementation] = self._attention(inner_of, cache, ends)
+        mapping[self.implementation] = self._attention(inner_of, cache, ends, paths)
         linears = self.linears
         if ends is not None and sum(map(len, ends)) > _CALIBRATION_ROWS:  # wider than any width calibrated
             linears = linears + self.plain_linears

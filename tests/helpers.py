@@ -48,6 +48,44 @@ class AlwaysWrong(Oracle):
         return specula.Draft((right + 1) % self.vocab_size)
 
 
+
+
+class TreeOracle(specula.Proposer):
+    """Trees around the reference continuation (prompt + output, one per request) of known shapes:
+
+    - ``"second"``: at every depth a wrong token first, the right one second (the accepted path is not the
+      first child anywhere, and its tokens are not contiguous in the block);
+    - ``"wrong"``: three branches of two tokens, all wrong;
+    - ``"chain"``: the right tokens as a plain chain.
+    """
+
+    proposes_trees = True
+
+    def __init__(self, references: list[torch.Tensor], shape: str, vocab_size: int, depth: int = 4) -> None:
+        self.references = [r.reshape(-1).tolist() for r in references]
+        self.shape, self.vocab, self.depth = shape, vocab_size, depth
+
+    def propose(self, context_ids: np.ndarray, max_tokens: int) -> specula.Draft:
+        start, context = len(context_ids), context_ids.tolist()
+        reference = next(r for r in self.references if r[:start] == context)
+        right = reference[start : start + self.depth]
+        if self.shape == "chain" or not right:
+            tokens, parents = right, None
+        elif self.shape == "second":
+            tokens, parents, last = [], [], -1
+            for token in right:
+                tokens += [(token + 1) % self.vocab, token]
+                parents += [last, last]
+                last = len(tokens) - 1
+        else:
+            tokens, parents = [], []
+            for offset in (1, 2, 3):
+                tokens += [(right[0] + offset) % self.vocab, 7]
+                parents += [-1, len(tokens) - 2]
+        draft = specula.Draft(tokens, parents=parents)
+        return draft.cut(max_tokens)
+
+
 class Recorder(specula.Proposer):
     """Wraps a proposer and records every hook call, to check what the loop tells proposers."""
 

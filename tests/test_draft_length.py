@@ -12,7 +12,8 @@ from helpers import AlwaysWrong, Oracle, hf_greedy
 from tiny_models import VOCAB, tiny_model
 
 import specula
-from specula.draft_length import DraftLength, budgets, choose_lengths, shared_step_seconds
+from specula import Draft
+from specula.draft_length import RANKS, DraftLength, DraftPolicy, budgets, choose_lengths, shared_step_seconds
 from specula.workloads import left_padded
 
 PROMPT = [1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]
@@ -34,8 +35,15 @@ def lengths_with(costs: list[float], chances: list[float]) -> DraftLength:
     for verified, seconds in enumerate(costs, start=1):
         lengths.record_step(verified, seconds)
     conditional = np.array(chances) / np.concatenate([[1.0], chances[:-1]])
-    lengths.acceptance[None] = (np.full(len(chances), 1e6), conditional * 1e6)
+    lengths.acceptance[None] = chain_record(len(chances), conditional)
     return lengths
+
+
+def chain_record(positions: int, rates) -> tuple[np.ndarray, np.ndarray]:
+    """(trials, accepts) of a million chain drafts accepted at these rates per position (first children only)."""
+    trials, accepts = np.zeros((positions, RANKS)), np.zeros((positions, RANKS))
+    trials[:, 0], accepts[:, 0] = 1e6, np.asarray(rates) * 1e6
+    return trials, accepts
 
 
 def test_the_worked_example_of_the_docstring() -> None:
@@ -64,7 +72,7 @@ def test_costs_not_measured_are_interpolated_and_one_off_stalls_are_damped() -> 
 
 def test_lengths_are_explored_by_doubling_the_longest_timed_pass() -> None:
     lengths = DraftLength(16)
-    lengths.acceptance[None] = (np.full(16, 1e6), np.full(16, 0.99e6))  # drafts that are nearly always right
+    lengths.acceptance[None] = chain_record(16, 0.99)  # drafts that are nearly always right
     assert lengths.best_length(16) == 0  # no pass timed yet: a plain step first
     for verified, expected in ((1, 1), (2, 3), (4, 7), (8, 15)):
         lengths.record_step(verified, 1.0)
@@ -75,27 +83,27 @@ def test_lengths_are_explored_by_doubling_the_longest_timed_pass() -> None:
 def test_acceptance_is_learnt_per_position_from_sent_and_unsent_tokens() -> None:
     lengths = DraftLength(4, memory=1e9)
     np.testing.assert_allclose(lengths.chances("s"), np.cumprod([0.5] * 4))  # the prior, before any evidence
-    lengths.record_outcome([5, 6, 7, 8], [5, 6, 9], "s")  # tokens 1, 2 accepted, 3 rejected, 4 not tried
+    lengths.record_outcome(Draft([5, 6, 7, 8], source="s"), [5, 6, 9])  # 1, 2 accepted, 3 rejected, 4 not tried
     trials, accepts = lengths.acceptance["s"]
-    np.testing.assert_allclose(trials, [1, 1, 1, 0])
-    np.testing.assert_allclose(accepts, [1, 1, 0, 0])
+    np.testing.assert_allclose(trials[:, 0], [1, 1, 1, 0])
+    np.testing.assert_allclose(accepts[:, 0], [1, 1, 0, 0])
     rates = [0.75, (1 + 0.75) / 2, 0.875 / 2, 0.4375]  # each smoothed toward the one before; the 4th not tried
     np.testing.assert_allclose(lengths.chances("s"), np.cumprod(rates))
-    lengths.record_outcome([5, 6], [4], "s")  # not sent: the token generated anyway shows the first was wrong
-    np.testing.assert_allclose(lengths.acceptance["s"][0], [2, 1, 1, 0])
+    lengths.record_outcome(Draft([5, 6], source="s"), [4])  # not sent: the token made anyway shows it was wrong
+    np.testing.assert_allclose(lengths.acceptance["s"][0][:, 0], [2, 1, 1, 0])
     assert "other" not in lengths.acceptance and lengths.chances("other")[0] == 0.5  # sources are kept apart
 
 
 def test_positions_not_tried_are_expected_to_do_as_well_as_the_one_before() -> None:
     lengths = DraftLength(8, memory=1e9)
     for _ in range(20):  # not sent: only the first token of each draft is checked, and it is always right
-        lengths.record_outcome([5, 6, 7], [5], "s")
+        lengths.record_outcome(Draft([5, 6, 7], source="s"), [5])
     assert lengths.chances("s")[7] > 0.8  # so with costs known, long drafts are worth sending
     for verified, seconds in ((1, 1.0), (2, 1.9), (4, 2.8), (8, 3.2)):
         lengths.record_step(verified, seconds)
     assert lengths.best_length(8, "s") >= 7
     for _ in range(20):  # always wrong: nothing is worth sending
-        lengths.record_outcome([5, 6, 7], [4], "wrong")
+        lengths.record_outcome(Draft([5, 6, 7], source="wrong"), [4])
     assert lengths.chances("wrong")[0] < 0.05 and lengths.best_length(8, "wrong") == 0
 
 
@@ -175,7 +183,7 @@ def test_step_costs_are_shared_per_model_and_setting() -> None:
     assert table is not shared_step_seconds(owner, ("cpu", torch.bfloat16), 16)
     assert table is not shared_step_seconds(other, ("cpu", torch.float32), 16)
     first = DraftLength(16, step_seconds=table)
-    first.acceptance[None] = (np.full(16, 1e6), np.full(16, 0.99e6))
+    first.acceptance[None] = chain_record(16, 0.99)
     assert first.best_length(16) == 0  # nothing timed: a plain step first
     for verified in (1, 2, 4, 8):
         first.record_step(verified, 1.0)
@@ -266,3 +274,27 @@ def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch) -> None:
     assert out.stats.rows[0].accepted > 12 and max(row.accepted for row in out.stats.rows[1:]) < 4
     measured = np.flatnonzero(~np.isnan(tables[3]))
     assert len(measured) > 1 and all(tokens % 3 == 0 for tokens in measured)  # every row as wide as the widest
+
+
+def test_a_tree_is_learnt_per_position_and_sibling_rank() -> None:
+    lengths = DraftLength(4, memory=1e9)
+    tree = Draft([3, 1, 4, 5], source="s", parents=[-1, -1, 0, 1])  # 3 -> 4 or 1 -> 5
+    lengths.record_outcome(tree, [1, 5, 9])  # the second child, then its child
+    trials, accepts = lengths.acceptance["s"]
+    np.testing.assert_allclose(trials[:2, :2], [[1, 1], [1, 0]])
+    np.testing.assert_allclose(accepts[:2, :2], [[0, 1], [1, 0]])
+    lengths.record_outcome(tree, [7])  # both first tokens tried, both wrong
+    np.testing.assert_allclose(lengths.acceptance["s"][0][0, :2], [2, 2])
+
+
+def test_a_trees_likeliest_tokens_are_sent() -> None:
+    lengths = DraftLength(4, memory=1e9)
+    trials, accepts = chain_record(4, [0.5, 0.9, 0.9, 0.9])
+    trials[0, 1], accepts[0, 1] = 1e6, 0.6e6  # a second first token is right 60% of the times the first is wrong
+    lengths.acceptance["s"] = (trials, accepts)
+    tree = Draft([3, 1, 4, 5, 6], source="s", parents=[-1, -1, 0, 1, 2])  # 3 -> 4 -> 6, 1 -> 5
+    np.testing.assert_allclose(lengths.node_chances(tree), [0.5, 0.3, 0.45, 0.27, 0.405], rtol=1e-4)
+    np.testing.assert_allclose(lengths.node_chances(tree.chain()), lengths.chances("s")[:3])
+    costs = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 3.0}  # up to four draft tokens are free
+    policy = DraftPolicy(4, timed=True, tables=lambda rows: batch_table(rows, costs))
+    assert policy.trim([lengths], [tree]) == [[0, 1, 2, 4]]  # the likeliest four: 3 -> 4 -> 6, and 1

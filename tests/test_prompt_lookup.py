@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specula
-from specula.kernels import prompt_lookup
+from specula.kernels import lookup_candidates, prompt_lookup
 
 
 def reference_lookup(tokens: list[int], min_ngram: int, max_ngram: int, max_draft: int) -> list[int]:
@@ -67,6 +67,55 @@ def test_proposer_respects_budget() -> None:
     assert proposer.propose(context, 2).tokens.tolist() == [5, 3]
 
 
+def reference_candidates(tokens: list[int], min_ngram: int, max_ngram: int, max_draft: int, count: int):
+    """Every earlier position's match with the suffix (tokens agreeing going back, up to max_ngram), the longest
+    first, then the most recent; the continuation after each (overlapping the draft as above)."""
+    found = []
+    for end in range(len(tokens) - 1, 0, -1):
+        match = 0
+        while match < min(max_ngram, end) and tokens[end - 1 - match] == tokens[-1 - match]:
+            match += 1
+        if match >= min_ngram:
+            found.append((match, end))
+    found.sort(key=lambda pair: -pair[0])  # (stable: the most recent first among equal matches)
+    drafts = []
+    for _, end in found[:count]:
+        extended = list(tokens)
+        for j in range(max_draft):
+            extended.append(extended[end + j])
+        drafts.append(extended[len(tokens) :])
+    return drafts, [match for match, _ in found[:count]]
+
+
+def test_candidates_worked_example() -> None:
+    drafts, matches = lookup_candidates(np.array([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]), 1, 3, 2, 3)
+    assert drafts.tolist() == [[9, 2], [8, 1]] and matches.tolist() == [2, 2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 4), min_size=1, max_size=60),
+    min_ngram=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    max_draft=st.integers(1, 8),
+    count=st.integers(1, 6),
+)
+def test_candidates_kernel_matches_reference(tokens, min_ngram: int, extra: int, max_draft: int, count: int) -> None:
+    drafts, matches = lookup_candidates(np.array(tokens, dtype=np.int64), min_ngram, min_ngram + extra, max_draft, count)
+    assert (drafts.tolist(), matches.tolist()) == reference_candidates(tokens, min_ngram, min_ngram + extra, max_draft, count)
+
+
+def test_a_tree_merges_the_continuations_of_several_occurrences() -> None:
+    #            occurrences of [.., 2]: at 1 (match 2: [1, 2]), at 5 (match 1), at 9 (match 2)
+    context = np.array([1, 2, 3, 4, 5, 2, 6, 6, 1, 2, 3, 5, 1, 2], dtype=np.int64)
+    tree = specula.PromptLookup(num_draft=3, branches=3).propose(context, 3)
+    # [3, 5, 1] (at 9, the most recent of the longest), [3, 4, 5] (at 1) and [6, 6, 1] (at 5)
+    assert tree.tokens.tolist() == [3, 5, 1, 4, 5, 6, 6, 1]
+    assert tree.parents == (-1, 0, 1, 0, 3, -1, 5, 6) and tree.source == 2
+    assert specula.PromptLookup(num_draft=3, branches=3).propose(context, 2).tokens.tolist() == [3, 5, 4, 6, 6]
+    assert specula.PromptLookup(branches=3).proposes_trees and not specula.PromptLookup().proposes_trees
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -74,6 +123,7 @@ def test_proposer_respects_budget() -> None:
         ({"num_draft": 2.5}, "num_draft"),
         ({"min_ngram": 0}, "min_ngram"),
         ({"min_ngram": 3, "max_ngram": 2}, "max_ngram"),
+        ({"branches": 0}, "branches"),
     ],
 )
 def test_bad_arguments(kwargs: dict, message: str) -> None:

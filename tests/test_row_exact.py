@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from helpers import AlwaysWrong, Oracle, hf_greedy
+from helpers import TreeOracle, AlwaysWrong, Oracle, hf_greedy
 
 import numpy as np
 import specula
@@ -88,7 +88,7 @@ def test_probe_finds_what_rounds_differently_and_row_exact_removes_it(name: str)
 
 def test_verifying_attention_the_old_way_is_caught(monkeypatch) -> None:
     """A mutant RowExact that leaves attention to the ordinary multi-query call: the probe names attention."""
-    monkeypatch.setattr(RowExact, "_attention", lambda self, inner_of, cache, ends: lambda m, *args, **kw: inner_of(m)(m, *args, **kw))
+    monkeypatch.setattr(RowExact, "_attention", lambda self, inner_of, cache, ends, paths: lambda m, *args, **kw: inner_of(m)(m, *args, **kw))
     row_exact_module._BUILT.clear()
     report = probe(model("llama"), prompt(), width=WIDE, row_exact=True)
     assert not report.logits_identical
@@ -168,3 +168,22 @@ def test_bf16_rows_of_a_batch_do_not_depend_on_their_batch_mates(name: str) -> N
                                max_new_tokens=NEW_TOKENS, eos_token_id=[])
         got = [row[ids.shape[1] :] for row in out.sequences.tolist()]
         assert got == [expected[i] for i in members], members
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_bf16_trees_give_model_generates_tokens(name: str) -> None:
+    """bf16: tree drafts whose accepted path is never the first child (its tokens not contiguous in the pass), alone
+    and in a batch with a chain row, and PromptLookup's own trees: model.generate's tokens."""
+    text = prompt()[0]
+    prompts = [text, text[41:]]
+    expected = [hf_greedy(model(name), p[None], NEW_TOKENS, eos_token_id=[])[0, len(p) :].tolist() for p in prompts]
+    references = [torch.cat([p, torch.tensor(e)]) for p, e in zip(prompts, expected)]
+    for members in ([0], [1, 0]):
+        ids, mask = _batch([prompts[i] for i in members])
+        for proposer in (TreeOracle(references, "second", VOCAB, depth=6), specula.PromptLookup(branches=4)):
+            out = specula.generate(model(name), ids, proposer, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                                   eos_token_id=[], adaptive_draft=False)
+            got = [row[ids.shape[1] :] for row in out.sequences.tolist()]
+            assert got == [expected[i] for i in members], (members, proposer)
+            if isinstance(proposer, TreeOracle):  # (its first branches are all wrong: the trees were verified)
+                assert out.stats.accepted > NEW_TOKENS * len(members) // 2
