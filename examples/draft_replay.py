@@ -34,7 +34,7 @@ def replay(proposer: specula.Proposer, prompt: list[int], output: list[int], cos
     """(target steps, drafted tokens, estimated seconds) to produce ``output`` with ``proposer``, its drafts sized
     by the loop's own policy (``adaptive``) or sent as proposed."""
     table = np.full(MAX_DRAFT + 2, np.nan)
-    policy = DraftPolicy(MAX_DRAFT, timed=True, tables=lambda rows: table) if adaptive else FixedDrafts()
+    policy = DraftPolicy(MAX_DRAFT, timed=True, tables=lambda rows: table) if adaptive else FixedDrafts(MAX_DRAFT)
     lengths = [policy.new_row()]
     proposer.begin(np.asarray(prompt, dtype=np.int64), specula.Sampling())
     context = list(prompt)
@@ -46,7 +46,7 @@ def replay(proposer: specula.Proposer, prompt: list[int], output: list[int], cos
         budget = policy.budgets(lengths, [remaining])[0]
         proposed = specula.Draft.empty()
         if budget:
-            proposed = proposer.propose(np.asarray(context, dtype=np.int64), budget).cut(budget).head(MAX_DRAFT)
+            proposed = proposer.propose(np.asarray(context, dtype=np.int64), budget).cut(budget)
         sent = proposed.select(policy.trim(lengths, [proposed])[0])
         accepted = len(sent.path(output[done:]))
         new = output[done : done + accepted + 1]

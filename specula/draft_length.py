@@ -326,7 +326,10 @@ class DraftPolicy:
 
 class FixedDrafts:
     """The :class:`DraftPolicy` interface for ``adaptive_draft=False``: ask for every token there is room for, send
-    every draft whole."""
+    every draft whole (a tree's first ``max_draft`` tokens)."""
+
+    def __init__(self, max_draft: int) -> None:
+        self.max_draft = max_draft
 
     def new_row(self) -> None:
         return None
@@ -335,7 +338,7 @@ class FixedDrafts:
         return list(remaining)
 
     def trim(self, lengths: Sequence[None], drafts: Sequence["Draft"]) -> list[list[int]]:
-        return [list(range(len(draft))) for draft in drafts]
+        return [list(range(min(len(draft), self.max_draft))) for draft in drafts]
 
     def learn(self, *args) -> None:
         pass

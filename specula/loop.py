@@ -98,7 +98,7 @@ def _proposed(
                 row.lengths.record_draft_time(seconds)
         if not isinstance(draft, Draft):
             raise TypeError(f"{proposer!r}.propose(){where} must return a specula.Draft, got {type(draft).__name__}.")
-        draft = draft.cut(budget).head(MAX_DRAFT)
+        draft = draft.cut(budget)
         if len(draft) and (int(draft.tokens.min()) < 0 or int(draft.tokens.max()) >= vocab):
             bad = int(draft.tokens.min()) if int(draft.tokens.min()) < 0 else int(draft.tokens.max())
             raise ValueError(
@@ -181,7 +181,7 @@ class Decoder:
         timed = sampling.greedy and (self.row_exact or not is_half_precision(model))
         setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
         tables = functools.partial(shared_step_seconds, model, setting, MAX_DRAFT)
-        self.policy = DraftPolicy(MAX_DRAFT, timed, tables) if adaptive_draft else FixedDrafts()
+        self.policy = DraftPolicy(MAX_DRAFT, timed, tables) if adaptive_draft else FixedDrafts(MAX_DRAFT)
         self.vocab = vocab_size(model)
         self.passes = 0  # target forward passes, prefills included
         self.prefill_seconds = self.step_seconds = 0.0  # time in prefills, and in steps (proposing included)

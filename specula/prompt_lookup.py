@@ -74,20 +74,26 @@ class PromptLookup(Proposer):
 
 def merged(continuations: np.ndarray, source: object = None) -> Draft:
     """The tree of these continuations (``[m, length]``, the likeliest first) with shared prefixes merged: each
-    token's first child comes from the likeliest continuation through it.
+    token's first child comes from the likeliest continuation through it. Tokens are ordered by their depth plus
+    the rank of the likeliest continuation through them (the second continuation's first token comes with the
+    first's second), so that the first ``k`` tokens are a tree worth verifying where only ``k`` can be.
 
-    >>> merged(np.array([[4, 5, 6], [4, 7, 8], [9, 5, 6]])).parents  # 4 -> 5 -> 6, 4 -> 7 -> 8, 9 -> 5 -> 6
-    (-1, 0, 1, 0, 3, -1, 5, 6)
+    >>> tree = merged(np.array([[4, 5, 6], [4, 7, 8], [9, 5, 6]]))  # 4 -> 5 -> 6, 4 -> 7 -> 8, 9 -> 5 -> 6
+    >>> tree.tokens.tolist(), tree.parents
+    ([4, 5, 6, 7, 9, 8, 5, 6], (-1, 0, 1, 0, -1, 3, 4, 6))
     """
-    tokens: list[int] = []
-    parents: list[int] = []
-    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    for continuation in continuations.tolist():
+    nodes: dict[tuple[int, int], int] = {}  # (parent, token) -> node, in the order made
+    parents, tokens, order = [], [], []  # order: (depth + rank, node)
+    for rank, continuation in enumerate(continuations.tolist()):
         node = -1
-        for token in continuation:
-            if (node, token) not in index:
-                index[node, token] = len(tokens)
+        for depth, token in enumerate(continuation):
+            if (node, token) not in nodes:
+                nodes[node, token] = len(tokens)
+                order.append((depth + rank, len(tokens)))
                 tokens.append(token)
                 parents.append(node)
-            node = index[node, token]
-    return Draft(tokens, source=source, parents=parents)
+            node = nodes[node, token]
+    order = [node for _, node in sorted(order)]  # (a parent comes before its children: its key is smaller)
+    where = {node: i for i, node in enumerate(order)}
+    return Draft([tokens[node] for node in order], source=source,
+                 parents=[-1 if parents[node] < 0 else where[parents[node]] for node in order])

@@ -14,7 +14,7 @@ from .proposer import Proposer
 from .small_model import SmallModelDrafter
 
 PROPOSER_NAMES = ("prompt-lookup", "prompt-lookup-tree[:N]", "ngram", "none", "draft:PATH")
-TREE_BRANCHES = 4  # occurrences a prompt-lookup tree proposes by default
+TREE_BRANCHES = 8  # occurrences a prompt-lookup tree proposes by default
 
 
 def proposer_factory(
@@ -22,7 +22,7 @@ def proposer_factory(
 ) -> Callable[[], Proposer | None]:
     """A function that makes a fresh proposer for each request, from its name (see ``PROPOSER_NAMES``).
 
-    ``prompt-lookup-tree:N`` proposes the continuations of ``N`` occurrences as a tree (default 4).
+    ``prompt-lookup-tree:N`` proposes the continuations of ``N`` occurrences as a tree (default 8).
     ``draft:PATH`` loads the draft model (an HF folder or ``.gguf`` file) once, here, with ``dtype`` on ``device``.
     """
     if spec == "prompt-lookup":

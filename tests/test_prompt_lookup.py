@@ -109,10 +109,11 @@ def test_a_tree_merges_the_continuations_of_several_occurrences() -> None:
     #            occurrences of [.., 2]: at 1 (match 2: [1, 2]), at 5 (match 1), at 9 (match 2)
     context = np.array([1, 2, 3, 4, 5, 2, 6, 6, 1, 2, 3, 5, 1, 2], dtype=np.int64)
     tree = specula.PromptLookup(num_draft=3, branches=3).propose(context, 3)
-    # [3, 5, 1] (at 9, the most recent of the longest), [3, 4, 5] (at 1) and [6, 6, 1] (at 5)
-    assert tree.tokens.tolist() == [3, 5, 1, 4, 5, 6, 6, 1]
-    assert tree.parents == (-1, 0, 1, 0, 3, -1, 5, 6) and tree.source == 2
-    assert specula.PromptLookup(num_draft=3, branches=3).propose(context, 2).tokens.tolist() == [3, 5, 4, 6, 6]
+    # [3, 5, 1] (at 9, the most recent of the longest), [3, 4, 5] (at 1) and [6, 6, 1] (at 5), merged; by depth +
+    # rank: 3 | 5 | 1, 4, 6 | 5, 6 | 1
+    assert tree.tokens.tolist() == [3, 5, 1, 4, 6, 5, 6, 1]
+    assert tree.parents == (-1, 0, 1, 0, -1, 3, 4, 6) and tree.source == 2
+    assert specula.PromptLookup(num_draft=3, branches=3).propose(context, 2).tokens.tolist() == [3, 5, 4, 6, 6]  # two deep
     assert specula.PromptLookup(branches=3).proposes_trees and not specula.PromptLookup().proposes_trees
 
 
