@@ -167,18 +167,18 @@ def _ancestry(trees: list[list[int] | None], n: int, device: torch.device) -> tu
     each token's depth (``[B, n]``). ``trees[b]`` gives row ``b``'s parents (``trees[b][i] < i``, ``-1`` for the
     first; tokens past them, padding, follow the token before); ``None`` is a chain.
 
-    >>> ancestry, depth = _ancestry([[-1, 0, 0, 1], None], 4, torch.device("cpu"))  # 0 -> 1 -> 3, and 0 -> 2
+    >>> ancestry, depth = _ancestry([[-1, 0, 0, 2], None], 4, torch.device("cpu"))  # 0 -> 1, and 0 -> 2 -> 3
     >>> ancestry[0].int().tolist(), depth.tolist()
-    ([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], [[0, 1, 1, 2], [0, 1, 2, 3]])
+    ([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], [[0, 1, 1, 2], [0, 1, 2, 3]])
     """
     ancestry = np.tril(np.ones((n, n), dtype=bool))[None].repeat(len(trees), axis=0)
     depth = np.arange(n)[None].repeat(len(trees), axis=0)
     for b, tree in enumerate(trees):
-        for i, parent in enumerate(tree or []):
-            if parent != i - 1:  # (only the first token has none: -1)
-                ancestry[b, i, :i], depth[b, i] = ancestry[b, parent, :i], depth[b, parent] + 1
-        for i in range(len(tree or range(n)), n):  # (padding after a tree: a chain from its last token)
-            ancestry[b, i, :i], depth[b, i] = ancestry[b, i - 1, :i], depth[b, i - 1] + 1
+        if tree is None:
+            continue
+        parents = tree + list(range(len(tree) - 1, n - 1))  # (padding after a tree: a chain from its last token)
+        for i in range(1, n):  # (only the first token has no parent: -1)
+            ancestry[b, i, :i], depth[b, i] = ancestry[b, parents[i], :i], depth[b, parents[i]] + 1
     return torch.from_numpy(ancestry).to(device), torch.from_numpy(depth).to(device)
 
 

@@ -142,22 +142,23 @@ class _ExactLinear:
 
 def _group_plan(ends: list[list[int]], width: int, device: torch.device) -> list[tuple]:
     """How :func:`_grouped_sdpa` splits a pass's queries (query ``j = b * n + i``; ``ends[b][i]`` keys): per group,
-    ``(row, first query, last query + 1, keys, mask [members, keys] or None)``. The same for every layer of a pass,
-    so it is made once."""
+    ``(row, its queries: a slice where they follow each other, else an index tensor, keys, mask [members, 1, 1, keys]
+    or None)``. The same for every layer of a pass, so it is made once."""
     n = len(ends[0])
     flat_ends = [end for row in ends for end in row]
-    groups: dict[tuple[int, int], range] = {}  # (row, end // width) -> its queries, consecutive
+    groups: dict[tuple[int, int], list[int]] = {}  # (row, end // width) -> its queries (a tree's need not follow)
     for j, end in enumerate(flat_ends):
-        first = groups.get((j // n, end // width), range(j, j)).start
-        groups[j // n, end // width] = range(first, j + 1)
+        groups.setdefault((j // n, end // width), []).append(j)
     plan = []
     for (row, _), members in groups.items():
-        keys = flat_ends[members[-1]]
+        keys = max(flat_ends[j] for j in members)
         mask = None  # a group of one sees all its keys: the one-token call itself
         if len(members) > 1:
-            lengths = torch.tensor(flat_ends[members.start : members.stop], device=device)
+            lengths = torch.tensor([flat_ends[j] for j in members], device=device)
             mask = (torch.arange(keys, device=device) < lengths[:, None])[:, None, None]  # [members, 1, 1, keys]
-        plan.append((row, members.start, members.stop, keys, mask))
+        follow = members == list(range(members[0], members[-1] + 1))
+        where = slice(members[0], members[-1] + 1) if follow else torch.tensor(members, device=device)
+        plan.append((row, where, keys, mask))
     return plan
 
 
@@ -166,7 +167,7 @@ def _grouped_sdpa(module, query, key, value, ends: list[list[int]], width: int, 
     """Attention of query ``i`` of batch row ``b`` over that row's keys ``[0, ends[b][i])``, with one SDPA call per
     group of a row's queries whose ``end // width`` agree: each query is a batch entry of its own, over the group's
     longest keys (the row's, shared without a copy), the keys past its own end masked (``plan``: the groups, made
-    by :func:`_group_plan` where not given).
+    by :func:`_group_plan` where not given; a tree's queries need not come in the order of their key counts).
 
     Where :meth:`RowExact._group_width` finds this exact, it is so because of how torch's CPU flash kernel reduces:
     it takes the keys in blocks of 512 and each block in vectors of 16 floats plus a scalar tail, and the tail's
@@ -179,11 +180,11 @@ def _grouped_sdpa(module, query, key, value, ends: list[list[int]], width: int, 
     batch, heads, n, dim = query.shape
     queries = query.transpose(1, 2).reshape(batch * n, heads, 1, dim)
     out = query.new_empty(batch * n, 1, heads, dim)
-    for row, first, stop, keys, mask in plan or _group_plan(ends, width, query.device):
-        k, v = (t[row : row + 1, :, :keys].expand(stop - first, -1, -1, -1) for t in (key, value))  # (no copy)
-        out[first:stop] = torch.nn.functional.scaled_dot_product_attention(
-            queries[first:stop], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-            enable_gqa=heads != k.shape[1],
+    for row, where, keys, mask in plan or _group_plan(ends, width, query.device):
+        members = queries[where]  # [members, heads, 1, dim]
+        k, v = (t[row : row + 1, :, :keys].expand(len(members), -1, -1, -1) for t in (key, value))  # (no copy)
+        out[where] = torch.nn.functional.scaled_dot_product_attention(
+            members, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=heads != k.shape[1],
         ).transpose(1, 2)  # [members, 1, heads, dim]
     return out.reshape(batch, n, heads, dim), None
 

@@ -55,6 +55,10 @@ class TreeOracle(specula.Proposer):
 
     - ``"second"``: at every depth a wrong token first, the right one second (the accepted path is not the
       first child anywhere, and its tokens are not contiguous in the block);
+    - ``"detour"``: a wrong first token, then the right tokens as a chain under the root's second child (each
+      right token's parent is the token just before it in the draft, yet not all tokens before are its ancestors);
+    - ``"late"``: the right tokens as the first branch, then a wrong sibling of the first (a token after deeper
+      ones: the draft's order is not by depth);
     - ``"wrong"``: three branches of two tokens, all wrong;
     - ``"chain"``: the right tokens as a plain chain.
     """
@@ -71,6 +75,10 @@ class TreeOracle(specula.Proposer):
         right = reference[start : start + self.depth]
         if self.shape == "chain" or not right:
             tokens, parents = right, None
+        elif self.shape == "detour":
+            tokens, parents = [(right[0] + 1) % self.vocab] + right, [-1, -1] + list(range(1, len(right)))
+        elif self.shape == "late":
+            tokens, parents = right + [(right[0] + 1) % self.vocab], list(range(-1, len(right) - 1)) + [-1]
         elif self.shape == "second":
             tokens, parents, last = [], [], -1
             for token in right:

@@ -37,7 +37,8 @@ def reference(index: int) -> torch.Tensor:
     return hf_greedy(model, prompts()[index][1], 48, eos_token_id=model.generation_config.eos_token_id)
 
 
-@pytest.mark.parametrize("make_proposer", [specula.PromptLookup, specula.NGramPredictor], ids=["lookup", "ngram"])
+@pytest.mark.parametrize("make_proposer", [specula.PromptLookup, specula.NGramPredictor,
+                                           lambda: specula.PromptLookup(branches=8)], ids=["lookup", "ngram", "tree"])
 @pytest.mark.parametrize("index", range(5))
 def test_greedy_output_is_identical_to_generate(index: int, make_proposer) -> None:
     model, _ = smollm2()
@@ -94,3 +95,20 @@ def test_bf16_rows_of_a_batch_are_model_generate_alone() -> None:
         out = specula.generate(model, ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=32)
         got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
         assert got == [expected[i] for i in members], members
+
+
+def test_bf16_trees_alone_and_in_a_batch_are_model_generate() -> None:
+    """bf16 (row-exact), PromptLookup trees of 8 occurrences sent whole: each prompt gives model.generate's output,
+    alone and in a batch."""
+    model, tokenizer = smollm2_bf16()
+    rows = [prompt[0] for _, prompt in prompts()]
+    eos = model.generation_config.eos_token_id
+    expected = [hf_greedy(model, row[None], 32, eos_token_id=eos)[0, len(row) :].tolist() for row in rows]
+    for members in ([1], [2, 0, 4]):
+        ids, mask = left_padded([rows[i] for i in members], tokenizer.pad_token_id)
+        width = ids.shape[1]
+        out = specula.generate(model, ids, specula.PromptLookup(branches=8), attention_mask=mask, max_new_tokens=32,
+                               adaptive_draft=False)
+        got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
+        assert got == [expected[i] for i in members], members
+        assert out.stats.accepted > 0

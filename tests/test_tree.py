@@ -38,7 +38,7 @@ def alone(name: str, row: torch.Tensor, new_tokens: int = NEW_TOKENS, **kwargs) 
 
 
 @pytest.mark.parametrize("name", TREE_MODELS)
-@pytest.mark.parametrize("shape", ["second", "wrong"])
+@pytest.mark.parametrize("shape", ["second", "detour", "late", "wrong"])
 def test_a_tree_gives_model_generates_tokens_alone(name: str, shape: str) -> None:
     row = prompts()[0]
     expected = alone(name, row, eos_token_id=[])
@@ -46,7 +46,7 @@ def test_a_tree_gives_model_generates_tokens_alone(name: str, shape: str) -> Non
     out = specula.generate(model(name), row[None], proposer, max_new_tokens=NEW_TOKENS, eos_token_id=[],
                            adaptive_draft=False)
     assert out.sequences[0, len(row) :].tolist() == expected
-    if shape == "second":  # the right branch, never the first child, was taken at every depth
+    if shape != "wrong":  # the right branch, not the first child, was taken
         assert out.stats.accepted > NEW_TOKENS // 2 and out.stats.steps < NEW_TOKENS // 2
     else:
         assert out.stats.accepted == 0 and out.stats.drafted > 0
@@ -72,17 +72,23 @@ def test_trees_and_chains_in_a_batch_give_each_row_its_own_tokens(name: str) -> 
     assert out.stats.rows[0].accepted > NEW_TOKENS // 2 and out.stats.rows[1].accepted == 0
 
 
+@pytest.mark.parametrize("batch", [False, True])
 @pytest.mark.parametrize("limit", ["eos", "max_new_tokens"])
-def test_a_tree_path_that_ends_the_output(limit: str) -> None:
-    row = prompts()[2]
+def test_a_tree_path_that_ends_the_output(limit: str, batch: bool) -> None:
+    row, mate = prompts()[2], prompts()[1]
     full = alone("llama", row, eos_token_id=[])
     end = 9  # the output ends inside an accepted path
-    kwargs = {"eos_token_id": [full[end]]} if limit == "eos" else {"eos_token_id": [], "max_new_tokens": end + 1}
+    eos, new_tokens = ([full[end]], NEW_TOKENS) if limit == "eos" else ([], end + 1)
     if limit == "eos":
         end = full.index(full[end])  # (the first time that token comes)
-    proposer = TreeOracle([torch.tensor(row.tolist() + full)], "second", VOCAB, depth=6)
-    out = specula.generate(model("llama"), row[None], proposer, **{"max_new_tokens": NEW_TOKENS, **kwargs})
-    assert out.sequences[0, len(row) :].tolist() == full[: end + 1]
+    rows = [row, mate] if batch else [row]
+    references = [torch.cat([r, torch.tensor(alone("llama", r, new_tokens, eos_token_id=eos))]) for r in rows]
+    ids, mask = left_padded(rows, 0)
+    out = specula.generate(model("llama"), ids, TreeOracle(references, "second", VOCAB, depth=6),
+                           attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=eos)
+    got = [seq[ids.shape[1] : ids.shape[1] + stats.new_tokens] for seq, stats in zip(out.sequences.tolist(), out.stats.rows)]
+    assert got[0] == full[: end + 1]
+    assert got == [reference[len(r) :].tolist() for r, reference in zip(rows, references)]
 
 
 V = 6
