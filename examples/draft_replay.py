@@ -33,8 +33,8 @@ BF16_COSTS = "1.00,0.99,1.02,0.97,1.03,1.04,1.04,1.04,1.10,1.15,1.19,1.20,1.21,1
 def replay(proposer: specula.Proposer, prompt: list[int], output: list[int], costs: np.ndarray, adaptive: bool):
     """(target steps, drafted tokens, estimated seconds) to produce ``output`` with ``proposer``, its drafts sized
     by the loop's own policy (``adaptive``) or sent as proposed."""
-    table = np.full(MAX_DRAFT + 2, np.nan)
-    policy = DraftPolicy(MAX_DRAFT, timed=True, tables=lambda rows: table) if adaptive else FixedDrafts(MAX_DRAFT)
+    tables = {tree: np.full(MAX_DRAFT + 2, np.nan) for tree in (False, True)}  # (replayed costs: alike)
+    policy = DraftPolicy(MAX_DRAFT, True, lambda rows, tree: tables[tree]) if adaptive else FixedDrafts(MAX_DRAFT)
     lengths = [policy.new_row()]
     proposer.begin(np.asarray(prompt, dtype=np.int64), specula.Sampling())
     context = list(prompt)
@@ -51,7 +51,7 @@ def replay(proposer: specula.Proposer, prompt: list[int], output: list[int], cos
         accepted = len(sent.path(output[done:]))
         new = output[done : done + accepted + 1]
         cost = costs[min(len(sent), len(costs) - 1)]
-        policy.learn(lengths, [proposed], [new], len(sent) + 1, cost)
+        policy.learn(lengths, [proposed], [new], len(sent) + 1, cost, tree=sent.is_tree)
         proposer.observe(new, accepted)
         context += new
         steps, drafted, seconds = steps + 1, drafted + len(sent), seconds + cost

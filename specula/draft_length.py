@@ -84,6 +84,14 @@ def _explored_width(table: np.ndarray, rows: int) -> int:
 def choose_lengths(rows: Sequence["DraftLength"], chances: Sequence[np.ndarray], table: np.ndarray | None) -> list[int]:
     """How many draft tokens each row of a pass sends: ``chances[r]`` holds ``P_1, P_2 ..`` for the tokens row ``r``
     has, ``table`` the measured pass costs for ``len(rows)`` rows (``None``: untimed, every pass costs the same).
+    See :func:`_choice`."""
+    return _choice(rows, chances, table)[0]
+
+
+def _choice(
+    rows: Sequence["DraftLength"], chances: Sequence[np.ndarray], table: np.ndarray | None
+) -> tuple[list[int], float]:
+    """:func:`choose_lengths`, and the expected tokens per second (per unit of cost) of that choice.
 
     The ``R`` rows of a pass are computed equally wide, ``m + 1`` tokens with ``m`` the longest draft sent (shorter
     blocks are padded), so a pass costs what ``R * (m + 1)`` tokens cost, and yields ``R + sum of the sent tokens'
@@ -104,7 +112,7 @@ def choose_lengths(rows: Sequence["DraftLength"], chances: Sequence[np.ndarray],
     costs = np.ones(len(widths)) if table is None else _costs(table, len(rows))[len(rows) * widths]
     rates = expected / (costs + sum(row.draft_seconds for row in rows))
     width = int(np.argmax(rates))  # the first maximum: ties go to fewer tokens
-    return [min(width, len(c)) for c in usable]
+    return [min(width, len(c)) for c in usable], float(rates[width])
 
 
 def budgets(rows: Sequence["DraftLength"], remaining: Sequence[int], table: np.ndarray | None) -> list[int]:
@@ -286,12 +294,12 @@ class DraftLength:
 
 class DraftPolicy:
     """Draft lengths for the requests of a pass (one, or the rows of a batch): each row's acceptance is its own
-    (:class:`DraftLength`), what a pass costs is measured by the tokens it verifies in all, per number of rows,
-    and shared per target model (``tables(rows)``; not consulted when untimed). The loop talks to it through
+    (:class:`DraftLength`), what a pass costs is measured by the tokens it verifies in all, per number of rows and
+    apart for passes with trees, and shared per target model (``tables(rows, tree)``; not consulted when untimed). The loop talks to it through
     :meth:`budgets`, :meth:`trim` and :meth:`learn`; :class:`FixedDrafts` is the same interface sending every draft
     as proposed."""
 
-    def __init__(self, max_draft: int, timed: bool, tables: Callable[[int], np.ndarray]) -> None:
+    def __init__(self, max_draft: int, timed: bool, tables: Callable[[int, bool], np.ndarray]) -> None:
         self.max_draft, self.timed, self.tables = max_draft, timed, tables
         self.pool = DraftLength(max_draft, memory=48.0, timed=False)  # every request's outcomes, for new ones
 
@@ -300,25 +308,44 @@ class DraftPolicy:
 
     def budgets(self, lengths: Sequence[DraftLength], remaining: Sequence[int]) -> list[int]:
         """How many tokens to ask each row's proposer for, with ``remaining`` tokens of room per row."""
-        return budgets(lengths, remaining, self.tables(len(lengths)) if self.timed else None)
+        return budgets(lengths, remaining, self._table(len(lengths), False))
 
     def trim(self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"]) -> list[list[int]]:
         """Which tokens of each row's draft this pass verifies (indices, ascending): the likeliest, as many as pay.
-        Of a chain, its first ones; of a tree, a tree (a token is never likelier than its parent)."""
+        Of a chain, its first ones; of a tree, a tree (a token is never likelier than its parent). Where a row has a
+        tree, the pass is costed as a tree pass (its own table: verifying a tree costs more than a chain as wide)
+        and sent only if it yields more tokens per second than the first branches alone as chains."""
+        chains = [draft.first_branch() for draft in drafts]
+        picks, rate = self._pick(lengths, [draft.select(chain) for draft, chain in zip(drafts, chains)], tree=False)
+        picks = [[chain[i] for i in pick] for chain, pick in zip(chains, picks)]  # (indices into the drafts)
+        if any(draft.is_tree for draft in drafts):
+            tree_picks, tree_rate = self._pick(lengths, drafts, tree=True)
+            if tree_rate > rate:
+                return tree_picks
+        return picks
+
+    def _pick(self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"], tree: bool) -> tuple[list[list[int]], float]:
         chances = [row.node_chances(draft) for row, draft in zip(lengths, drafts)]
         orders = [np.argsort(-chance, kind="stable") for chance in chances]
-        counts = choose_lengths(lengths, [c[o] for c, o in zip(chances, orders)], self.tables(len(lengths)) if self.timed else None)
-        return [sorted(order[:count].tolist()) for order, count in zip(orders, counts)]
+        counts, rate = _choice(lengths, [c[o] for c, o in zip(chances, orders)], self._table(len(lengths), tree))
+        return [sorted(order[:count].tolist()) for order, count in zip(orders, counts)], rate
+
+    def _table(self, rows: int, tree: bool) -> np.ndarray | None:
+        """The pass costs the decisions use (``None`` untimed); a tree pass's where measured, else a chain's."""
+        if not self.timed:
+            return None
+        chain = self.tables(rows, False)
+        return np.where(np.isnan(trees := self.tables(rows, True)), chain, trees) if tree else chain
 
     def learn(
         self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"], new_tokens: Sequence[list[int]],
-        tokens: int, seconds: float,
+        tokens: int, seconds: float, tree: bool = False,
     ) -> None:
-        """A pass over ``tokens`` tokens in all (its rows padded to the widest) took ``seconds`` and gave each row
-        ``new_tokens[r]`` for its proposed (not necessarily sent) ``drafts[r]``."""
-        table = self.tables(len(lengths)) if self.timed else None
-        if table is not None:
-            _record(table, tokens, seconds)
+        """A pass over ``tokens`` tokens in all (its rows padded to the widest; ``tree``: some row's draft a tree)
+        took ``seconds`` and gave each row ``new_tokens[r]`` for its proposed (not necessarily sent)
+        ``drafts[r]``."""
+        if self.timed:
+            _record(self.tables(len(lengths), tree), tokens, seconds)
         for row, draft, new in zip(lengths, drafts, new_tokens):
             row.record_outcome(draft, new)
             self.pool.record_outcome(draft, new)
@@ -340,5 +367,5 @@ class FixedDrafts:
     def trim(self, lengths: Sequence[None], drafts: Sequence["Draft"]) -> list[list[int]]:
         return [list(range(min(len(draft), self.max_draft))) for draft in drafts]
 
-    def learn(self, *args) -> None:
+    def learn(self, *args, **kwargs) -> None:
         pass

@@ -180,7 +180,9 @@ class Decoder:
         self.row_exact = (proposer is not None or slots > 1) and wanted(model, row_exact)
         timed = sampling.greedy and (self.row_exact or not is_half_precision(model))
         setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
-        tables = functools.partial(shared_step_seconds, model, setting, MAX_DRAFT)
+        def tables(rows: int, tree: bool = False):  # pass costs (passes with trees apart)
+            return shared_step_seconds(model, (*setting, "tree") if tree else setting, MAX_DRAFT, rows)
+
         self.policy = DraftPolicy(MAX_DRAFT, timed, tables) if adaptive_draft else FixedDrafts(MAX_DRAFT)
         self.vocab = vocab_size(model)
         self.passes = 0  # target forward passes, prefills included
@@ -290,7 +292,8 @@ class Decoder:
             paths = [_path(row.sent, tokens) for row, tokens in zip(rows, outcomes)]
             self._target.keep_rows([len(tokens) for tokens in outcomes], paths)
             width = max(map(len, blocks))  # (every row is computed this wide)
-            self.policy.learn(lengths, [row.draft for row in rows], outcomes, len(blocks) * width, seconds)
+            self.policy.learn(lengths, [row.draft for row in rows], outcomes, len(blocks) * width, seconds,
+                              tree=any(tree is not None for tree in trees))
             self.step_seconds += time.perf_counter() - step_started
             self._made[len(rows)] = self._made.get(len(rows), 0) + sum(map(len, outcomes))
             for index, (row, tokens) in enumerate(zip(rows, outcomes)):

@@ -125,16 +125,21 @@ class Draft:
         probs = None if self.probs is None else self.probs[list(indices)]
         return Draft(self.tokens[list(indices)], probs, self.source, parents)
 
-    def chain(self) -> "Draft":
-        """A tree's first branch (each node's first child), as a chain; a chain itself."""
+    def first_branch(self) -> list[int]:
+        """The indices of a tree's first branch (each token's first child, from the first token on); of a chain,
+        all."""
         if self.parents is None:
-            return self
+            return list(range(len(self)))
         nodes, last = [], -1
         for index, parent in enumerate(self.parents):
             if parent == last:
                 nodes.append(index)
                 last = index
-        return Draft(self.tokens[nodes], None if self.probs is None else self.probs[nodes], self.source)
+        return nodes
+
+    def chain(self) -> "Draft":
+        """A tree's first branch, as a chain; a chain itself."""
+        return self.select(self.first_branch())
 
     @classmethod
     def empty(cls) -> "Draft":

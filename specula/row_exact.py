@@ -140,15 +140,16 @@ class _ExactLinear:
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _group_plan(ends: list[list[int]], width: int, device: torch.device) -> list[tuple]:
-    """How :func:`_grouped_sdpa` splits a pass's queries (query ``j = b * n + i``; ``ends[b][i]`` keys): per group,
-    ``(row, its queries: a slice where they follow each other, else an index tensor, keys, mask [members, 1, 1, keys]
-    or None)``. The same for every layer of a pass, so it is made once."""
+def _group_plan(ends: list[list[int]], width: int, device: torch.device, skip: frozenset = frozenset()) -> list[tuple]:
+    """How :func:`_grouped_sdpa` splits a pass's queries (query ``j = b * n + i``; ``ends[b][i]`` keys; those in
+    ``skip`` left out): per group, ``(row, its queries: a slice where they follow each other, else an index tensor,
+    keys, mask [members, 1, 1, keys] or None)``. The same for every layer of a pass, so it is made once."""
     n = len(ends[0])
     flat_ends = [end for row in ends for end in row]
     groups: dict[tuple[int, int], list[int]] = {}  # (row, end // width) -> its queries (a tree's need not follow)
     for j, end in enumerate(flat_ends):
-        groups.setdefault((j // n, end // width), []).append(j)
+        if j not in skip:
+            groups.setdefault((j // n, end // width), []).append(j)
     plan = []
     for (row, _), members in groups.items():
         keys = max(flat_ends[j] for j in members)
@@ -180,7 +181,7 @@ def _grouped_sdpa(module, query, key, value, ends: list[list[int]], width: int, 
     batch, heads, n, dim = query.shape
     queries = query.transpose(1, 2).reshape(batch * n, heads, 1, dim)
     out = query.new_empty(batch * n, 1, heads, dim)
-    for row, where, keys, mask in plan or _group_plan(ends, width, query.device):
+    for row, where, keys, mask in _group_plan(ends, width, query.device) if plan is None else plan:
         members = queries[where]  # [members, heads, 1, dim]
         k, v = (t[row : row + 1, :, :keys].expand(len(members), -1, -1, -1) for t in (key, value))  # (no copy)
         out[where] = torch.nn.functional.scaled_dot_product_attention(
@@ -244,11 +245,15 @@ class RowExact:
             return getattr(cache.layers[index], "sliding_window", None)
 
         plans: dict[tuple, list[tuple]] = {}  # the pass's query groups: made once, the same in every layer
+        # a tree's queries whose ancestors are not the tokens before them: computed by _tree_row alone
+        n = len(ends[0]) if ends else 0
+        off_path = frozenset(b * n + i for b, row in enumerate(paths or []) if row is not None
+                             for i, path in enumerate(row) if path is not None)
 
-        def plan(ends: list[list[int]], width: int, device: torch.device) -> list[tuple]:
-            key = (width, tuple(map(tuple, ends)))
+        def plan(ends: list[list[int]], width: int, device: torch.device, skip: frozenset = frozenset()) -> list[tuple]:
+            key = (width, tuple(map(tuple, ends)), skip)
             if key not in plans:
-                plans[key] = _group_plan(ends, width, device)
+                plans[key] = _group_plan(ends, width, device, skip)
             return plans[key]
 
         def attention(module, query, key, value, attention_mask, **kwargs):
@@ -258,8 +263,8 @@ class RowExact:
                 window = window_of(module)
                 width = 1 if window is not None else self._group_width(module, query, key, kwargs, inner)
                 if width > 1:
-                    out = _grouped_sdpa(module, query, key, value, ends, width, plan=plan(ends, width, query.device),
-                                       **kwargs)[0]
+                    out = _grouped_sdpa(module, query, key, value, ends, width,
+                                       plan=plan(ends, width, query.device, off_path), **kwargs)[0]
                 else:
                     outputs = []  # each [1, 1, heads, dim]
                     for b, row in enumerate(ends):
@@ -271,7 +276,7 @@ class RowExact:
                 for b, row_paths in enumerate(paths or []):
                     if row_paths is not None:
                         self._tree_row(out, b, module, query, key, value, attention_mask, row_paths, ends[b], window,
-                                       width, inner, kwargs)
+                                       width, inner, kwargs, plan)
                 return out, None
             if query.shape[2] == 1:
                 return inner(module, query, key, value, attention_mask, **kwargs)
@@ -291,23 +296,28 @@ class RowExact:
         return attention
 
     def _tree_row(self, out, b: int, module, query, key, value, attention_mask, paths: list, ends: list[int],
-                  window: int | None, width: int, inner: Callable, kwargs: dict) -> None:
+                  window: int | None, width: int, inner: Callable, kwargs: dict, plan: Callable) -> None:
         """Recompute in ``out`` (``[B, n, heads, dim]``) the queries of batch row ``b`` (a tree) whose ancestors
         are not the block tokens before them (``paths[i]``: the block indices of query ``i``'s ancestors and
         itself; ``None`` where they are): as a one-token step at its place computes it, over the row's cache
-        followed by its path, laid out contiguously (one copy per branch)."""
+        followed by its path. Each branch's path is written over the row's block in ``key`` and ``value`` for its
+        queries, so that its keys follow the cache without a copy of it; the block is put back afterwards."""
+        cached = ends[0] - 1  # the row's keys before its block
+        saved = [t[b, :, cached : cached + len(paths)].clone() for t in (key, value)]  # [kv_heads, n, dim]
         done: set[int] = set()
         for leaf in reversed(range(len(paths))):  # each branch from its deepest query; its ancestors come along
             if paths[leaf] is None or leaf in done:
                 continue
             members = [i for i in paths[leaf] if paths[i] is not None and i not in done]
-            cached = ends[leaf] - len(paths[leaf])  # the row's keys before its block
-            slots = torch.cat([torch.arange(cached), cached + torch.tensor(paths[leaf])]).to(key.device)
-            k, v = key[b : b + 1, :, slots], value[b : b + 1, :, slots]  # [1, kv_heads, keys, dim]: contiguous
+            path = torch.tensor(paths[leaf], device=key.device)
+            for t, block in zip((key, value), saved):
+                t[b, :, cached : cached + len(path)] = block[:, path]
+            keys = cached + len(path)
+            k, v = key[b : b + 1, :, :keys], value[b : b + 1, :, :keys]  # [1, kv_heads, keys, dim]
             member_ends = [cached + len(paths[i]) for i in members]
             if width > 1:
                 out[b, members] = _grouped_sdpa(module, query[b : b + 1, :, members], k, v, [member_ends], width,
-                                                **kwargs)[0][0]
+                                                plan=plan([member_ends], width, key.device), **kwargs)[0][0]
             else:
                 for i, end in zip(members, member_ends):
                     # its one-token step sees all of these keys (a bool mask: True; eager's additive one: 0)
@@ -317,6 +327,8 @@ class RowExact:
                     out[b, i] = inner(module, query[b : b + 1, :, i : i + 1], k[..., start:end, :],
                                       v[..., start:end, :], mask, **kwargs)[0][0, 0]
             done.update(members)
+        for t, block in zip((key, value), saved):
+            t[b, :, cached : cached + len(paths)] = block
 
     def _one_token_calls(self, window: int | None, rows: int, keys: int, attention_mask) -> list[tuple]:
         """For each query row of a one-row pass, the keys ``[start, end)`` and the mask a one-token step at its

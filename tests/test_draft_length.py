@@ -296,5 +296,20 @@ def test_a_trees_likeliest_tokens_are_sent() -> None:
     np.testing.assert_allclose(lengths.node_chances(tree), [0.5, 0.3, 0.45, 0.27, 0.405], rtol=1e-4)
     np.testing.assert_allclose(lengths.node_chances(tree.chain()), lengths.chances("s")[:3])
     costs = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 3.0}  # up to four draft tokens are free
-    policy = DraftPolicy(4, timed=True, tables=lambda rows: batch_table(rows, costs))
+    policy = DraftPolicy(4, timed=True, tables=lambda rows, tree: batch_table(rows, costs))
     assert policy.trim([lengths], [tree]) == [[0, 1, 2, 4]]  # the likeliest four: 3 -> 4 -> 6, and 1
+
+
+def test_a_tree_is_sent_only_where_it_beats_its_first_branch() -> None:
+    lengths = DraftLength(4, memory=1e9)
+    trials, accepts = chain_record(4, [0.5, 0.9, 0.9, 0.9])
+    trials[0, 1], accepts[0, 1] = 1e6, 0.6e6
+    lengths.acceptance["s"] = (trials, accepts)
+    tree = Draft([3, 1, 4, 5, 6], source="s", parents=[-1, -1, 0, 1, 2])  # first branch: 3 -> 4 -> 6
+    chain_costs = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 3.0}
+    for tree_costs, expected in (({}, [0, 1, 2, 4]),  # not measured yet: as a chain's
+                                 ({5: 1.05}, [0, 1, 2, 4]),  # a little dearer: 2.53 tokens a unit against 2.36
+                                 ({2: 2.0, 3: 2.0, 4: 2.0, 5: 2.0}, [0, 2, 4])):  # twice as dear: the first branch
+        costs = {False: batch_table(1, chain_costs), True: batch_table(1, tree_costs)}
+        policy = DraftPolicy(4, timed=True, tables=lambda rows, tree: costs[tree])
+        assert policy.trim([lengths], [tree]) == [expected], tree_costs
