@@ -123,9 +123,10 @@ class PreallocatedLayer(DynamicLayer):
         starts = self.row_starts
         end = (self.length if starts is None else int(starts.max())) + n
         self._grow(end)
-        if starts is None:
-            self._key_buffer[:, :, self.length : end] = key_states
-            self._value_buffer[:, :, self.length : end] = value_states
+        if starts is None or len(starts) == 1:  # (one row: a plain slice)
+            start = self.length if starts is None else end - n
+            self._key_buffer[: len(key_states), :, start:end] = key_states
+            self._value_buffer[: len(value_states), :, start:end] = value_states
         else:
             slots = starts[:, None] + torch.arange(n, device=starts.device)  # [B, n]
             rows = torch.arange(len(starts), device=starts.device)[:, None]  # [B, 1]
@@ -432,9 +433,14 @@ class CachedModel:
         }
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = keep
+        # a single request's one-token step (a tree proposer sending nothing) is model.generate's own: the model
+        # derives its mask (no sliding window to hide: every layer sees the whole row)
+        one_token_step = len(blocks) == 1 and n == 1 and self.window is None
+        if one_token_step:
+            del inputs["attention_mask"]
         # row-exact: every token as its row's one-token step computes it, whatever the other rows
         exact = contextlib.nullcontext()
-        if self.row_exact:
+        if self.row_exact and not one_token_step:
             ends = (positions + 1).tolist()  # [B][n]: the keys each token's one-token step sees
             exact = self.row_exact.applied(self.cache, ends, _paths(ancestry, trees) if trees else None)
         with exact:
