@@ -9,6 +9,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+import transformers
 from helpers import TreeOracle, chi_square_p_value, hf_greedy
 from tiny_models import VOCAB, tiny_model
 
@@ -142,3 +143,19 @@ def test_a_tree_samples_exactly_the_targets_distribution(make_draft) -> None:
 def test_the_test_fails_without_renormalising_after_a_rejected_child(monkeypatch, make_draft) -> None:
     monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: (p - q).clamp(min=0))
     assert not fits_the_target(*two_tokens(make_draft))
+
+
+def test_a_model_that_cannot_hold_a_tree_gets_its_first_branches_and_a_warning() -> None:
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=0)  # (no position_ids: ALiBi)
+    bloom = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    row = prompts()[0]
+    expected = hf_greedy(bloom, row[None], NEW_TOKENS, eos_token_id=[])[0, len(row) :].tolist()
+    reference = [torch.tensor(row.tolist() + expected)]
+    for shape in ("late", "second"):  # the right tokens first; a wrong first child everywhere
+        with pytest.warns(UserWarning, match="takes no position_ids.*cut to their first branch"):
+            out = specula.generate(bloom, row[None], TreeOracle(reference, shape, VOCAB), max_new_tokens=NEW_TOKENS,
+                                   eos_token_id=[])
+        assert out.sequences[0, len(row) :].tolist() == expected
+        assert out.stats.accepted > NEW_TOKENS // 2 if shape == "late" else out.stats.accepted == 0
