@@ -6,6 +6,10 @@ All kernels take token sequences as 1-D ``int64`` numpy arrays.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 from numba import njit
 
 
@@ -114,6 +118,33 @@ FNV_PRIME = np.uint64(1099511628211)
 TAG, TOTAL, BEST, BEST_COUNT, CONTEXT_KEYS = 0, 1, 2, 3, 4  # context record fields
 COUNT, CONTEXT_SLOT, PAIR_KEYS = 1, 2, 3  # pair record fields (TAG is field 0 too)
 MAX_TOTAL = 1 << 30
+PREFETCH_AHEAD = 4
+
+
+def _prefetch(table, row: int, slot: int) -> None:
+    """Ask the CPU to start loading ``table[row, slot]`` (a hint; compiled code only, nothing when interpreted)."""
+
+
+@intrinsic
+def _prefetch_intrinsic(typingctx, table, row, slot):
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        pointer = cgutils.get_item_pointer(context, builder, signature.args[0], array, [args[1], args[2], zero],
+                                           wraparound=False)
+        byte_pointer, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        prefetch = builder.module.declare_intrinsic(
+            "llvm.prefetch", [byte_pointer], ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]))
+        # read, high temporal locality, data cache
+        builder.call(prefetch, [builder.bitcast(pointer, byte_pointer), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(table, types.intp, types.intp), codegen
+
+
+@overload(_prefetch, inline="always")
+def _prefetch_compiled(table, row, slot):
+    return lambda table, row, slot: _prefetch_intrinsic(table, row, slot)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -161,40 +192,63 @@ def _claim(table, row: int, slot: int, h: np.uint64, keys_at: int, tokens, start
 
 
 @njit(cache=True, nogil=True)
+def _halved(table, row: int, count_at: int) -> np.ndarray:
+    """The records of ``table[row]`` whose count at ``count_at`` survives halving (halved), emptying the row."""
+    kept = 0
+    for s in range(table.shape[1]):  # no branches: most are unpredictable
+        kept += (table[row, s, TAG] != 0) & (table[row, s, count_at] > 1)
+    survivors = np.empty((kept, table.shape[2]), table.dtype)
+    kept = 0
+    for s in range(table.shape[1]):
+        if survivors.shape[0] and table[row, s, TAG] != 0 and table[row, s, count_at] > 1:
+            survivors[kept] = table[row, s]
+            survivors[kept, count_at] //= 2
+            kept += 1
+        table[row, s, TAG] = 0
+    return survivors
+
+
+@njit(cache=True, nogil=True)
 def _age_row(row: int, limit: int, contexts, pairs, n_pairs) -> None:
     """Halve every count of ``row`` until its pairs fit in 3/4 of ``limit`` and no total nears int32; rebuild it."""
     length = row + 1
     while True:
-        old_contexts = contexts[row].copy()
-        old_pairs = pairs[row].copy()
-        contexts[row, :, TAG] = 0
-        pairs[row, :, TAG] = 0
+        old_contexts = _halved(contexts, row, BEST_COUNT)
+        old_pairs = _halved(pairs, row, COUNT)
         n_pairs[row] = 0
         largest = 0
         for s in range(old_contexts.shape[0]):
-            if old_contexts[s, TAG] != 0 and old_contexts[s, BEST_COUNT] // 2 > 0:
-                keys = old_contexts[s, CONTEXT_KEYS:]
-                h = _context_hash(keys, 0, length)
-                slot = -_find(contexts, row, h, CONTEXT_KEYS, keys, 0, length) - 1
-                _claim(contexts, row, slot, h, CONTEXT_KEYS, keys, 0, length)
-                contexts[row, slot, BEST] = old_contexts[s, BEST]
-                contexts[row, slot, BEST_COUNT] = old_contexts[s, BEST_COUNT] // 2
+            keys = old_contexts[s, CONTEXT_KEYS:]
+            h = _context_hash(keys, 0, length)
+            slot = -_find(contexts, row, h, CONTEXT_KEYS, keys, 0, length) - 1
+            _claim(contexts, row, slot, h, CONTEXT_KEYS, keys, 0, length)
+            contexts[row, slot, BEST] = old_contexts[s, BEST]
+            contexts[row, slot, BEST_COUNT] = old_contexts[s, BEST_COUNT]
         for s in range(old_pairs.shape[0]):
-            count = old_pairs[s, COUNT] // 2
-            if old_pairs[s, TAG] != 0 and count > 0:
-                keys = old_pairs[s, PAIR_KEYS:]
-                context_h = _context_hash(keys, 0, length)
-                h = _fnv1a_extend(context_h, keys[length])
-                slot = -_find(pairs, row, h, PAIR_KEYS, keys, 0, length + 1) - 1
-                _claim(pairs, row, slot, h, PAIR_KEYS, keys, 0, length + 1)
-                context = _find(contexts, row, context_h, CONTEXT_KEYS, keys, 0, length)
-                pairs[row, slot, COUNT] = count
-                pairs[row, slot, CONTEXT_SLOT] = context
-                n_pairs[row] += 1
-                contexts[row, context, TOTAL] += count
-                largest = max(largest, contexts[row, context, TOTAL])
+            keys = old_pairs[s, PAIR_KEYS:]
+            context_h = _context_hash(keys, 0, length)
+            h = _fnv1a_extend(context_h, keys[length])
+            slot = -_find(pairs, row, h, PAIR_KEYS, keys, 0, length + 1) - 1
+            _claim(pairs, row, slot, h, PAIR_KEYS, keys, 0, length + 1)
+            context = _find(contexts, row, context_h, CONTEXT_KEYS, keys, 0, length)
+            pairs[row, slot, COUNT] = old_pairs[s, COUNT]
+            pairs[row, slot, CONTEXT_SLOT] = context
+            n_pairs[row] += 1
+            contexts[row, context, TOTAL] += old_pairs[s, COUNT]
+            largest = max(largest, contexts[row, context, TOTAL])
         if n_pairs[row] <= (3 * limit) // 4 and largest < MAX_TOTAL // 2:
             return
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_position(tokens, end: int, contexts, pairs) -> None:
+    """Start loading the home slots of the records that counting the n-grams ending at ``end`` will touch."""
+    mask = np.uint64(contexts.shape[1] - 1)
+    h = FNV_OFFSET
+    for row in range(min(contexts.shape[0], end)):
+        h = _fnv1a_extend(h, tokens[end - row - 1])
+        _prefetch(pairs, row, np.int64(_fnv1a_extend(h, tokens[end]) & mask))
+        _prefetch(contexts, row, np.int64(h & mask))
 
 
 @njit(cache=True, nogil=True)
@@ -210,7 +264,11 @@ def ngram_update(tokens, first: int, limit: int, contexts, pairs, n_pairs) -> bo
         if tokens[i] < 0 or tokens[i] > 2147483647:
             return False
     rows = contexts.shape[0]
+    for ahead in range(first, min(first + PREFETCH_AHEAD, tokens.shape[0])):
+        _prefetch_position(tokens, ahead, contexts, pairs)
     for end in range(first, tokens.shape[0]):
+        if end + PREFETCH_AHEAD < tokens.shape[0]:
+            _prefetch_position(tokens, end + PREFETCH_AHEAD, contexts, pairs)
         token = tokens[end]
         h = FNV_OFFSET
         for row in range(min(rows, end)):

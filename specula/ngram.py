@@ -97,11 +97,12 @@ class NGramPredictor(Proposer):
     def update(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         """Learn every n-gram ending in ``token_ids``, continuing from the tokens seen before."""
         new = _as_tokens(token_ids)
-        context = self.recent[-(self.max_order - 1) :]
-        if not kernels.ngram_update(np.concatenate([context, new]), len(context), self.capacity // 2,
+        tokens = np.concatenate([self.recent, new])
+        context = min(len(self.recent), self.max_order - 1)  # earlier tokens that new n-grams start in
+        if not kernels.ngram_update(tokens[len(self.recent) - context :], context, self.capacity // 2,
                                     *self.tables.values()):
             raise ValueError("token ids must be in [0, 2**31).")
-        self.recent = np.concatenate([self.recent, new])[-self.history :]
+        self.recent = tokens[-self.history :]
 
     def reset_context(self) -> None:
         """Start a new, unrelated sequence: n-grams will not span the boundary. The tables are kept."""
