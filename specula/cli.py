@@ -5,7 +5,6 @@ rounds differently in a pass over several tokens)."""
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -22,15 +21,13 @@ from .bench import (
     format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method,
     specula_method,
 )
-from .batch_size import fastest_batch_size
 from .drift import drift
 from .generate import generate
-from .hf import prepare_jobs
 from .invariance import probe
-from .loop import Decoder, Job
 from .models import ModelNotFoundError, load_model
-from .proposers import PROPOSER_NAMES, proposer_factory
-from .workloads import BadRequest, encode, left_padded, load_workloads, read_requests
+from .proposers import PROPOSER_NAMES, available, check_proposer, proposer_factory
+from .workloads import BadRequest, encode, load_workloads, read_requests
+from .answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key
 
 DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -99,12 +96,6 @@ def _requests(path: Path, strict: bool) -> Iterator[tuple[int, dict | None]]:
         yield number, request
 
 
-def _encode(tokenizer, request: dict, device: str) -> torch.Tensor:
-    if "messages" in request and tokenizer.chat_template is None:
-        raise ValueError("this model's tokenizer has no chat template; give \"prompt\" (plain text) instead")
-    return encode(tokenizer, request).to(device)
-
-
 def _batch_sizes(text: str) -> list[int]:
     return [_positive_int(part) for part in text.split(",")]
 
@@ -120,13 +111,6 @@ def _pad_token_id(tokenizer) -> int | None:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def _stats(stats) -> dict:
-    return {
-        "new_tokens": stats.new_tokens, "steps": stats.steps, "accepted": stats.accepted,
-        "drafted": stats.drafted, "seconds": round(stats.wall_time_s, 4),
-    }
-
-
 def _file_problem(args: argparse.Namespace) -> str | None:
     """The first problem with the files a command reads or writes, found before any model is loaded."""
     if args.command == "generate":
@@ -134,6 +118,17 @@ def _file_problem(args: argparse.Namespace) -> str | None:
             return "give either --prompt TEXT or --input FILE (with --output FILE)"
         if args.input is not None and args.output is None:
             return "--input needs --output FILE"
+        if args.resume and args.overwrite:
+            return "--resume keeps the answers in --output, --overwrite replaces them: give one of them"
+        if args.prompt is not None and (args.resume or args.ray):
+            return f"{'--resume' if args.resume else '--ray'} works on files: give --input FILE and --output FILE"
+        if args.ray:
+            try:
+                import ray  # noqa: F401
+                import ray.data  # noqa: F401
+            except ImportError:
+                return '--ray needs Ray Data, an optional extra: pip install "specula[ray]"'
+
     source = getattr(args, "input", None)
     if source is not None:
         if not source.is_file():
@@ -153,8 +148,9 @@ def _file_problem(args: argparse.Namespace) -> str | None:
             return f"--{flag} {path}: is a folder; give a file name"
         if source is not None and path.resolve() == source.resolve():
             return f"--{flag} {path} is the input file; write the answers elsewhere"
-        if flag == "output" and path.exists() and path.stat().st_size and not args.overwrite:
-            return f"--output {path} already holds answers; pass --overwrite to replace them, or choose another file"
+        if flag == "output" and path.exists() and path.stat().st_size and not (args.overwrite or args.resume):
+            return (f"--output {path} already holds answers; pass --resume to answer only the requests it lacks, "
+                    "--overwrite to replace them, or choose another file")
         existed = path.exists()
         try:
             path.open("a").close()  # can it be written (permissions, read-only file systems)?
@@ -168,6 +164,16 @@ def _file_problem(args: argparse.Namespace) -> str | None:
 def cmd_generate(args: argparse.Namespace) -> None:
     sampling_settings = _sampling(args)
     row_exact = False if args.no_row_exact else None
+    settings = Settings(args.max_new_tokens, sampling_settings, args.seed, row_exact, args.batch_size)
+    output = AnswerFile(args.output, resume=args.resume) if args.input else None  # a bad file fails before loading
+    if args.ray:
+        from .ray_job import generate_with_ray  # Ray is optional
+
+        with output:
+            generate_with_ray(args.input, output, args.model, args.proposer, settings, dtype=DTYPES[args.dtype],
+                              workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+                              cpus_per_worker=args.cpus_per_worker, strict=args.strict)
+        return
     model, tokenizer, device = _load(args)
     proposer = proposer_factory(args.proposer, tokenizer, model.dtype, device)()  # kept across requests
     if args.seed is not None:
@@ -177,65 +183,50 @@ def cmd_generate(args: argparse.Namespace) -> None:
             "messages": [{"role": "user", "content": args.prompt}]
         }
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        out = generate(model, _encode(tokenizer, request, device), proposer, max_new_tokens=args.max_new_tokens,
+        out = generate(model, encode(tokenizer, request).to(device), proposer, max_new_tokens=args.max_new_tokens,
                        streamer=streamer, row_exact=row_exact, **sampling_settings)
         print(f"[{out.stats}]", file=sys.stderr)
         return
 
-    started, answered, new_tokens = time.perf_counter(), 0, 0
+    _generate_file(args, model, tokenizer, proposer, settings, output)
+
+
+def _generate_file(args: argparse.Namespace, model, tokenizer, proposer, settings: Settings, output: AnswerFile) -> None:
+    """Answer every request of --input into --output: written as each ends, bad lines reported and skipped, with
+    --resume the requests already answered skipped, stopped cleanly by Ctrl-C."""
+    tally = Tally()
     lines = sum(1 for line in args.input.open() if line.strip())
     progress = tqdm(total=lines, desc="specula", unit="req")
-    samplings = []  # what generate prepared for each request (the same settings for all)
 
-    def jobs() -> Iterator[Job]:
-        """The file's requests, prepared as generate() prepares them; bad lines reported and skipped."""
+    def on_skip(number: int, reason: str) -> None:
+        if args.strict:
+            raise SystemExit(f"error: {args.input}:{number}: {reason} (--strict)")
+        print(f"skipped {args.input}:{number}: {reason}", file=sys.stderr)
+        progress.update()
+
+    def pending() -> Iterator[tuple[int, dict]]:
         for number, request in _requests(args.input, args.strict):
-            if request is None:
-                progress.update()
+            if request is not None and answer_key(request.get("id", number)) not in output.done:
+                yield number, request
                 continue
-            # --seed: each request its own random stream, so its answer does not depend on its batch-mates
-            generator = None if args.seed is None else [torch.Generator(device).manual_seed(args.seed + number)]
-            try:
-                (job,), sampling = prepare_jobs(model, _encode(tokenizer, request, device), generator=generator,
-                                                max_new_tokens=args.max_new_tokens, **sampling_settings)
-            except ValueError as error:
-                if args.strict:
-                    raise SystemExit(f"error: {args.input}:{number}: {error} (--strict)") from None
-                print(f"skipped {args.input}:{number}: {error}", file=sys.stderr)
-                progress.update()
-                continue
-            job.key = request.get("id", number)
-            samplings.append(sampling)
-            yield job
-
-    stream = jobs()
-    if args.strict:  # every line checked before any decoding
-        stream = iter(list(stream))
-    with args.output.open("w") as output:
-        first = next(stream, None)
-        slots = args.batch_size or fastest_batch_size(model, largest=min(lines, 32))
-        decoder = Decoder(model, proposer, samplings[0], slots, row_exact=row_exact) if first else None
-        # Requests run up to --batch-size at a time; when one ends, its answer is written and the next takes its slot.
-        for row, _ in decoder.run(itertools.chain([first], stream)) if first else ():
-            if not row.finished:
-                continue
-            text = tokenizer.decode(row.sequence.ids[len(row.job.prompt) :], skip_special_tokens=True)
-            output.write(json.dumps({"id": row.job.key, "text": text, "stats": _stats(row.stats)}, ensure_ascii=False)
-                         + "\n")
-            output.flush()  # a later failure loses nothing already written
-            answered, new_tokens = answered + 1, new_tokens + row.stats.new_tokens
+            tally.answered_before += request is not None
             progress.update()
+
+    answerer = Answerer(model, tokenizer, proposer, settings, on_skip)
+    with StopOnInterrupt() as stop, output:
+        for answer in answerer(pending(), largest=min(lines, 32), eager=args.strict):
+            output.write(answer)
+            tally.add(answer)
+            progress.update()
+            if stop.requested:
+                break
     progress.close()
-    seconds = time.perf_counter() - started
-    passes = decoder.passes if decoder else 0
-    estimate = decoder.plain_speedup() if decoder else None
-    print(
-        f"{answered} requests, {new_tokens} new tokens in {seconds:.1f}s ({new_tokens / seconds:.1f} tok/s), "
-        f"batches of {slots}, {new_tokens / max(passes, 1):.2f} tokens per target pass"
-        + (f", ~{estimate:.2f}x plain decoding of the same batches (estimated from measured pass costs)" if estimate else "")
-        + f" -> {args.output}",
-        file=sys.stderr,
-    )
+    estimates = [value for value in answerer.plain_speedups if value]
+    tally.report(
+        f"batches of {answerer.slots}, {tally.new_tokens / max(answerer.passes, 1):.2f} tokens per target pass"
+        + (f", ~{estimates[0]:.2f}x plain decoding of the same batches (estimated from measured pass costs)"
+           if len(estimates) == 1 else ""),
+        args.output, stop.requested)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -299,7 +290,7 @@ def cmd_drift(args: argparse.Namespace) -> None:
     for number, request in _requests(args.input, strict=False):
         if request is None:
             continue
-        report = drift(model, _encode(tokenizer, request, device), factory(), args.max_new_tokens,
+        report = drift(model, encode(tokenizer, request).to(device), factory(), args.max_new_tokens,
                        row_exact=False if args.no_row_exact else None)
         row = {"id": request.get("id", number), **report.as_dict()}
         if not report.identical:
@@ -318,6 +309,13 @@ def cmd_drift(args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps(reports, indent=1, ensure_ascii=False))
 
 
+def cmd_proposers(args: argparse.Namespace) -> None:
+    entries = available()
+    width = max(len(entry.name) for entry in entries)
+    for entry in entries:
+        print(f"{entry.name:<{width}}  {entry.description}\n{'':<{width}}  from {entry.source}")
+
+
 def cmd_probe(args: argparse.Namespace) -> None:
     model, tokenizer, device = _load(args)
     text = Path(args.text).read_text() if args.text else Path(row_exact_module.__file__).read_text()
@@ -331,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specula",
         description="Lossless speculative decoding for HuggingFace causal LMs: same output, fewer model passes.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,drift,probe}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,drift,probe,proposers}")
 
     gen = commands.add_parser(
         "generate", help="generate for a JSONL file of requests, or for one prompt (streamed to stdout)",
@@ -348,6 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
         "with --overwrite",
     )
     source.add_argument("--overwrite", action="store_true", help="replace an --output file that already exists")
+    source.add_argument(
+        "--resume", action="store_true",
+        help="keep the answers already in --output and answer only the requests whose id it lacks (after a stopped "
+        "run: a torn last line is redone)",
+    )
     source.add_argument("--prompt", help="a single prompt; the answer streams to stdout")
     source.add_argument("--raw", action="store_true", help="with --prompt: no chat template")
     source.add_argument(
@@ -363,9 +366,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--proposer", default="prompt-lookup",
         help=f"where drafts come from: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)",
     )
+    cluster = gen.add_argument_group("Ray (pip install \"specula[ray]\")")
+    cluster.add_argument(
+        "--ray", action="store_true",
+        help="decode in a pool of Ray workers, each loading the model once (on the cluster RAY_ADDRESS names, else "
+        "on a local Ray instance); the model path must exist on every node",
+    )
+    cluster.add_argument("--workers", type=_positive_int, default=1, help="with --ray: workers (default: 1)")
+    cluster.add_argument(
+        "--gpus-per-worker", type=float, default=0, help="with --ray: GPUs per worker; 0 decodes on CPUs (default)"
+    )
+    cluster.add_argument(
+        "--cpus-per-worker", type=_positive_int, default=None,
+        help="with --ray: CPU cores per worker (default: 1 with GPUs, else the cluster's cores shared among workers)",
+    )
     _add_row_exact_argument(gen)
     _add_model_arguments(gen, max_new_tokens=256, temperature=None)
     gen.set_defaults(run=cmd_generate)
+
+    listing = commands.add_parser(
+        "proposers", help="list the proposers --proposer can name: built-in and registered by other packages",
+        description="Other packages register proposers under the entry-point group \"specula.proposers\" (see "
+        "README, 'Proposers from other packages'). A registered one that cannot be loaded is listed as BROKEN with "
+        "the reason; the others still work.",
+    )
+    listing.set_defaults(run=cmd_proposers)
 
     bench = commands.add_parser(
         "bench", help="compare with HF model.generate on workload files, all methods interleaved in one run",
@@ -436,6 +461,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"specula {args.command}: error: {problem}", file=sys.stderr)
         raise SystemExit(2)
     try:
+        for spec in getattr(args, "proposer", getattr(args, "proposers", "")).split(","):
+            if spec:
+                check_proposer(spec)  # an unknown or broken proposer fails before any model loads
         args.run(args)
     except (ModelNotFoundError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None

@@ -52,6 +52,8 @@ def load_workloads(directory: Path, limit: int, names: list[str] | None = None) 
 
 def encode(tokenizer, row: dict) -> torch.Tensor:
     """Token ids of one workload row, through the chat template when it has ``messages``."""
+    if "messages" in row and tokenizer.chat_template is None:
+        raise ValueError("this model's tokenizer has no chat template; give \"prompt\" (plain text) instead")
     if "messages" in row:
         return tokenizer.apply_chat_template(
             row["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True

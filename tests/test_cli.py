@@ -11,6 +11,7 @@ from helpers import hf_greedy
 from tiny_models import tiny_model, tiny_tokenizer
 
 import specula
+import specula.answers
 import specula.cached_model
 import specula.loop
 from specula import bench, cli, models, precision
@@ -220,7 +221,7 @@ def test_generate_passes_the_row_exact_choice(model_folder, tmp_path, monkeypatc
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(cli, "generate", recording)
-    monkeypatch.setattr(cli, "Decoder", Recording)
+    monkeypatch.setattr(specula.answers, "Decoder", Recording)
     (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
     run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--model", model_folder,
             "--dtype", "bf16", "--max-new-tokens", 8, *flag)
@@ -300,7 +301,7 @@ def no_model_loading(monkeypatch):
     (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/nope/out.jsonl"], "folder {tmp}/nope does not exist"),
     (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}"], "is a folder"),
     (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/in.jsonl", "--overwrite"], "is the input file"),
-    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/old.jsonl"], "already holds answers; pass --overwrite"),
+    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/old.jsonl"], "already holds answers; pass --resume"),
     (["generate", "--input", "{tmp}/in.jsonl", "--output", "/proc/out.jsonl"], "cannot be written"),
     (["bench", "--workloads", "{tmp}/nowhere"], "--workloads {tmp}/nowhere: no such folder"),
     (["bench", "--workloads", "{tmp}", "--json", "{tmp}/nope/rows.json"], "folder {tmp}/nope does not exist"),

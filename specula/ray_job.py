@@ -1,0 +1,108 @@
+"""``specula generate --ray``: a JSONL file of requests decoded by a pool of Ray workers, the way Ray's batch
+inference guide does it (Ray Data ``map_batches`` with a callable class on a fixed-size actor pool): each worker loads
+the model once and decodes its batches with specula's batched loop, exactly as a local run would; the answers come
+back to this process and are written as they arrive, with the local run's fields.
+
+Python::
+
+    from specula.answers import AnswerFile, Settings
+    from specula.ray_job import generate_with_ray
+
+    with AnswerFile("answers.jsonl", resume=True) as output:
+        generate_with_ray("requests.jsonl", output, model="/models/qwen", workers=4, gpus_per_worker=1,
+                          settings=Settings(max_new_tokens=512))
+
+``ray.init()`` joins the cluster ``RAY_ADDRESS`` names (``ray start --head`` on one node, ``ray start --address ...``
+on the others), else starts a local Ray instance. Every worker's node needs specula (with its extra) and the model at
+the same path; this process reads the requests and writes the answers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import ray
+import ray.data
+
+from .answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key
+from .models import load_model
+from .proposers import proposer_factory
+from .workloads import BadRequest, read_requests
+
+RAY_BATCH = 16  # requests a worker takes at once (decoded up to settings.batch_size at a time); answered together
+
+
+class RayWorker:
+    """One actor of the pool: the model and proposer, loaded once; each call answers a batch of requests."""
+
+    def __init__(self, model: str | None, proposer: str, settings: Settings, dtype, device: str) -> None:
+        self.model, tokenizer = load_model(model, dtype=dtype, device=device)
+        factory = proposer_factory(proposer, tokenizer, self.model.dtype, device)
+        self.skipped: list[str] = []
+        self.answerer = Answerer(self.model, tokenizer, factory(), settings,
+                                 lambda number, reason: self.skipped.append(f"{number}: {reason}"))
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
+        """``batch``: columns ``number`` (line numbers) and ``request`` (JSON). Returns one row per answer (column
+        ``answer``: the JSON line) and per request that could not be decoded (``skipped``: ``line: reason``)."""
+        self.skipped = []
+        requests = zip(batch["number"].tolist(), map(json.loads, batch["request"]))
+        answers = [json.dumps(answer, ensure_ascii=False) for answer in self.answerer(requests, largest=RAY_BATCH)]
+        return {"answer": answers + [""] * len(self.skipped), "skipped": [""] * len(answers) + self.skipped}
+
+
+def generate_with_ray(
+    input_path: str | Path,
+    output: AnswerFile,
+    model: str | None = None,
+    proposer: str = "prompt-lookup",
+    settings: Settings | None = None,
+    *,
+    dtype="auto",
+    workers: int = 1,
+    gpus_per_worker: float = 0,
+    cpus_per_worker: int | None = None,
+    strict: bool = False,
+) -> Tally:
+    """Answer every request of ``input_path`` not yet in ``output`` with ``workers`` Ray workers; returns what it
+    did. Bad lines are reported (``strict``: ``ValueError`` at the first, before any worker starts);
+    Ctrl-C stops after the answer being written (``SystemExit(130)``), and a rerun with a resumed ``output`` goes on.
+    ``model`` and ``dtype`` are what :func:`specula.load_model` takes, ``proposer`` a ``--proposer`` name."""
+    settings = settings or Settings()
+    requests, tally = [], Tally()
+    for number, request in read_requests(input_path):
+        if isinstance(request, BadRequest):
+            if strict:
+                raise ValueError(f"{request} (--strict)")
+            print(f"skipped {request}", file=sys.stderr)
+        elif answer_key(request.get("id", number)) in output.done:
+            tally.answered_before += 1
+        else:
+            requests.append({"number": number, "request": json.dumps(request)})
+    stop = StopOnInterrupt()
+    if requests:
+        ray.init(ignore_reinit_error=True)  # RAY_ADDRESS: that cluster; else a local one
+        if cpus_per_worker is None:
+            cpus_per_worker = 1 if gpus_per_worker else max(1, int(ray.cluster_resources().get("CPU", 1)) // workers)
+        device = "cuda" if gpus_per_worker else "cpu"
+        answers = ray.data.from_items(requests).map_batches(
+            RayWorker, batch_size=RAY_BATCH, compute=ray.data.ActorPoolStrategy(size=workers),
+            fn_constructor_kwargs={"model": model, "proposer": proposer, "settings": settings, "dtype": dtype,
+                                   "device": device},
+            num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
+        )
+        with stop:
+            for row in answers.iter_rows():
+                if row["answer"]:
+                    answer = json.loads(row["answer"])
+                    output.write(answer)
+                    tally.add(answer)
+                else:
+                    print(f"skipped {input_path}:{row['skipped']}", file=sys.stderr)
+                if stop.requested:
+                    break
+    tally.report(f"{workers} Ray worker{'s' * (workers > 1)}", output.path, stop.requested)
+    return tally
