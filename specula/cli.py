@@ -166,6 +166,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     row_exact = False if args.no_row_exact else None
     settings = Settings(args.max_new_tokens, sampling_settings, args.seed, row_exact, args.batch_size)
     output = AnswerFile(args.output, resume=args.resume) if args.input else None  # a bad file fails before loading
+    if output is not None and output.torn:
+        print(f"{args.output}: its last line was cut short when a run stopped; that request is answered again",
+              file=sys.stderr)
     if args.ray:
         from .ray_job import generate_with_ray  # Ray is optional
 

@@ -1,4 +1,22 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import CHAT_TEMPLATE, tiny_model, tiny_tokenizer  # noqa: E402
+
+@pytest.fixture(scope="session")
+def model_folder(tmp_path_factory):
+    """A tiny Llama and its BPE tokenizer (with a chat template) saved as an ordinary HF folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+

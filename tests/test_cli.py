@@ -8,29 +8,13 @@ import subprocess
 import pytest
 import torch
 from helpers import hf_greedy
-from tiny_models import tiny_model, tiny_tokenizer
+from tiny_models import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 import specula
 import specula.answers
 import specula.cached_model
 import specula.loop
 from specula import bench, cli, models, precision
-
-CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>assistant:"
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory):
-    """A tiny Llama and its BPE tokenizer (with a chat template) saved as an ordinary HF folder."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model = tiny_model("llama")
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(folder)
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return folder
-
 
 def run_cli(*argv: str) -> None:
     cli.main([str(arg) for arg in argv])

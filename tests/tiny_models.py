@@ -31,6 +31,9 @@ CONFIGS = {
 }
 ARCHITECTURES = sorted(CONFIGS)
 
+# a minimal chat template for tiny tokenizers
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}<s>assistant:"
+
 
 def tiny_model(name: str, seed: int = 0) -> torch.nn.Module:
     """A tiny model of one architecture, fp32, eval mode, deterministic weights."""
