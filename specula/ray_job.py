@@ -20,6 +20,8 @@ the same path; this process reads the requests and writes the answers.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -28,7 +30,7 @@ import ray
 import ray.data
 
 from .answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key
-from .models import load_model
+from .models import load_model, resolve_model
 from .proposers import proposer_factory
 from .workloads import BadRequest, read_requests
 
@@ -82,9 +84,12 @@ def generate_with_ray(
             tally.answered_before += 1
         else:
             requests.append({"number": number, "request": json.dumps(request)})
+    if not os.environ.get("RAY_ADDRESS"):  # workers on this machine: the model must be here (on a cluster: on each node)
+        resolve_model(model)
     stop = StopOnInterrupt()
     if requests:
-        ray.init(ignore_reinit_error=True)  # RAY_ADDRESS: that cluster; else a local one
+        ray.init(ignore_reinit_error=True, logging_level=logging.WARNING)  # RAY_ADDRESS: that cluster; else local
+        ray.data.DataContext.get_current().enable_progress_bars = False  # specula reports what it did
         if cpus_per_worker is None:
             cpus_per_worker = 1 if gpus_per_worker else max(1, int(ray.cluster_resources().get("CPU", 1)) // workers)
         device = "cuda" if gpus_per_worker else "cpu"
@@ -95,14 +100,18 @@ def generate_with_ray(
             num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
         )
         with stop:
-            for row in answers.iter_rows():
-                if row["answer"]:
-                    answer = json.loads(row["answer"])
-                    output.write(answer)
-                    tally.add(answer)
-                else:
-                    print(f"skipped {input_path}:{row['skipped']}", file=sys.stderr)
-                if stop.requested:
-                    break
+            try:
+                for row in answers.iter_rows():
+                    if row["answer"]:
+                        answer = json.loads(row["answer"])
+                        output.write(answer)
+                        tally.add(answer)
+                    else:
+                        print(f"skipped {input_path}:{row['skipped']}", file=sys.stderr)
+                    if stop.requested:
+                        break
+            except ray.exceptions.RayError as error:  # the worker's own error, without Ray's machinery around it
+                reason = str(error).strip().splitlines()[-1]
+                raise ValueError(f"a Ray worker failed ({tally.answered} answers written): {reason}") from None
     tally.report(f"{workers} Ray worker{'s' * (workers > 1)}", output.path, stop.requested)
     return tally
