@@ -23,10 +23,12 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import ray
+import torch
 import ray.data
 
 from .answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key
@@ -34,26 +36,33 @@ from .models import load_model, resolve_model
 from .proposers import proposer_factory
 from .workloads import BadRequest, read_requests
 
-RAY_BATCH = 16  # requests a worker takes at once (decoded up to settings.batch_size at a time); answered together
+RAY_BATCH = 64  # requests a worker takes at once, decoded up to settings.batch_size at a time (continuous batching)
 
 
 class RayWorker:
     """One actor of the pool: the model and proposer, loaded once; each call answers a batch of requests."""
 
-    def __init__(self, model: str | None, proposer: str, settings: Settings, dtype, device: str) -> None:
+    def __init__(self, model: str | None, proposer: str, settings: Settings, dtype, device: str, threads: int) -> None:
+        torch.set_num_threads(threads)  # the cores Ray gave this worker (its OMP_NUM_THREADS may come too late)
         self.model, tokenizer = load_model(model, dtype=dtype, device=device)
         factory = proposer_factory(proposer, tokenizer, self.model.dtype, device)
         self.skipped: list[str] = []
         self.answerer = Answerer(self.model, tokenizer, factory(), settings,
                                  lambda number, reason: self.skipped.append(f"{number}: {reason}"))
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
-        """``batch``: columns ``number`` (line numbers) and ``request`` (JSON). Returns one row per answer (column
-        ``answer``: the JSON line) and per request that could not be decoded (``skipped``: ``line: reason``)."""
+    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, list[str]]]:
+        """``batch``: columns ``number`` (line numbers) and ``request`` (JSON). Yields a row as each request ends:
+        column ``answer`` (its JSON line), or ``skipped`` (``line: reason``) for one that could not be decoded."""
         self.skipped = []
         requests = zip(batch["number"].tolist(), map(json.loads, batch["request"]))
-        answers = [json.dumps(answer, ensure_ascii=False) for answer in self.answerer(requests, largest=RAY_BATCH)]
-        return {"answer": answers + [""] * len(self.skipped), "skipped": [""] * len(answers) + self.skipped}
+        for answer in self.answerer(requests, largest=min(RAY_BATCH, 32)):
+            yield from self._skipped()
+            yield {"answer": [json.dumps(answer, ensure_ascii=False)], "skipped": [""]}
+        yield from self._skipped()
+
+    def _skipped(self) -> Iterator[dict[str, list[str]]]:
+        while self.skipped:
+            yield {"answer": [""], "skipped": [self.skipped.pop(0)]}
 
 
 def generate_with_ray(
@@ -89,14 +98,16 @@ def generate_with_ray(
     stop = StopOnInterrupt()
     if requests:
         ray.init(ignore_reinit_error=True, logging_level=logging.WARNING)  # RAY_ADDRESS: that cluster; else local
-        ray.data.DataContext.get_current().enable_progress_bars = False  # specula reports what it did
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False  # specula reports what it did
+        context.target_max_block_size = 1  # every answer a block of its own, sent back as soon as it is made
         if cpus_per_worker is None:
             cpus_per_worker = 1 if gpus_per_worker else max(1, int(ray.cluster_resources().get("CPU", 1)) // workers)
         device = "cuda" if gpus_per_worker else "cpu"
         answers = ray.data.from_items(requests).map_batches(
             RayWorker, batch_size=RAY_BATCH, compute=ray.data.ActorPoolStrategy(size=workers),
             fn_constructor_kwargs={"model": model, "proposer": proposer, "settings": settings, "dtype": dtype,
-                                   "device": device},
+                                   "device": device, "threads": cpus_per_worker},
             num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
         )
         with stop:
