@@ -200,17 +200,22 @@ class DraftLength:
         """For each token of ``draft`` (a chain or a tree), the chance that it is accepted: its parent's, times the
         chance that its elder siblings are rejected and it is accepted (learnt per position and sibling rank).
         Of a chain, :meth:`chances`."""
+        parents = draft.parent_list()
+        if not parents:
+            return np.empty(0)
         rates = self._rates(draft.source)  # [max_draft, RANKS]
-        chance, depth, rank = np.empty(len(draft)), np.zeros(len(draft), dtype=int), np.zeros(len(draft), dtype=int)
-        children: dict[int, int] = {}
-        for i, parent in enumerate(draft.parent_list()):
-            depth[i] = 0 if parent < 0 else depth[parent] + 1
-            rank[i] = children.get(parent, 0)
-            children[parent] = rank[i] + 1
-            at = rates[min(depth[i], self.max_draft - 1)]
-            siblings = at[np.minimum(np.arange(rank[i] + 1), RANKS - 1)]
-            chance[i] = (1.0 if parent < 0 else chance[parent]) * np.prod(1.0 - siblings[:-1]) * siblings[-1]
-        return chance
+        ranks, children = [], {}  # ranks[i]: elder siblings of token i
+        for parent in parents:
+            ranks.append(children.get(parent, 0))
+            children[parent] = ranks[-1] + 1
+        tried = rates[:, np.minimum(np.arange(max(ranks) + 1), RANKS - 1)]  # [max_draft, ranks]: rate when tried
+        rejected_before = np.cumprod(np.concatenate([np.ones((len(tried), 1)), 1.0 - tried[:, :-1]], axis=1), axis=1)
+        reach = (tried * rejected_before).tolist()  # [depth][rank]: elder siblings rejected, this one accepted
+        chance, depth = [], []
+        for parent, rank in zip(parents, ranks):
+            depth.append(0 if parent < 0 else depth[parent] + 1)
+            chance.append((1.0 if parent < 0 else chance[parent]) * reach[min(depth[-1], self.max_draft - 1)][rank])
+        return np.array(chance)
 
     def _rates(self, source: object) -> np.ndarray:
         """Each position's and sibling rank's chance of acceptance given that it is tried (its parent accepted, its
@@ -222,12 +227,11 @@ class DraftLength:
             pooled = self.pool._rates(source)
             return (accepts + self.pool_weight * pooled) / (trials + self.pool_weight)
         rates = np.empty((self.max_draft, RANKS))
-        estimate = self.prior
-        for position in range(self.max_draft):
-            estimate = rates[position, 0] = (accepts[position, 0] + estimate) / (trials[position, 0] + 1.0)
-            for rank in range(1, RANKS):
-                prior = rates[position, rank - 1] / 2
-                rates[position, rank] = (accepts[position, rank] + prior) / (trials[position, rank] + 1.0)
+        estimate, first_accepts, first_trials = self.prior, accepts[:, 0].tolist(), trials[:, 0].tolist()
+        for position in range(self.max_draft):  # each position's prior is the estimate of the one before
+            estimate = rates[position, 0] = (first_accepts[position] + estimate) / (first_trials[position] + 1.0)
+        for rank in range(1, RANKS):
+            rates[:, rank] = (accepts[:, rank] + rates[:, rank - 1] / 2) / (trials[:, rank] + 1.0)
         return rates
 
     def _table(self) -> np.ndarray | None:
