@@ -19,7 +19,7 @@ import torch
 from .batch_size import fastest_batch_size
 from .hf import prepare_jobs
 from .loop import Decoder, Job
-from .workloads import encode
+from .workloads import BadRequest, encode, read_requests
 
 
 @dataclass
@@ -36,6 +36,20 @@ class Settings:
 def answer_key(request_id: object) -> str:
     """The id of a request or answer as a comparable string (``1`` and ``"1"`` differ, as in the files)."""
     return json.dumps(request_id, sort_keys=True)
+
+
+def unique_requests(path: Path) -> Iterator[tuple[int, dict | BadRequest]]:
+    """:func:`specula.workloads.read_requests`, where a request whose id is an earlier line's comes as a
+    :class:`BadRequest` (answers are matched to requests by id: in the output, and by ``--resume``)."""
+    first: dict[str, int] = {}  # id -> the line that has it
+    for number, request in read_requests(path):
+        if not isinstance(request, BadRequest):
+            key = answer_key(request.get("id", number))
+            if key in first:
+                request = BadRequest(f"{path}:{number}: its id {key} is line {first[key]}'s too; give each request "
+                                     "its own \"id\" (a line without one is known by its line number)")
+            first.setdefault(key, number)
+        yield number, request
 
 
 def _stats(stats) -> dict:

@@ -26,8 +26,8 @@ from .generate import generate
 from .invariance import probe
 from .models import ModelNotFoundError, load_model
 from .proposers import PROPOSER_NAMES, available, check_proposer, proposer_factory
-from .workloads import BadRequest, encode, load_workloads, read_requests
-from .answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key
+from .workloads import BadRequest, encode, load_workloads
+from .answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key, unique_requests
 
 DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -87,7 +87,7 @@ def _load(args: argparse.Namespace):
 def _requests(path: Path, strict: bool) -> Iterator[tuple[int, dict | None]]:
     """(line number, request) for every non-empty line; a bad line is reported on stderr and comes as ``None`` (or,
     with ``strict``, ends the run)."""
-    for number, request in read_requests(path):
+    for number, request in unique_requests(path):
         if isinstance(request, BadRequest):
             if strict:
                 raise SystemExit(f"error: {request} (--strict)")

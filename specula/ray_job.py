@@ -31,10 +31,10 @@ import ray
 import torch
 import ray.data
 
-from .answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key
+from .answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key, unique_requests
 from .models import load_model, resolve_model
 from .proposers import proposer_factory
-from .workloads import BadRequest, read_requests
+from .workloads import BadRequest
 
 RAY_BATCH = 64  # requests a worker takes at once, decoded up to settings.batch_size at a time (continuous batching)
 
@@ -84,7 +84,7 @@ def generate_with_ray(
     ``model`` and ``dtype`` are what :func:`specula.load_model` takes, ``proposer`` a ``--proposer`` name."""
     settings = settings or Settings()
     requests, tally = [], Tally()
-    for number, request in read_requests(input_path):
+    for number, request in unique_requests(input_path):
         if isinstance(request, BadRequest):
             if strict:
                 raise ValueError(f"{request} (--strict)")

@@ -152,3 +152,14 @@ def test_resume_refuses_a_file_that_is_not_answers(model_folder, tmp_path, capsy
     monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit, match="out.jsonl:1 is not an answer"):
         cli.main(["generate", "--input", str(source), "--output", str(tmp_path / "out.jsonl"), "--resume"])
+
+
+def test_a_repeated_id_is_reported_and_answered_once(model_folder, tmp_path, capsys) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"id": 3, "prompt": "a b c"}\n{"prompt": "d e f"}\n{"prompt": "g h i"}\n{"id": 3, "prompt": "x"}\n')
+    output = tmp_path / "out.jsonl"
+    cli.main(["generate", "--input", str(source), "--output", str(output), "--model", str(model_folder),
+              "--dtype", "fp32", "--max-new-tokens", "2"])
+    assert sorted(texts(output)) == ["2", "3"]  # line 3 (known as 3) and line 4 repeat line 1's id
+    err = capsys.readouterr().err
+    assert "in.jsonl:3: its id 3 is line 1's too" in err and "in.jsonl:4: its id 3 is line 1's too" in err
