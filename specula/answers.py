@@ -66,7 +66,8 @@ class Answerer:
     Kept across calls, it keeps its proposer (an n-gram predictor keeps learning) and its batch size."""
 
     def __init__(self, model, tokenizer, proposer, settings: Settings, on_skip: Callable[[int, str], None]) -> None:
-        self.model, self.tokenizer, self.proposer, self.settings, self.on_skip = model, tokenizer, proposer, settings, on_skip
+        self.model, self.tokenizer, self.proposer = model, tokenizer, proposer
+        self.settings, self.on_skip = settings, on_skip
         self.device = model.get_input_embeddings().weight.device
         self.slots = settings.batch_size
         self.passes, self.plain_speedups = 0, []  # over every call, for the summary

@@ -194,7 +194,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     _generate_file(args, model, tokenizer, proposer, settings, output)
 
 
-def _generate_file(args: argparse.Namespace, model, tokenizer, proposer, settings: Settings, output: AnswerFile) -> None:
+def _generate_file(
+    args: argparse.Namespace, model, tokenizer, proposer, settings: Settings, output: AnswerFile
+) -> None:
     """Answer every request of --input into --output: written as each ends, bad lines reported and skipped, with
     --resume the requests already answered skipped, stopped cleanly by Ctrl-C."""
     tally = Tally()

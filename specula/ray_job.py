@@ -93,7 +93,7 @@ def generate_with_ray(
             tally.answered_before += 1
         else:
             requests.append({"number": number, "request": json.dumps(request)})
-    if not os.environ.get("RAY_ADDRESS"):  # workers on this machine: the model must be here (on a cluster: on each node)
+    if not os.environ.get("RAY_ADDRESS"):  # workers on this machine: the model must be here (on a cluster: each node)
         resolve_model(model)
     stop = StopOnInterrupt()
     if requests:

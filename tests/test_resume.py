@@ -156,7 +156,8 @@ def test_resume_refuses_a_file_that_is_not_answers(model_folder, tmp_path, capsy
 
 def test_a_repeated_id_is_reported_and_answered_once(model_folder, tmp_path, capsys) -> None:
     source = tmp_path / "in.jsonl"
-    source.write_text('{"id": 3, "prompt": "a b c"}\n{"prompt": "d e f"}\n{"prompt": "g h i"}\n{"id": 3, "prompt": "x"}\n')
+    lines = ['{"id": 3, "prompt": "a b c"}', '{"prompt": "d e f"}', '{"prompt": "g h i"}', '{"id": 3, "prompt": "x"}']
+    source.write_text("\n".join(lines) + "\n")
     output = tmp_path / "out.jsonl"
     cli.main(["generate", "--input", str(source), "--output", str(output), "--model", str(model_folder),
               "--dtype", "fp32", "--max-new-tokens", "2"])
