@@ -27,14 +27,14 @@ from .small_model import SmallModelDrafter
 ENTRY_POINT_GROUP = "specula.proposers"
 BUILT_IN = {
     "prompt-lookup": "copies what followed the most recent earlier occurrence of the last tokens",
-    "prompt-lookup-tree[:N]": "the continuations of the N best earlier occurrences as one tree (default 8)",
+    "prompt-lookup-tree[:N]": "the continuations of the N best earlier occurrences as one tree (default 16)",
     "ngram": "chains the most confident continuations of n-gram tables learnt from everything seen",
     "none": "no drafts: plain decoding through specula's loop",
     "draft:PATH": "a smaller model with the same vocabulary (an HF folder or .gguf file)",
 }
 _BUILT_IN_NAMES = {name.partition(":")[0].partition("[")[0] for name in BUILT_IN}
 PROPOSER_NAMES = tuple(BUILT_IN) + ("a registered NAME[:ARG]",)
-TREE_BRANCHES = 8  # occurrences a prompt-lookup tree proposes by default
+TREE_BRANCHES = 16  # occurrences a prompt-lookup tree proposes by default
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def proposer_factory(
 ) -> Callable[[], Proposer | None]:
     """A function that makes a fresh proposer for each request, from its name (see ``PROPOSER_NAMES``).
 
-    ``prompt-lookup-tree:N`` proposes the continuations of ``N`` occurrences as a tree (default 8).
+    ``prompt-lookup-tree:N`` proposes the continuations of ``N`` occurrences as a tree (default 16).
     ``draft:PATH`` loads the draft model (an HF folder or ``.gguf`` file) once, here, with ``dtype`` on ``device``.
     Any other ``NAME[:ARG]`` is looked up among the proposers other packages register (``specula.proposers``).
     """
