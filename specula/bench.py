@@ -14,7 +14,7 @@ from .generate import generate
 from .hf import prepare_jobs
 from .loop import Decoder
 from .proposer import Draft, Proposer
-from .stats import SpecStats
+from .stats import TREE_COUNTERS, SpecStats
 from .workloads import encode, left_padded
 
 # A method turns a prompt into (new token ids, seconds, SpecStats or None).
@@ -159,6 +159,9 @@ class BenchRow:
     acceptance_rate: float | None
     tokens_per_step: float | None
     drafted: int  # draft tokens sent to the target, all prompts (last repeat)
+    tree_steps: int = 0  # steps that sent a tree (last repeat), their draft tokens, and the tokens they accepted
+    tree_drafted: int = 0  # beyond their first branches (SpecStats)
+    tree_gain: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -188,7 +191,7 @@ def run_bench(
         method(warm, 4)
     rows = []
     for workload, requests in workloads.items():
-        counters = ("tokens", "seconds", "same", "repeatable", "drafted", "accepted", "steps")
+        counters = ("tokens", "seconds", "same", "repeatable", "drafted", "accepted", "steps", *TREE_COUNTERS)
         totals = {name: dict.fromkeys(counters, 0) for name in names}
         for index, request in enumerate(requests):
             prompt = encode(tokenizer, request)
@@ -216,6 +219,8 @@ def run_bench(
                     total["drafted"] += stats.drafted
                     total["accepted"] += stats.accepted
                     total["steps"] += stats.steps
+                    for counter in TREE_COUNTERS:
+                        total[counter] += getattr(stats, counter)
             if progress:
                 progress(f"{workload} {index + 1}/{len(requests)}")
         base_rate = totals[baseline]["tokens"] / totals[baseline]["seconds"]
@@ -236,6 +241,7 @@ def run_bench(
                     acceptance_rate=total["accepted"] / total["drafted"] if total["drafted"] else None,
                     tokens_per_step=total["tokens"] / total["steps"] if total["steps"] else None,
                     drafted=total["drafted"],
+                    **{counter: total[counter] for counter in TREE_COUNTERS},
                 )
             )
     return rows
@@ -277,6 +283,7 @@ def run_batch_bench(
                 acceptance_rate=stats.acceptance_rate if stats is not None and stats.drafted else None,
                 tokens_per_step=stats.tokens_per_step if stats is not None else None,
                 drafted=stats.drafted if stats is not None else 0,
+                **({counter: getattr(stats, counter) for counter in TREE_COUNTERS} if stats is not None else {}),
             ))
     return rows
 
@@ -284,15 +291,17 @@ def run_batch_bench(
 def format_table(rows: list[BenchRow]) -> str:
     """A plain-text table, one block per workload."""
     header = (f"{'workload':<11}{'method':<29}{'tok/s':>8}{'speedup':>9}{'identical':>11}{'repeatable':>12}"
-              f"{'accept':>8}{'tok/step':>10}")
+              f"{'accept':>8}{'tok/step':>10}{'trees':>20}")
     lines = [header, "-" * len(header)]
     for row in rows:
         accept = f"{row.acceptance_rate:.0%}" if row.acceptance_rate is not None else "-"
         identical = f"{row.identical_to_greedy:.0%}" if row.identical_to_greedy is not None else "-"
         repeatable = f"{row.repeatable:.0%}" if row.repeatable is not None else "-"
         per_step = f"{row.tokens_per_step:.2f}" if row.tokens_per_step is not None else "-"
+        # steps that sent a tree, their mean size, and the tokens they gained over their first branches
+        trees = f"{row.tree_steps} x{row.tree_drafted / row.tree_steps:.1f} +{row.tree_gain}" if row.tree_steps else "-"
         lines.append(
             f"{row.workload:<11}{row.method:<29}{row.tokens_per_s:>8.1f}{row.speedup_vs_hf_greedy:>8.2f}x"
-            f"{identical:>11}{repeatable:>12}{accept:>8}{per_step:>10}"
+            f"{identical:>11}{repeatable:>12}{accept:>8}{per_step:>10}{trees:>20}"
         )
     return "\n".join(lines)

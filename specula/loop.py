@@ -146,7 +146,9 @@ class Row:
 
     def advance(self, new_tokens: list[int]) -> list[int]:
         """Record a pass that produced ``new_tokens`` for this row; return the tokens its output kept."""
-        self.stats.record_step(drafted=len(self.sent), accepted=len(new_tokens) - 1)
+        accepted = len(new_tokens) - 1
+        alone = len(self.sent.chain().path(new_tokens[:-1])) if self.sent.is_tree else None  # its first branch's
+        self.stats.record_step(len(self.sent), accepted, None if alone is None else accepted - alone)
         kept, self.finished = self.sequence.append(new_tokens)
         if self.proposer is not None:
             self.proposer.observe(kept, min(len(new_tokens) - 1, len(kept)))

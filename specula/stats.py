@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+TREE_COUNTERS = ("tree_steps", "tree_drafted", "tree_gain")  # SpecStats' counters of steps that sent a tree
+
 
 @dataclass
 class SpecStats:
@@ -13,6 +15,8 @@ class SpecStats:
 
     ``steps`` counts every target forward pass, the prefill included, so plain decoding of N tokens takes N steps
     and ``tokens_per_step`` is 1.0; ``accepted_per_position[i]`` counts the steps whose draft token i was accepted.
+    ``tree_steps`` counts the steps that sent a tree (a draft that branches), ``tree_drafted`` their draft tokens,
+    and ``tree_gain`` the tokens those trees accepted beyond what their first branch alone would have.
     """
 
     prompt_tokens: int = 0
@@ -24,6 +28,9 @@ class SpecStats:
     wall_time_s: float = 0.0
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
+    tree_steps: int = 0
+    tree_drafted: int = 0
+    tree_gain: int = 0
     rows: list["SpecStats"] = field(default_factory=list, repr=False)  # per request of a batch, in its order
 
     @classmethod
@@ -39,6 +46,7 @@ class SpecStats:
             steps=steps, drafted=sum(row.drafted for row in rows), accepted=sum(row.accepted for row in rows),
             accepted_per_position=per_position, wall_time_s=wall_time_s, prefill_time_s=prefill_time_s,
             draft_time_s=sum(row.draft_time_s for row in rows), rows=rows,
+            **{name: sum(getattr(row, name) for row in rows) for name in TREE_COUNTERS},
         )
 
     @property
@@ -56,8 +64,12 @@ class SpecStats:
         """New tokens per second of wall time, prefill included."""
         return self.new_tokens / self.wall_time_s if self.wall_time_s else 0.0
 
-    def record_step(self, drafted: int, accepted: int) -> None:
-        """One target forward pass verified ``drafted`` draft tokens and accepted the first ``accepted``."""
+    def record_step(self, drafted: int, accepted: int, tree_gain: int | None = None) -> None:
+        """One target forward pass verified ``drafted`` draft tokens and accepted ``accepted`` of them (a path of a
+        tree); ``tree_gain``, for a tree, is how many more than its first branch alone would have."""
+        if tree_gain is not None:
+            self.tree_steps, self.tree_drafted, self.tree_gain = (
+                self.tree_steps + 1, self.tree_drafted + drafted, self.tree_gain + tree_gain)
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -71,6 +83,8 @@ class SpecStats:
             f"{self.new_tokens} new tokens in {self.wall_time_s:.2f}s ({self.tokens_per_s:.1f} tok/s), "
             f"{self.steps} target steps ({self.tokens_per_step:.2f} tok/step), "
             f"accepted {self.accepted}/{self.drafted} drafted ({self.acceptance_rate:.0%})"
+            + (f", {self.tree_steps} trees ({self.tree_drafted / self.tree_steps:.1f} tokens each, "
+               f"+{self.tree_gain} tokens over their first branches)" if self.tree_steps else "")
         )
 
 
