@@ -334,6 +334,34 @@ def ngram_predict(context, max_tokens: int, min_count, min_share, contexts) -> n
 
 
 @njit(cache=True, nogil=True)
+def ngram_alternatives(context, min_count, min_share, contexts) -> np.ndarray:
+    """The confident best continuations of ``context``'s suffixes, the longest suffix first, each token once: the
+    first token :func:`ngram_predict` drafts (where the longest known context is confident), then the best tokens of
+    the shorter contexts, which it never consults; a tree's candidate first tokens.
+
+    Worked example, tables from ``[1, 2, 3, 9, 2, 3, 5, 2, 4]`` (``max_order=3``), thresholds 1 and 0.0: context
+    ``[5, 2]`` was followed by 4 once; ``[2]`` by 3 twice and by 4 once -> ``[4, 3]``.
+    """
+    found = np.empty(contexts.shape[0], dtype=np.int64)
+    count = 0
+    for row in range(min(contexts.shape[0], context.shape[0]) - 1, -1, -1):
+        length = row + 1
+        start = context.shape[0] - length
+        slot = _find(contexts, row, _context_hash(context, start, length), CONTEXT_KEYS, context, start, length)
+        if slot < 0:
+            continue
+        best, best_count = contexts[row, slot, BEST], contexts[row, slot, BEST_COUNT]
+        if best_count >= min_count[row] and best_count >= min_share[row] * contexts[row, slot, TOTAL]:
+            seen = False
+            for i in range(count):
+                seen |= found[i] == best
+            if not seen:
+                found[count] = best
+                count += 1
+    return found[:count].copy()
+
+
+@njit(cache=True, nogil=True)
 def ngram_count(pair, pairs) -> int:
     """How often ``pair[-1]`` followed the context ``pair[:-1]`` (table row ``len(pair) - 2``)."""
     length = pair.shape[0] - 1

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import kernels
-from .proposer import Draft, Proposer, check_int
+from .proposer import Draft, Proposer, check_int, merged
 from .sampling import Sampling
 
 _FORMAT = "specula.NGramPredictor/1"
@@ -36,7 +36,9 @@ class NGramPredictor(Proposer):
     soon as that continuation is not confident enough (seen fewer than ``min_count`` times, or in less than
     ``min_share`` of its context's occurrences, per context length 1, 2, 3, ...). As a proposer it learns the
     prompt in ``begin`` and each step's new tokens in ``observe``; kept across generations it keeps learning, and
-    ``save`` / ``load`` persist it.
+    ``save`` / ``load`` persist it. With ``tree=True`` it proposes a tree: that chain, and as alternatives the best
+    continuation of each shorter context that disagrees (the runners-up its tables hold), each followed by its own
+    chain, all verified in one pass (:class:`specula.Draft` ``parents``).
 
     Memory is fixed at construction: each order has ``capacity`` slots (a power of two) for its contexts and as many
     for its (context, next token) pairs, 32-byte records up to ``max_order=5``: 12.6 MB for the defaults. A table
@@ -51,6 +53,7 @@ class NGramPredictor(Proposer):
         min_count: least count of a drafted continuation, per context length 1, 2, ... (the last value applies to
             longer contexts; a single int applies to all).
         min_share: least share of its context's occurrences, per context length, likewise.
+        tree: propose the shorter contexts' best continuations too, as a tree (the loop sends what pays of it).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class NGramPredictor(Proposer):
         capacity: int = 1 << 16,
         min_count: int | Sequence[int] = (2, 1, 1),
         min_share: float | Sequence[float] = (0.5, 0.5, 0.5),
+        tree: bool = False,
     ) -> None:
         check_int("max_order", max_order, 2, " (bigrams)")
         check_int("num_draft", num_draft, 1)
@@ -68,6 +72,7 @@ class NGramPredictor(Proposer):
         check_int("capacity", capacity, 4, " slots")
         rows = max_order - 1
         self.max_order, self.num_draft, self.history = max_order, num_draft, history
+        self.proposes_trees = bool(tree)
         self.min_count = self._per_row(min_count, rows, "min_count", np.int64)
         self.min_share = self._per_row(min_share, rows, "min_share", np.float64)
         if (self.min_count < 1).any() or ((self.min_share < 0) | (self.min_share > 1)).any():
@@ -130,7 +135,12 @@ class NGramPredictor(Proposer):
         self.update(prompt_ids)
 
     def propose(self, context_ids: np.ndarray, max_tokens: int) -> Draft:
-        return Draft(self._predict(context_ids[-(self.max_order - 1) :], min(self.num_draft, max_tokens)))
+        context, length = context_ids[-(self.max_order - 1) :], min(self.num_draft, max_tokens)
+        if not self.proposes_trees:
+            return Draft(self._predict(context, length))
+        firsts = kernels.ngram_alternatives(context, self.min_count, self.min_share, self.tables["contexts"])
+        return merged([[first, *self._predict(np.append(context, first)[-(self.max_order - 1) :], length - 1).tolist()]
+                       for first in firsts.tolist()])
 
     def observe(self, new_ids: Sequence[int], num_accepted: int) -> None:
         self.update(new_ids)
@@ -147,7 +157,8 @@ class NGramPredictor(Proposer):
         settings = np.array([self.max_order, self.num_draft, self.history])
         with open(path, "wb") as file:
             np.savez_compressed(file, format=np.array(_FORMAT), settings=settings, min_count=self.min_count,
-                                min_share=self.min_share, recent=self.recent, **self.tables)
+                                min_share=self.min_share, recent=self.recent, tree=np.array(self.proposes_trees),
+                                **self.tables)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "NGramPredictor":
@@ -162,7 +173,7 @@ class NGramPredictor(Proposer):
         try:
             max_order, num_draft, history = (int(v) for v in data["settings"])
             predictor = cls(max_order, num_draft, history, data["contexts"].shape[1],
-                            data["min_count"].tolist(), data["min_share"].tolist())
+                            data["min_count"].tolist(), data["min_share"].tolist(), bool(data.get("tree", False)))
             for name, empty in predictor.tables.items():
                 if data[name].shape != empty.shape or data[name].dtype != empty.dtype:
                     raise ValueError(f"table {name} has shape {data[name].shape}, expected {empty.shape}")
@@ -173,5 +184,6 @@ class NGramPredictor(Proposer):
         return predictor
 
     def __repr__(self) -> str:
+        tree = ", tree=True" if self.proposes_trees else ""
         return (f"NGramPredictor(max_order={self.max_order}, num_draft={self.num_draft}, history={self.history}, "
-                f"capacity={self.capacity})")
+                f"capacity={self.capacity}{tree})")

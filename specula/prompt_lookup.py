@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .kernels import lookup_candidates, prompt_lookup
-from .proposer import Draft, Proposer, check_int
+from .proposer import Draft, Proposer, check_int, merged
 
 
 class PromptLookup(Proposer):
@@ -64,54 +64,9 @@ class PromptLookup(Proposer):
             tokens, match_length = prompt_lookup(context_ids, self.min_ngram, self.max_ngram, length)
             return Draft(tokens, source=match_length)
         continuations, matches = lookup_candidates(context_ids, self.min_ngram, self.max_ngram, length, self.branches)
-        return merged(continuations, source=int(matches[0]) if len(matches) else 0)
+        return merged(continuations.tolist(), source=int(matches[0]) if len(matches) else 0)
 
     def __repr__(self) -> str:
         branches = f", branches={self.branches}" if self.branches > 1 else ""
         return (f"PromptLookup(num_draft={self.num_draft}, min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
                 f"{branches})")
-
-
-DEPTH_DECAY = 0.8  # how much less likely a token is than its parent on the same continuation (merged's prior)
-
-
-def merged(continuations: np.ndarray, source: object = None) -> Draft:
-    """The tree of these continuations (``[m, length]``, the likeliest first) with shared prefixes merged, its
-    tokens ordered by a score of how likely each is to be accepted, so that the first ``k`` are the tree worth
-    verifying where only ``k`` can be (a token scores below its parent, so it comes after it; siblings are tried
-    in the same order).
-
-    A token's score is the summed weight of the continuations through it (the ``r``-th weighs ``1 / (r + 1)``,
-    ``r`` from 0: the occurrence ranking's own prior) times ``DEPTH_DECAY`` per level: a token that several
-    occurrences agree on comes before one that a single better-ranked occurrence proposes, and deep tokens of one
-    continuation give way to the first tokens of the next. Replaying SmolLM2-135M's bf16 outputs (12 prompts per
-    public workload, 16 continuations, 32 tokens sent; ``examples/draft_replay.py``) this reaches 95-100% of the
-    copy bound where ordering by depth plus rank reached 95-99.6%.
-
-    >>> tree = merged(np.array([[4, 5, 6], [4, 7, 8], [9, 5, 6]]))  # 4 -> 5 -> 6, 4 -> 7 -> 8, 9 -> 5 -> 6
-    >>> tree.tokens.tolist(), tree.parents  # scores 4: 1.5, 5: 0.8, 6: 0.64, 7: 0.4, 9: 0.33, 8: 0.32 ...
-    ([4, 5, 6, 7, 9, 8, 5, 6], (-1, 0, 1, 0, -1, 3, 4, 6))
-    >>> merged(np.array([[1, 2], [3, 4], [3, 4], [3, 5]])).tokens.tolist()  # 3: 1/2 + 1/3 + 1/4 > 1: 3 first
-    [3, 1, 2, 4, 5]
-    """
-    nodes: dict[tuple[int, int], int] = {}  # (parent, token) -> node, in the order made
-    parents: list[int] = []
-    tokens: list[int] = []
-    scores: list[float] = []  # summed weight of the continuations through each node
-    depths: list[int] = []
-    for rank, continuation in enumerate(continuations.tolist()):
-        node, weight = -1, 1.0 / (rank + 1)
-        for depth, token in enumerate(continuation):
-            if (node, token) not in nodes:
-                nodes[node, token] = len(tokens)
-                tokens.append(token)
-                parents.append(node)
-                scores.append(0.0)
-                depths.append(depth)
-            node = nodes[node, token]
-            scores[node] += weight
-    # (a parent scores more than its child: a superset of its continuations, one level less of decay)
-    order = sorted(range(len(tokens)), key=lambda node: (-scores[node] * DEPTH_DECAY ** depths[node], node))
-    where = {node: i for i, node in enumerate(order)}
-    return Draft([tokens[node] for node in order], source=source,
-                 parents=[-1 if parents[node] < 0 else where[parents[node]] for node in order])

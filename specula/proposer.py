@@ -165,6 +165,51 @@ def _checked_parents(parents: Sequence[int], tokens: list[int]) -> tuple[int, ..
     return None if parents == tuple(range(-1, len(parents) - 1)) else parents
 
 
+DEPTH_DECAY = 0.8  # how much less likely a token is than its parent on the same continuation (merged's prior)
+
+
+def merged(continuations: Sequence[Sequence[int]], source: object = None) -> Draft:
+    """The tree of these continuations (token lists, the likeliest first) with shared prefixes merged, its
+    tokens ordered by a score of how likely each is to be accepted, so that the first ``k`` are the tree worth
+    verifying where only ``k`` can be (a token scores below its parent, so it comes after it; siblings are tried
+    in the same order).
+
+    A token's score is the summed weight of the continuations through it (the ``r``-th weighs ``1 / (r + 1)``,
+    ``r`` from 0: a prior on the proposer's own ranking) times ``DEPTH_DECAY`` per level: a token that several
+    continuations agree on comes before one that a single better-ranked one proposes, and deep tokens of one
+    continuation give way to the first tokens of the next. For PromptLookup's trees (16 occurrences, 32 tokens sent),
+    replaying SmolLM2-135M's bf16 outputs (``examples/draft_replay.py``, 4 and 12 prompts per public workload), this
+    reached 95.3-100% of the copy bound where ordering by depth plus rank reached 94.8-99.6%.
+
+    >>> tree = merged([[4, 5, 6], [4, 7, 8], [9, 5, 6]])  # 4 -> 5 -> 6, 4 -> 7 -> 8, 9 -> 5 -> 6
+    >>> tree.tokens.tolist(), tree.parents  # scores 4: 1.5, 5: 0.8, 6: 0.64, 7: 0.4, 9: 0.33, 8: 0.32 ...
+    ([4, 5, 6, 7, 9, 8, 5, 6], (-1, 0, 1, 0, -1, 3, 4, 6))
+    >>> merged([[1, 2], [3, 4], [3, 4], [3, 5]]).tokens.tolist()  # 3: 1/2 + 1/3 + 1/4 > 1: 3 first
+    [3, 1, 2, 4, 5]
+    """
+    nodes: dict[tuple[int, int], int] = {}  # (parent, token) -> node, in the order made
+    parents: list[int] = []
+    tokens: list[int] = []
+    scores: list[float] = []  # summed weight of the continuations through each node
+    depths: list[int] = []
+    for rank, continuation in enumerate(continuations):
+        node, weight = -1, 1.0 / (rank + 1)
+        for depth, token in enumerate(continuation):
+            if (node, token) not in nodes:
+                nodes[node, token] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+                scores.append(0.0)
+                depths.append(depth)
+            node = nodes[node, token]
+            scores[node] += weight
+    # (a parent scores more than its child: a superset of its continuations, one level less of decay)
+    order = sorted(range(len(tokens)), key=lambda node: (-scores[node] * DEPTH_DECAY ** depths[node], node))
+    where = {node: i for i, node in enumerate(order)}
+    return Draft([tokens[node] for node in order], source=source,
+                 parents=[-1 if parents[node] < 0 else where[parents[node]] for node in order])
+
+
 def check_int(name: str, value: object, minimum: int, what: str = "") -> int:
     """``value`` if it is an integer >= ``minimum``, else a ValueError naming the argument."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:

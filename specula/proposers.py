@@ -1,5 +1,5 @@
 """Naming proposers on the command line: the built-in ``prompt-lookup``, ``prompt-lookup-tree[:N]``, ``ngram``,
-``none`` and ``draft:PATH``, and those other packages register.
+``ngram-tree``, ``none`` and ``draft:PATH``, and those other packages register.
 
 A package registers a proposer under the entry-point group ``specula.proposers``; in its ``pyproject.toml``::
 
@@ -29,6 +29,7 @@ BUILT_IN = {
     "prompt-lookup": "copies what followed the most recent earlier occurrence of the last tokens",
     "prompt-lookup-tree[:N]": "the continuations of the N best earlier occurrences as one tree (default 16)",
     "ngram": "chains the most confident continuations of n-gram tables learnt from everything seen",
+    "ngram-tree": "that chain, and the best continuations of shorter contexts as other branches of a tree",
     "none": "no drafts: plain decoding through specula's loop",
     "draft:PATH": "a smaller model with the same vocabulary (an HF folder or .gguf file)",
 }
@@ -135,6 +136,8 @@ def proposer_factory(
         return lambda: PromptLookup(branches=int(branches))
     if spec == "ngram":
         return NGramPredictor
+    if spec == "ngram-tree":
+        return lambda: NGramPredictor(tree=True)
     if spec == "none":
         return lambda: None
     if name == "draft" and argument:

@@ -10,7 +10,7 @@ import torch
 from helpers import hf_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import ARCHITECTURES, tiny_model
+from tiny_models import ARCHITECTURES, VOCAB, tiny_model
 
 import specula
 
@@ -66,6 +66,15 @@ class ReferenceNGram:
                 return draft
         return draft
 
+    def alternatives(self, context: list[int]) -> list[int]:
+        """The confident best continuation of each suffix of ``context``, the longest first, each token once."""
+        found: list[int] = []
+        for row in range(min(self.rows, len(context)) - 1, -1, -1):
+            stats = self.contexts[row].get(tuple(context[len(context) - row - 1 :]))
+            if stats is not None and stats[2] >= self.min_count[row] and stats[2] >= self.min_share[row] * stats[0]:
+                found += [stats[1]] if stats[1] not in found else []
+        return found
+
 
 def streams(max_vocab: int = 262144):
     """Token streams with random runs and repeats of earlier stretches (so contexts recur)."""
@@ -108,9 +117,18 @@ def test_tables_and_predictions_match_reference(stream, chunks, max_order, capac
         predictor.update(chunk)
         reference.update(chunk.tolist())
     assert_same_tables(predictor, reference)
+    tree = specula.NGramPredictor(max_order, capacity=capacity, min_count=min_count, min_share=min_share, tree=True)
+    tree.tables = predictor.tables
     for end in range(1, len(stream) + 1, 3):
         context = stream[max(0, end - rows) : end]
         assert predictor.predict(context, max_tokens) == reference.predict(context, max_tokens)
+        # a tree: each alternative first token (the longest context's first), followed by its own chain
+        firsts = reference.alternatives(context)
+        draft = tree.propose(np.array(context, dtype=np.int64), max_tokens)
+        assert [draft.tokens[i].item() for i in draft.children()[0]] == firsts
+        for first in firsts:  # (a proposer drafts at most num_draft tokens)
+            branch = [first] + reference.predict(context + [first], min(max_tokens, tree.num_draft) - 1)
+            assert draft.path(branch) == draft.path(branch + [-1]) and len(draft.path(branch)) == len(branch)
 
 
 def test_learns_and_chains_a_phrase_seen_twice() -> None:
@@ -146,6 +164,15 @@ def test_memory_is_bounded_over_a_million_tokens() -> None:
     assert predictor.predict(phrase[:3], 8) == phrase[3:11].tolist()
 
 
+def test_alternatives_worked_example() -> None:
+    predictor = specula.NGramPredictor(max_order=3, min_count=1, min_share=0.0, tree=True)
+    predictor.update([1, 2, 3, 9, 2, 3, 5, 2, 4])  # [5, 2] -> 4 once; [2] -> 3 twice, 4 once
+    draft = predictor.propose(np.array([5, 2]), 2)
+    # 4, then [2, 4] and [4] unknown: nothing; 3, then [2, 3] -> 9 (and 5, once each: the first seen stays best)
+    assert draft.tokens.tolist() == [4, 3, 9] and draft.parents == (-1, -1, 1)
+    assert specula.NGramPredictor(max_order=3).predict([5, 2], 2) == []  # (fresh tables: nothing)
+
+
 def test_save_load_round_trip(tmp_path) -> None:
     predictor = specula.NGramPredictor(max_order=3, num_draft=5, capacity=256, min_count=(1, 2), min_share=0.4)
     predictor.update([4, 5, 6, 4, 5, 7, 4, 5, 6])
@@ -158,6 +185,9 @@ def test_save_load_round_trip(tmp_path) -> None:
     assert loaded.predict([4, 5], 4) == predictor.predict([4, 5], 4)
     loaded.update([6, 4])  # keeps learning where it left off
     assert loaded.count([5, 6], 4) == 1 and loaded.count([6], 4) == 2
+    predictor = specula.NGramPredictor(tree=True)
+    predictor.save(tmp_path / "tree.npz")
+    assert specula.NGramPredictor.load(tmp_path / "tree.npz").proposes_trees
 
 
 def test_bad_files_give_clear_errors(tmp_path) -> None:
@@ -229,3 +259,20 @@ def test_drives_generate_identically(name: str) -> None:
                              adaptive_draft=False)
     assert again.sequences.tolist() == out.sequences.tolist()
     assert again.stats.accepted >= out.stats.accepted
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt2", "llama", "qwen2"])
+def test_trees_of_alternatives_drive_generate_identically(name: str) -> None:
+    prompt = torch.tensor([[1, 5, 6, 7, 8, 9, 5, 1, 7, 8, 5, 6, 7, 3, 9, 5, 2, 4, 5, 6, 7, 8, 9, 5]])
+    expected = hf_greedy(_model(name), prompt, 40)
+    output = expected[0].tolist()
+    predictor = specula.NGramPredictor(min_count=1, tree=True)
+    for token, after in zip(output, output[1:]):  # after each token another one, twice: the best of 1-token
+        for _ in range(2):  # contexts is wrong ...
+            predictor.reset_context()
+            predictor.update([token, (after + 1) % VOCAB])
+    predictor.reset_context()
+    predictor.update(output)  # ... while the longer ones know the output: trees whose first branch is right
+    out = specula.generate(_model(name), prompt, predictor, max_new_tokens=40, eos_token_id=[], adaptive_draft=False)
+    assert out.sequences.tolist() == expected.tolist()
+    assert out.stats.tree_steps > 0 and out.stats.accepted > 20
