@@ -51,7 +51,7 @@ def replay(proposer: specula.Proposer, prompt: list[int], output: list[int], cos
         accepted = len(sent.path(output[done:]))
         new = output[done : done + accepted + 1]
         cost = costs[min(len(sent), len(costs) - 1)]
-        policy.learn(lengths, [proposed], [new], len(sent) + 1, cost, tree=sent.is_tree)
+        policy.learn(lengths, [proposed], [sent], [new], len(sent) + 1, cost)
         proposer.observe(new, accepted)
         context += new
         steps, drafted, seconds = steps + 1, drafted + len(sent), seconds + cost

@@ -176,6 +176,7 @@ class DraftLength:
         self.step_seconds = step_seconds  # index n: a step verifying n tokens
         self.draft_seconds = 0.0  # smoothed time of one propose() call
         self.steps_since_probe = 0
+        self.off_branch = (0.0, 0.0)  # tokens off their first branches that sent trees were expected to / did accept
 
     # Estimates
     def _counts(self, source: object) -> tuple[np.ndarray, np.ndarray]:
@@ -196,9 +197,10 @@ class DraftLength:
         sent again (on the Xeon in bf16 a pass over 4 tokens costs 2.8x one)."""
         return np.cumprod(self._rates(source)[:, 0])
 
-    def node_chances(self, draft: "Draft") -> np.ndarray:
+    def node_chances(self, draft: "Draft", calibrated: bool = True) -> np.ndarray:
         """For each token of ``draft`` (a chain or a tree), the chance that it is accepted: its parent's, times the
-        chance that its elder siblings are rejected and it is accepted (learnt per position and sibling rank).
+        chance that its elder siblings are rejected and it is accepted (learnt per position and sibling rank), times
+        the :meth:`sibling_factor` for a token that is not its parent's first child (unless not ``calibrated``).
         Of a chain, :meth:`chances`."""
         parents = draft.parent_list()
         if not parents:
@@ -211,10 +213,12 @@ class DraftLength:
         tried = rates[:, np.minimum(np.arange(max(ranks) + 1), RANKS - 1)]  # [max_draft, ranks]: rate when tried
         rejected_before = np.cumprod(np.concatenate([np.ones((len(tried), 1)), 1.0 - tried[:, :-1]], axis=1), axis=1)
         reach = (tried * rejected_before).tolist()  # [depth][rank]: elder siblings rejected, this one accepted
+        factor = self.sibling_factor() if calibrated and max(ranks) else 1.0
         chance, depth = [], []
         for parent, rank in zip(parents, ranks):
             depth.append(0 if parent < 0 else depth[parent] + 1)
-            chance.append((1.0 if parent < 0 else chance[parent]) * reach[min(depth[-1], self.max_draft - 1)][rank])
+            reached = reach[min(depth[-1], self.max_draft - 1)][rank] * (factor if rank else 1.0)
+            chance.append((1.0 if parent < 0 else chance[parent]) * reached)
         return np.array(chance)
 
     def _rates(self, source: object) -> np.ndarray:
@@ -238,6 +242,15 @@ class DraftLength:
                 estimate.append((accepted + prior) / (tried + 1.0))
             rates.append(estimate)
         return np.array(rates)
+
+    def sibling_factor(self) -> float:
+        """How far the learnt chances of tokens off a tree's first branch hold: of the trees sent, the tokens they
+        accepted off their first branches over those expected (:meth:`record_tree`), smoothed with the weight of one
+        expected token toward 1 (the pool's factor where pooled); at most 1. Rates per position and rank are learnt
+        from every step, most of them where the first child is right; this checks them where trees are sent."""
+        expected, accepted = self.off_branch
+        prior, weight = (1.0, 1.0) if self.pool is None else (self.pool.sibling_factor(), self.pool_weight)
+        return min(1.0, (accepted + weight * prior) / (expected + weight))
 
     def _table(self) -> np.ndarray | None:
         return self.step_seconds if self.timed else None
@@ -281,6 +294,15 @@ class DraftLength:
         """A step verified ``verified`` tokens (last token + drafts) in ``seconds``."""
         if self.timed:
             _record(self.step_seconds, verified, seconds)
+
+    def record_tree(self, sent: "Draft", new_tokens: list[int]) -> None:
+        """A tree ``sent`` to the target gave ``new_tokens``: what it accepted off its first branch (the tokens it
+        gained over that branch alone), against what its uncalibrated chances expected there."""
+        first = set(sent.first_branch())
+        chances = self.node_chances(sent, calibrated=False)
+        expected = sum(chance for node, chance in enumerate(chances) if node not in first)
+        accepted = sum(node not in first for node in sent.path(new_tokens[:-1]))
+        self.off_branch = (self.decay * self.off_branch[0] + expected, self.decay * self.off_branch[1] + accepted)
 
     def record_outcome(self, draft: "Draft", new_tokens: list[int]) -> None:
         """Learn from a proposed ``draft`` (sent in full, in part or not at all) and the tokens the step produced:
@@ -347,17 +369,19 @@ class DraftPolicy:
         return np.where(np.isnan(trees := self.tables(rows, True)), chain, trees) if tree else chain
 
     def learn(
-        self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"], new_tokens: Sequence[list[int]],
-        tokens: int, seconds: float, tree: bool = False,
+        self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"], sent: Sequence["Draft"],
+        new_tokens: Sequence[list[int]], tokens: int, seconds: float,
     ) -> None:
-        """A pass over ``tokens`` tokens in all (its rows padded to the widest; ``tree``: some row's draft a tree)
-        took ``seconds`` and gave each row ``new_tokens[r]`` for its proposed (not necessarily sent)
-        ``drafts[r]``."""
+        """A pass over ``tokens`` tokens in all (its rows padded to the widest) took ``seconds`` and gave each row
+        ``new_tokens[r]`` for its proposed ``drafts[r]``, of which it verified ``sent[r]`` (timed as a tree pass
+        where one is a tree)."""
         if self.timed:
-            _record(self.tables(len(lengths), tree), tokens, seconds)
-        for row, draft, new in zip(lengths, drafts, new_tokens):
-            row.record_outcome(draft, new)
-            self.pool.record_outcome(draft, new)
+            _record(self.tables(len(lengths), any(draft.is_tree for draft in sent)), tokens, seconds)
+        for row, draft, verified, new in zip(lengths, drafts, sent, new_tokens):
+            for learner in (row, self.pool):
+                if verified.is_tree:
+                    learner.record_tree(verified, new)
+                learner.record_outcome(draft, new)
 
 
 class FixedDrafts:

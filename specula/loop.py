@@ -294,8 +294,8 @@ class Decoder:
             paths = [_path(row.sent, tokens) for row, tokens in zip(rows, outcomes)]
             self._target.keep_rows([len(tokens) for tokens in outcomes], paths)
             width = max(map(len, blocks))  # (every row is computed this wide)
-            self.policy.learn(lengths, [row.draft for row in rows], outcomes, len(blocks) * width, seconds,
-                              tree=any(tree is not None for tree in trees))
+            self.policy.learn(lengths, [row.draft for row in rows], [row.sent for row in rows], outcomes,
+                              len(blocks) * width, seconds)
             self.step_seconds += time.perf_counter() - step_started
             self._made[len(rows)] = self._made.get(len(rows), 0) + sum(map(len, outcomes))
             for index, (row, tokens) in enumerate(zip(rows, outcomes)):

@@ -313,3 +313,20 @@ def test_a_tree_is_sent_only_where_it_beats_its_first_branch() -> None:
         costs = {False: batch_table(1, chain_costs), True: batch_table(1, tree_costs)}
         policy = DraftPolicy(4, timed=True, tables=lambda rows, tree: costs[tree])
         assert policy.trim([lengths], [tree]) == [expected], tree_costs
+
+
+def test_trees_that_gain_less_than_their_chances_say_stop_being_sent() -> None:
+    lengths = DraftLength(4, memory=1e9)
+    trials, accepts = chain_record(4, [0.5, 0.9, 0.9, 0.9])
+    trials[0, 1], accepts[0, 1] = 1e6, 0.6e6  # the second first token: 60% when the first is wrong, say the rates
+    lengths.acceptance["s"] = (trials, accepts)
+    tree = Draft([3, 1, 4, 5, 6], source="s", parents=[-1, -1, 0, 1, 2])  # first branch: 3 -> 4 -> 6
+    costs = {False: batch_table(1, {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 3.0}), True: batch_table(1, {5: 1.05})}
+    policy = DraftPolicy(4, timed=True, tables=lambda rows, tree: costs[tree])
+    assert policy.trim([lengths], [tree]) == [[0, 1, 2, 4]] and lengths.sibling_factor() == 1.0
+    sent = tree.select([0, 1, 2, 4])
+    for _ in range(10):  # sent ten times, the first branch right and the 1 (expected: 0.3) never
+        policy.learn([lengths], [tree], [sent], [[3, 4, 6, 9]], 5, 1.05)  # (timed as measured)
+    assert lengths.sibling_factor() == pytest.approx(1 / 4, rel=1e-4)  # no token off the first branch for 3 expected
+    np.testing.assert_allclose(lengths.node_chances(sent)[1], 0.3 * lengths.sibling_factor(), rtol=0.05)
+    assert policy.trim([lengths], [tree]) == [[0, 2, 4]]  # the first branch alone now
