@@ -120,3 +120,12 @@ def test_a_tree_merges_the_continuations_of_several_occurrences() -> None:
 def test_bad_arguments(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         specula.PromptLookup(**kwargs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 10), st.integers(2, 16))
+def test_a_trees_first_branch_is_the_chain(tokens: list[int], max_tokens: int, branches: int) -> None:
+    # (where a tree does not pay, its first branch is sent: PromptLookup's own chain)
+    context = np.array(tokens, dtype=np.int64)
+    tree = specula.PromptLookup(branches=branches).propose(context, max_tokens)
+    assert tree.chain().tokens.tolist() == specula.PromptLookup().propose(context, max_tokens).tokens.tolist()
