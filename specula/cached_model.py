@@ -23,9 +23,9 @@ from .row_exact import row_exact_for
 _VERIFY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-# Where a causal LM's forward takes its Cache: past_key_values, or cache_params for Mamba-style models (as in
-# model.generate). Models that keep their state under another name (XLM's cache dict, RWKV, XLNet ...) are refused.
-_CACHE_ARGUMENTS = ("past_key_values", "cache_params")
+# Where a causal LM's forward takes its Cache: cache (transformers >= 5.24), past_key_values (earlier versions, and
+# models that keep the old name), or cache_params for Mamba-style models (as in model.generate). Models that keep their state under another name (XLM's cache dict, RWKV, XLNet ...) are refused.
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
 
 
 # Models whose pass over several tokens after a filled cache does not compute what one-token steps compute, so that
@@ -242,7 +242,7 @@ class CachedModel:
         self.cache_argument = next((name for name in _CACHE_ARGUMENTS if name in parameters), None)
         if self.cache_argument is None:
             raise UnsupportedModelError(
-                f"{_model_type(model)} takes no KV cache (its forward has no past_key_values argument), so it cannot "
+                f"{_model_type(model)} takes no KV cache (its forward has no cache or past_key_values argument), so it cannot "
                 "decode step by step. Use model.generate() for this model."
             )
         self.model = model

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .cached_model import _CACHE_ARGUMENTS
 from .generate import generate
 from .proposer import Proposer
 
@@ -45,7 +46,7 @@ class _PassLogits:
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output) -> None:
-        cache = kwargs.get("past_key_values") or kwargs.get("cache_params")
+        cache = next(kwargs[name] for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None)
         logits = output.logits[0]  # [rows, vocab], the last rows of the pass
         end = cache.get_seq_length()  # tokens in the cache after this pass
         for j in range(logits.shape[0]):

@@ -68,10 +68,15 @@ def custom_generate(
     return out.sequences
 
 
+def _given_cache(model_kwargs: dict):
+    """The cache the caller handed ``generate`` (``cache`` from transformers 5.24, ``past_key_values`` before)."""
+    return next((model_kwargs[name] for name in ("cache", "past_key_values") if model_kwargs.get(name) is not None), None)
+
+
 def _prepared(model, input_ids, logits_processor, generation_config, generator, model_kwargs):
     """The checked request, its sampling and per-row generators (``None``: one stream) from what ``generate``
     prepared."""
-    _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator, model_kwargs.get("past_key_values"))
+    _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator, _given_cache(model_kwargs))
     request = prepare_request(
         model,
         input_ids,
@@ -138,7 +143,7 @@ def _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator,
             f"{generation_config.num_return_sequences}; repeat the prompt in the batch instead."
         )
     if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("specula starts from the prompt; it cannot continue a filled past_key_values.")
+        raise ValueError("specula starts from the prompt; it cannot continue a filled cache (past_key_values).")
     generators = generator if isinstance(generator, (list, tuple)) else [] if generator is None else [generator]
     if isinstance(generator, (list, tuple)) and len(generator) != input_ids.shape[0]:
         raise ValueError(

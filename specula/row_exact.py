@@ -32,11 +32,24 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.pytorch_utils import Conv1D
 
+from . import calibration
+from .calibration import calibration_key, cheapest, seconds_of
+
 # Attention implementations whose one-token calls RowExact can repeat row by row (HF's sdpa and eager functions).
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 # Arguments of HF's sdpa function that change what it computes beyond plain masked attention.
 _SDPA_EXTRAS = ("is_causal", "position_bias", "cache", "softcap", "s_aux", "sinks")
 _CALIBRATION_ROWS = 33  # the widest pass the loop sends (MAX_DRAFT + 1)
+_TIMED_ROWS = 9  # strategies are timed on a typical pass: the last token and 8 drafts ...
+_TIMED_KEYS = 700  # ... after this many tokens
+
+
+def _spread(shape: tuple, generator: torch.Generator, octaves: float) -> torch.Tensor:
+    """Random values of both signs whose magnitudes spread over ``octaves`` powers of two: sums of them cancel and
+    are dominated by a few terms, so that a sum taken in another order rounds otherwise far more often than for
+    Gaussian values."""
+    magnitudes = torch.exp2((torch.rand(shape, generator=generator) - 0.5) * octaves)
+    return torch.randn(shape, generator=generator) * magnitudes
 
 
 @torch.inference_mode()
@@ -45,15 +58,15 @@ def exact_rows(layer: torch.nn.Module, compute: Callable | None = None, max_rows
     each of them the bits ``layer`` gives that row alone, found on random rows.
 
     A kernel that sums in another order for another number of rows changes a bf16 output only where the fp32 sums
-    straddle a rounding boundary: ~1 output in 5000 for an inner dimension of 1536. So each width is tried on
-    enough rows for 2**17 outputs (some 25 expected differences where there are any).
+    straddle a rounding boundary: ~1 output in 5000 for an inner dimension of 1536 and Gaussian rows. So each width
+    is tried on enough rows for 2**17 outputs, of magnitudes spread over 6 octaves (:func:`_spread`).
     """
     ordinary = functools.partial(type(layer).forward, layer)
     compute = compute or ordinary
     generator = torch.Generator().manual_seed(0)
     n = _in_features(layer)
     count = min(max(2**17 * n // layer.weight.numel(), 1), 2048)  # rows for 2**17 outputs
-    x = torch.randn(1, count + max_rows, n, generator=generator).to(layer.weight.device, layer.weight.dtype)
+    x = _spread((1, count + max_rows, n), generator, 6).to(layer.weight.device, layer.weight.dtype)
     alone = _in_chunks(ordinary, 1, x)
     rows = 1
     while rows < max_rows:
@@ -92,13 +105,29 @@ def _weight_t(layer: torch.nn.Module) -> torch.Tensor:
     return weight_t if weight_t.is_contiguous() else weight_t.contiguous()
 
 
-def _calibrate(layer: torch.nn.Module) -> tuple[int, int]:
-    """How many rows ``layer`` computes exactly in one call as it is, and by columns (:func:`_by_columns`; 0 where
-    not needed)."""
+def _calibrate(layer: torch.nn.Module) -> dict:
+    """How ``layer`` computes a multi-row pass exactly: in chunks of the most rows that are exact as it is
+    (``rows``), or by columns (:func:`_by_columns`, ``columns`` rows a chunk), whichever is cheaper for a pass of
+    ``_TIMED_ROWS`` rows (``by_columns``); with the milliseconds of each and of the ordinary product."""
     rows = exact_rows(layer)
+    ordinary = functools.partial(type(layer).forward, layer)
+    x = torch.randn(1, _TIMED_ROWS, _in_features(layer)).to(layer.weight.device, layer.weight.dtype)
+    found = {"rows": rows, "by_columns": False, "ordinary_ms": seconds_of(lambda: ordinary(x)) * 1e3}
     if rows == _CALIBRATION_ROWS:
-        return rows, 0
-    return rows, exact_rows(layer, functools.partial(_by_columns, _weight_t(layer), layer.bias))
+        return {**found, "exact_ms": found["ordinary_ms"]}
+    by_columns = functools.partial(_by_columns, _weight_t(layer), layer.bias)
+    columns = exact_rows(layer, by_columns)
+    strategies = {False: lambda: _in_chunks(ordinary, rows, x), True: lambda: _in_chunks(by_columns, columns, x)}
+    choice = cheapest(strategies)
+    return {**found, "columns": columns, "by_columns": choice, "exact_ms": seconds_of(strategies[choice]) * 1e3}
+
+
+def _linear_calibration(layer: torch.nn.Module) -> dict:
+    """:func:`_calibrate` for ``layer``'s weight shape on this machine, made once and kept (:mod:`specula.calibration`)."""
+    weight = layer.weight
+    key = calibration_key(weight.device, "linear", type(layer).__name__, tuple(weight.shape), weight.stride(),
+                          weight.dtype, layer.bias is not None)
+    return calibration.shared().get(key, lambda: _calibrate(layer))
 
 
 def _needs_copy(layer: torch.nn.Module) -> bool:
@@ -189,6 +218,91 @@ def _grouped_sdpa(module, query, key, value, ends: list[list[int]], width: int, 
     return out.reshape(batch, n, heads, dim), None
 
 
+def _attention_inputs(heads: int, kv_heads: int, dim: int, dtype, device, rows: int, queries: int, keys: int,
+                      generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ``query`` ``[rows, heads, queries, dim]`` and ``key``, ``value`` ``[rows, kv_heads, keys, dim]``, laid
+    out as a model's projections, with scores spread as widely as a trained model's (a few keys dominate) and values
+    of magnitudes spread over 12 octaves (:func:`_spread`), so that a changed summation order shows."""
+    def projected(heads: int, length: int, values: torch.Tensor) -> torch.Tensor:
+        return values.reshape(rows, length, heads, dim).to(device, dtype).transpose(1, 2)
+
+    q = projected(heads, queries, 2.5 * torch.randn((rows, queries, heads, dim), generator=generator))
+    k = projected(kv_heads, keys, 2.5 * torch.randn((rows, keys, kv_heads, dim), generator=generator))
+    v = projected(kv_heads, keys, _spread((rows, keys, kv_heads, dim), generator, 12))
+    return q, k, v
+
+
+def _cancelling_rows(heads: int, kv_heads: int, dim: int, dtype, device, width: int, rows: int,
+                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]], list[int]]:
+    """Rows of a pass whose query ``target[b]`` (one of a group of ``width`` padded to the group's longest) sums
+    values that cancel around its last keys: every query is 0 (all keys weigh 1), the values are small but for a
+    large ``+B`` among the query's last 4 keys and ``-B`` a few keys before it. What the sum keeps of the small
+    values then depends on the order the kernel takes the terms in, so a kernel that orders a query's last keys
+    otherwise once they are padded gives it other bits. Returns query, key, value, the rows' ends and targets."""
+    ends, targets = [], []
+    for _ in range(rows):
+        group = 16 + int(torch.randint(0, 1400 // width, (1,), generator=generator)) * width  # (a whole group)
+        ends.append(list(range(group, group + width)))
+        targets.append(int(torch.randint(0, width - 1, (1,), generator=generator)))  # (any but the longest)
+    keys = max(map(max, ends))
+    value = torch.randn((rows, keys, kv_heads, dim), generator=generator)
+    for b, row in enumerate(ends):
+        plus = row[targets[b]] - 1 - int(torch.randint(0, 4, (1,), generator=generator))
+        minus = plus - 1 - int(torch.randint(0, 8, (1,), generator=generator))
+        big = _spread((kv_heads, dim), generator, 6) * 2.0**17
+        value[b, plus], value[b, minus] = big, -big
+    q = torch.zeros((rows, heads, width, dim), dtype=dtype, device=device)
+    k = torch.randn((rows, keys, kv_heads, dim), generator=generator).to(device, dtype).transpose(1, 2)
+    return q, k, value.to(device, dtype).transpose(1, 2), ends, targets
+
+
+def _exact_widths(module, sdpa: Callable, heads: int, kv_heads: int, dim: int, dtype, device, kwargs: dict) -> list[int]:
+    """The groupings (2, 4, 8, 16) with which :func:`_grouped_sdpa` gives every query the bits of its own one-token
+    call, for this attention geometry on this device, and 1 (each query its own call: exact by construction).
+
+    Grouping pads a query's keys to its group's longest and masks the rest, which is exact only if the kernel sums
+    the query's keys in the same order whatever the padding. On a 2-core EPYC (bf16, torch's CPU flash kernel, MKL's
+    bf16 gemm) a query's last ``K % 4`` keys are summed otherwise once padded past a multiple of 4; it changes a
+    query's bits only where its last keys weigh much, which Gaussian data almost never shows and real text does.
+    So each width is checked on rows built to show it (:func:`_cancelling_rows`), 32 per width, and on Gaussian
+    rows with widely spread scores (:func:`_attention_inputs`) over key counts either side of the kernel's blocks.
+    """
+    generator = torch.Generator().manual_seed(2)
+
+    def alone(q, k, v, b: int, i: int, end: int) -> torch.Tensor:  # [1, 1, heads, dim]
+        return sdpa(module, q[b : b + 1, :, i : i + 1], k[b : b + 1, :, :end], v[b : b + 1, :, :end], None, **kwargs)[0]
+
+    spread_ends = [[start + i for i in range(16)] for start in (1, 296, 504, 1100)]
+    q_s, k_s, v_s = _attention_inputs(heads, kv_heads, dim, dtype, device, len(spread_ends), 16,
+                                      max(map(max, spread_ends)), generator)
+    widths = [1]
+    for width in (2, 4, 8, 16):
+        q, k, v, ends, targets = _cancelling_rows(heads, kv_heads, dim, dtype, device, width, 32, generator)
+        grouped = _grouped_sdpa(module, q, k, v, ends, width, **kwargs)[0]
+        exact = all(torch.equal(grouped[b, i], alone(q, k, v, b, i, ends[b][i])[0, 0]) for b, i in enumerate(targets))
+        picked = [[end for end in row if end % 16 < width] for row in spread_ends]
+        grouped = _grouped_sdpa(module, q_s[:, :, :width], k_s, v_s, picked, width, **kwargs)[0]
+        exact = exact and all(torch.equal(grouped[b, i], alone(q_s, k_s, v_s, b, i, end)[0, 0])
+                              for b, row in enumerate(picked) for i, end in enumerate(row))
+        if exact:
+            widths.append(width)
+    return widths
+
+
+def _calibrate_attention(module, sdpa: Callable, heads: int, kv_heads: int, dim: int, dtype, device, kwargs: dict) -> dict:
+    """The cheapest exact grouping (:func:`_exact_widths`) for a pass of ``_TIMED_ROWS`` queries after
+    ``_TIMED_KEYS`` tokens, with the milliseconds it and the ordinary multi-query call take."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = _attention_inputs(heads, kv_heads, dim, dtype, device, 1, _TIMED_ROWS, _TIMED_KEYS, generator)
+    ends = [[_TIMED_KEYS - _TIMED_ROWS + i + 1 for i in range(_TIMED_ROWS)]]
+    strategies = {width: functools.partial(_grouped_sdpa, module, q, k, v, ends, width, **kwargs)
+                  for width in _exact_widths(module, sdpa, heads, kv_heads, dim, dtype, device, kwargs)}
+    width = cheapest(strategies)
+    mask = (torch.arange(_TIMED_KEYS, device=device) < torch.tensor(ends[0], device=device)[:, None])[None, None]
+    return {"width": width, "exact_ms": seconds_of(strategies[width]) * 1e3,
+            "ordinary_ms": seconds_of(lambda: sdpa(module, q, k, v, mask, **kwargs)) * 1e3}
+
+
 class RowExact:
     """Installs row-exact attention and linear layers on ``model`` for the duration of a multi-token pass.
 
@@ -203,22 +317,21 @@ class RowExact:
                 f"{self.implementation!r}; load the model with attn_implementation='sdpa'."
             )
         self._group_widths: dict[tuple, int] = {}
-        by_shape: dict[tuple, tuple[int, int]] = {}
-        plans = []  # (layer, rows exact as it is, rows exact by columns) of those a multi-row pass rounds otherwise
+        by_shape: dict[tuple, dict] = {}
+        plans = []  # (layer, its calibration) of those a multi-row pass rounds otherwise
         plain = []  # the others: exact as they are for up to _CALIBRATION_ROWS rows
         for module in model.modules():
             if type(module) in (torch.nn.Linear, Conv1D):
                 shape = (module.weight.shape, module.weight.stride(), module.weight.dtype, module.weight.device,
                          module.bias is not None)
                 if shape not in by_shape:
-                    by_shape[shape] = _calibrate(module)
-                if by_shape[shape][0] < _CALIBRATION_ROWS:
-                    plans.append((module, *by_shape[shape]))
+                    by_shape[shape] = _linear_calibration(module)
+                if by_shape[shape]["rows"] < _CALIBRATION_ROWS:
+                    plans.append((module, by_shape[shape]))
                 else:
                     plain.append(_ExactLinear(module, _CALIBRATION_ROWS, False))
         # Column-major copies of row-major weights, where they pay, unless they would take half the spare memory.
-        copies = sum(layer.weight.nbytes for layer, as_is, by_columns in plans
-                     if by_columns > as_is and _needs_copy(layer))
+        copies = sum(layer.weight.nbytes for layer, found in plans if found["by_columns"] and _needs_copy(layer))
         spare = _spare_bytes(next(model.parameters()).device)
         self.copied_bytes = copies if spare is None or copies <= spare // 2 else 0
         if copies and not self.copied_bytes:
@@ -230,10 +343,15 @@ class RowExact:
                 stacklevel=2,
             )
         self.linears = [
-            _ExactLinear(layer, by_columns, True) if by_columns > as_is and (self.copied_bytes or not _needs_copy(layer))
-            else _ExactLinear(layer, as_is, False)
-            for layer, as_is, by_columns in plans
+            _ExactLinear(layer, found["columns"], True)
+            if found["by_columns"] and (self.copied_bytes or not _needs_copy(layer))
+            else _ExactLinear(layer, found["rows"], False)
+            for layer, found in plans
         ]
+        calibrations = [_linear_calibration(module) for module in model.modules() if type(module) in (torch.nn.Linear, Conv1D)]
+        # milliseconds of a pass's linear layers, exact and ordinary, and of each attention layer (once calibrated)
+        self.linear_ms = (sum(found["exact_ms"] for found in calibrations), sum(found["ordinary_ms"] for found in calibrations))
+        self.attention_ms: dict[int, tuple[float, float]] = {}
         self.plain_linears = plain  # chunked only in passes wider than calibrated (batches)
 
     def _attention(self, inner_of: Callable, cache, ends: list[list[int]] | None, paths: list | None) -> Callable:
@@ -351,40 +469,22 @@ class RowExact:
         return start, mask
 
     def _group_width(self, module, query: torch.Tensor, key: torch.Tensor, kwargs: dict, sdpa: Callable) -> int:
-        """The widest grouping (16, 8, 4 or 2; 1 for none) with which :func:`_grouped_sdpa` gives every row the bits
-        of its own one-token call, for this attention geometry on this device: checked once, on random rows over
-        key counts of every residue and either side of the kernel's blocks of 512."""
+        """The grouping :func:`_grouped_sdpa` uses for this attention geometry on this device (1: one call per
+        row): the cheapest of those that give every row the bits of its own one-token call (:func:`_exact_widths`),
+        timed on a pass of ``_TIMED_ROWS`` queries; calibrated once per machine (:mod:`specula.calibration`)."""
         if self.implementation != "sdpa" or any(kwargs.get(name) is not None for name in _SDPA_EXTRAS):
             return 1
         kwargs = {name: kwargs[name] for name in ("dropout", "scaling") if name in kwargs}
         geometry = (query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device, kwargs.get("scaling"))
         if geometry not in self._group_widths:
-            generator = torch.Generator().manual_seed(2)
-            heads, kv_heads, dim, rows = query.shape[1], key.shape[1], query.shape[3], _CALIBRATION_ROWS
-
-            def rand(heads: int, length: int, batch: int) -> torch.Tensor:  # laid out as a model's projections
-                x = torch.randn((batch, length, heads, dim), generator=generator)
-                return x.to(query.device, query.dtype).transpose(1, 2)
-
-            def one_token(q, k, v, b: int, i: int, end: int) -> torch.Tensor:  # [1, 1, heads, dim]
-                return sdpa(
-                    module, q[b : b + 1, :, i : i + 1], k[b : b + 1, :, :end], v[b : b + 1, :, :end], None, **kwargs
-                )[0]
-
-            cases = []  # one row, and two rows of a batch whose queries share groups
-            for starts in ((0,), (300,), (495,), (1100,), (290, 300)):
-                keys = max(starts) + rows
-                q, k, v = rand(heads, rows, len(starts)), rand(kv_heads, keys, len(starts)), rand(kv_heads, keys, len(starts))
-                ends = [[start + i + 1 for i in range(rows)] for start in starts]
-                alone = torch.cat([
-                    torch.cat([one_token(q, k, v, b, i, end) for i, end in enumerate(row)], dim=1)
-                    for b, row in enumerate(ends)
-                ])
-                cases.append((q, k, v, ends, alone))
-            widths = [w for w in (16, 8, 4, 2) if all(
-                torch.equal(_grouped_sdpa(module, q, k, v, ends, w, **kwargs)[0], alone) for q, k, v, ends, alone in cases
-            )]
-            self._group_widths[geometry] = widths[0] if widths else 1
+            heads, kv_heads, dim, dtype, device, scaling = geometry
+            found = calibration.shared().get(
+                calibration_key(device, "attention", heads, kv_heads, dim, dtype, scaling),
+                lambda: _calibrate_attention(module, sdpa, heads, kv_heads, dim, dtype, device, kwargs),
+            )
+            calibration.shared().tell()
+            self._group_widths[geometry] = found["width"]
+            self.attention_ms[getattr(module, "layer_idx", id(module))] = (found["exact_ms"], found["ordinary_ms"])
         return self._group_widths[geometry]
 
     @contextlib.contextmanager
@@ -427,6 +527,7 @@ def row_exact_for(model: torch.nn.Module) -> RowExact:
     setting = (weight.dtype, weight.device, model.config._attn_implementation)
     if model not in _BUILT or _BUILT[model][0] != setting:  # (built again after model.to() or a new attention)
         _BUILT[model] = (setting, RowExact(model))
+        calibration.shared().tell()
     return _BUILT[model][1]
 
 

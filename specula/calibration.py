@@ -1,0 +1,126 @@
+"""Row-exact strategies chosen by cost on the machine at hand, and remembered on disk.
+
+Each operation a row-exact pass computes (attention of one geometry, a linear layer of one weight shape) has
+several ways to give every row the bits of its one-token step. Which of them are exact, and which is cheapest,
+differs between CPUs, GPUs and torch builds, so :mod:`specula.row_exact` finds the exact ones by testing them on
+data chosen to expose a changed summation order, times those, and keeps the cheapest. The choices are kept in a
+JSON file (``$SPECULA_CALIBRATIONS``, else ``row_exact.json`` in specula's cache folder), keyed by what they depend
+on: the device's model name and threads, torch's version and CPU capability, and the operation's shape and dtype.
+A second process on the same machine starts at once; any change of key calibrates again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Hashable
+from pathlib import Path
+
+import torch
+
+TIMING_REPEATS = 5
+CLOCK = time.perf_counter  # what strategies are timed with (tests put a fake clock here)
+
+
+def device_name(device: torch.device) -> str:
+    """What a calibration on ``device`` depends on besides torch: the GPU's name, or the CPU's model and threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        names = [line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+def calibration_key(device: torch.device, operation: str, *shape: Hashable) -> str:
+    """The key of one operation's calibration on ``device``."""
+    return json.dumps([device_name(device), torch.__version__, torch.backends.cpu.get_cpu_capability(), operation,
+                       *map(str, shape)])
+
+
+def calibrations_path() -> Path:
+    """Where calibrations are kept."""
+    from .models import cache_dir  # (models imports torch-heavy loaders; only the folder is needed here)
+
+    return Path(os.environ.get("SPECULA_CALIBRATIONS") or cache_dir() / "row_exact.json")
+
+
+class Calibrations:
+    """The calibrations file: read once, written whenever a new calibration is made (an unreadable or unwritable
+    file only means calibrating again)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or calibrations_path()
+        try:
+            self.known: dict = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.known = {}
+        self.seconds = 0.0  # spent calibrating in this process
+        self._told = False
+
+    def get(self, key: str, calibrate: Callable[[], object]):
+        """The calibration under ``key``: remembered, else made by ``calibrate()`` (JSON-serialisable) and kept."""
+        if key not in self.known:
+            started = time.perf_counter()
+            self.known[key] = calibrate()
+            self.seconds += time.perf_counter() - started
+            with contextlib.suppress(OSError):
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.path.write_text(json.dumps(self.known, indent=1))
+        return self.known[key]
+
+    def tell(self) -> None:
+        """Say once per process, on stderr, what calibrating cost, if anything was calibrated."""
+        if self.seconds and not self._told:
+            print(f"specula: calibrated row-exact verification for this machine in {self.seconds:.1f} s (kept in "
+                  f"{self.path}; later runs reuse it)", file=sys.stderr)
+            self._told = True
+
+
+_SHARED: Calibrations | None = None
+
+
+def shared() -> Calibrations:
+    """This process's calibrations (the file is read on first use; tests point ``$SPECULA_CALIBRATIONS`` elsewhere
+    and call :func:`forget`)."""
+    global _SHARED
+    if _SHARED is None or _SHARED.path != calibrations_path():
+        _SHARED = Calibrations()
+    return _SHARED
+
+
+def forget() -> None:
+    """Drop this process's copy of the calibrations (the next use reads the file again)."""
+    global _SHARED
+    _SHARED = None
+
+
+def seconds_of(run: Callable[[], object], clock: Callable[[], float] | None = None,
+               repeats: int = TIMING_REPEATS) -> float:
+    """The fastest of ``repeats`` runs of ``run`` after one warm-up (other work on the machine only ever adds time,
+    so the minimum is the steadiest estimate)."""
+    clock = clock or CLOCK
+    run()
+    times = []
+    for _ in range(repeats):
+        started = clock()
+        run()
+        times.append(clock() - started)
+    return min(times)
+
+
+def cheapest(strategies: dict[Hashable, Callable[[], object]], clock: Callable[[], float] | None = None) -> Hashable:
+    """The name of the fastest of ``strategies`` (each already known to be exact); the first on a tie.
+
+    >>> ticks = iter(range(100))
+    >>> cheapest({"a": lambda: [next(ticks) for _ in range(5)], "b": lambda: None}, clock=lambda: next(ticks))
+    'b'
+    """
+    costs = {name: seconds_of(run, clock) for name, run in strategies.items()}
+    return min(costs, key=costs.get)
