@@ -40,6 +40,14 @@ class UnsupportedModelError(ValueError):
     """The model (or its cache) cannot be used for speculative decoding."""
 
 
+def _takes_a_cache(parameter: inspect.Parameter | None) -> bool:
+    """Whether a forward argument takes a transformers ``Cache`` (XLM's ``cache`` takes a dict of its own)."""
+    if parameter is None:
+        return False
+    annotation = parameter.annotation
+    return annotation is inspect.Parameter.empty or "dict" not in str(annotation)
+
+
 def _model_type(model: torch.nn.Module) -> str:
     return f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r})"
 
@@ -239,7 +247,7 @@ class CachedModel:
         if rollback:
             self._refuse_split_dependent(model)
         parameters = inspect.signature(model.forward).parameters
-        self.cache_argument = next((name for name in _CACHE_ARGUMENTS if name in parameters), None)
+        self.cache_argument = next((name for name in _CACHE_ARGUMENTS if _takes_a_cache(parameters.get(name))), None)
         if self.cache_argument is None:
             raise UnsupportedModelError(
                 f"{_model_type(model)} takes no KV cache (its forward has no cache or past_key_values argument), so it cannot "

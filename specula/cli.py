@@ -296,7 +296,7 @@ def cmd_drift(args: argparse.Namespace) -> None:
         if request is None:
             continue
         report = drift(model, encode(tokenizer, request).to(device), factory(), args.max_new_tokens,
-                       row_exact=False if args.no_row_exact else None)
+                       row_exact=False if args.no_row_exact else None, adaptive_draft=args.adaptive)
         row = {"id": request.get("id", number), **report.as_dict()}
         if not report.identical:
             row["tokens"] = [tokenizer.decode([t]) if t is not None else None
@@ -309,7 +309,7 @@ def cmd_drift(args: argparse.Namespace) -> None:
     ties = sum(row["verdict"] == "near-tie" for row in reports)
     print(f"{identical} of {len(reports)} identical to model.generate, {ties} near-ties, "
           f"{len(reports) - identical - ties} not near-ties ({DTYPE_NAMES.get(model.dtype, model.dtype)}, {device}, "
-          f"{time.perf_counter() - started:.0f}s)")
+          f"{sum(row['drafted'] for row in reports)} draft tokens verified, {time.perf_counter() - started:.0f}s)")
     if args.json:
         args.json.write_text(json.dumps(reports, indent=1, ensure_ascii=False))
 
@@ -325,8 +325,11 @@ def cmd_probe(args: argparse.Namespace) -> None:
     model, tokenizer, device = _load(args)
     text = Path(args.text).read_text() if args.text else Path(row_exact_module.__file__).read_text()
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens].to(device)
+    widths = [int(width) for width in args.width.split(",")]
     for exact in (False, True):
-        print(probe(model, ids, args.width, row_exact=exact))
+        for end in sorted({ids.shape[1] // 2, 3 * ids.shape[1] // 4, ids.shape[1]}):  # (queries past more keys)
+            for width in widths:
+                print(f"after {end - width} tokens: {probe(model, ids[:, :end], width, row_exact=exact)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -441,6 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     drift_parser.add_argument("--input", type=Path, required=True, help="JSONL file of requests")
     drift_parser.add_argument("--json", type=Path, default=None, help="also write the reports as JSON")
     drift_parser.add_argument("--proposer", default="prompt-lookup", help="as for generate (default: prompt-lookup)")
+    drift_parser.add_argument("--adaptive", action="store_true",
+                              help="send the drafts the cost model picks (default: every draft the proposer has, up "
+                                   "to 32 tokens, so that passes are verified even where the cost model would send "
+                                   "none)")
     _add_row_exact_argument(drift_parser)
     _add_model_arguments(drift_parser, max_new_tokens=128, temperature=None)
     drift_parser.set_defaults(run=cmd_drift)
@@ -452,8 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
         "ordinary and for row-exact verification, on this device and dtype.",
     )
     probe_parser.add_argument("--text", default=None, help="a text file to read (default: a file of specula's source)")
-    probe_parser.add_argument("--tokens", type=int, default=400, help="tokens of text to use (default: 400)")
-    probe_parser.add_argument("--width", type=int, default=8, help="tokens in the pass (default: 8)")
+    probe_parser.add_argument("--tokens", type=int, default=800,
+                              help="tokens of text to use (default: 800, past the CPU attention kernel's 512-key "
+                                   "blocks); passes end after half, three quarters and all of them")
+    probe_parser.add_argument("--width", default="9,33", help="tokens in each pass, comma-separated (default: 9,33)")
     _add_model_arguments(probe_parser, max_new_tokens=0, temperature=None)
     probe_parser.set_defaults(run=cmd_probe)
     return parser

@@ -26,6 +26,7 @@ class Drift:
 
     identical: bool
     new_tokens: int
+    drafted: int = 0  # draft tokens specula's passes verified (none: the check proved nothing about verification)
     position: int | None = None
     plain_token: int | None = None
     speculative_token: int | None = None
@@ -81,8 +82,9 @@ def drift(
     finally:
         recorder.handle.remove()
     a, b = plain.sequences[0, start:].tolist(), speculative.sequences[0, start:].tolist()
+    drafted = speculative.stats.drafted
     if a == b:
-        return Drift(identical=True, new_tokens=len(a))
+        return Drift(identical=True, new_tokens=len(a), drafted=drafted)
     position = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     token_a = a[position] if position < len(a) else None
     token_b = b[position] if position < len(b) else None
@@ -99,5 +101,5 @@ def drift(
         f"not a near-tie: the two passes disagree by more than {dtype} rounding explains; please report it "
         "with the model, dtype, device, proposer and this request"
     )
-    return Drift(identical=False, new_tokens=len(a), position=position, plain_token=token_a, speculative_token=token_b,
+    return Drift(identical=False, new_tokens=len(a), drafted=drafted, position=position, plain_token=token_a, speculative_token=token_b,
                  gap_one_token=gaps[0], gap_verification=gaps[1], tolerance=tolerance, verdict=verdict)

@@ -8,12 +8,16 @@ without touching the model's own one-token path:
 
 - attention: each query row is computed as the model's own attention function computes a one-token step at its
   position, over the same keys with the same mask (the window of a sliding-window layer included). With SDPA,
-  rows whose key counts differ only in the kernel's scalar tail share one call, each as a batch entry of one query
-  (:func:`_grouped_sdpa`), where a calibration finds that exact; otherwise each row is a call of its own.
+  rows whose key counts differ little share one call, each as a batch entry of one query (:func:`_grouped_sdpa`),
+  in groups as wide as a check finds exact and the clock finds cheapest; a group of one is the one-token call.
 - linear layers: each ``nn.Linear`` (and GPT-2's ``Conv1D``) that gives a row other bits in a pass of several rows
-  than alone computes its rows in chunks as wide as it stays exact for (:func:`exact_rows`, on random rows, once
-  per weight shape). On a 2-core EPYC with AVX512_BF16, oneDNN blocks an inner dimension of 1536 or more by the
-  number of rows beyond 2: SmolLM2-135M's ``down_proj`` (1536 -> 576) is the only layer of that model so affected.
+  than alone computes its rows in chunks as wide as it stays exact for (:func:`exact_rows`), as it is or by columns
+  (:func:`_by_columns`), whichever the clock finds cheaper. On a 2-core EPYC with AVX512_BF16, oneDNN blocks an
+  inner dimension of 1536 or more by the number of rows beyond 2: SmolLM2-135M's ``down_proj`` (1536 -> 576) is the
+  only layer of that model so affected.
+
+What is exact and what is cheapest is found once per machine, torch build and shape, and kept on disk
+(:mod:`specula.calibration`).
 
 Everything else in a decoder (norms, rotary embeddings, activations, residual adds) works row by row and was found
 invariant by :func:`specula.invariance.probe`.
@@ -198,11 +202,12 @@ def _grouped_sdpa(module, query, key, value, ends: list[list[int]], width: int, 
     longest keys (the row's, shared without a copy), the keys past its own end masked (``plan``: the groups, made
     by :func:`_group_plan` where not given; a tree's queries need not come in the order of their key counts).
 
-    Where :meth:`RowExact._group_width` finds this exact, it is so because of how torch's CPU flash kernel reduces:
-    it takes the keys in blocks of 512 and each block in vectors of 16 floats plus a scalar tail, and the tail's
-    exponentials round otherwise than the vectors'. A query over 300 keys has keys 288..299 in the tail; padded to
-    303 keys they still are, and the masked keys add exact zeros; padded to 304 they would not be. Hence groups of
-    ``end // 16``.
+    Where :meth:`RowExact._group_width` finds this exact (:func:`_exact_widths`), it is so because of how the
+    attention kernel reduces. torch's CPU flash kernel takes the keys in blocks of 512 and each block in vectors of 16
+    floats plus a scalar tail whose exponentials round otherwise than the vectors': a query over 300 keys has keys
+    288..299 in the tail; padded to 303 keys they still are, and the masked keys add exact zeros; padded to 304 they
+    would not be. Its bf16 products go to MKL, which on a 2-core EPYC sums a block's last ``K % 4`` keys apart:
+    there only groups of ``end // 4`` keep every query's order.
     """
     del kwargs
     # query: [B, heads, n, dim]; key, value: [B, kv_heads, keys, dim]; ends: B lists of n key counts
@@ -352,6 +357,7 @@ class RowExact:
         # milliseconds of a pass's linear layers, exact and ordinary, and of each attention layer (once calibrated)
         self.linear_ms = (sum(found["exact_ms"] for found in calibrations), sum(found["ordinary_ms"] for found in calibrations))
         self.attention_ms: dict[int, tuple[float, float]] = {}
+        self._noted = False  # whether the cost of exactness here was weighed (see _note_cost)
         self.plain_linears = plain  # chunked only in passes wider than calibrated (batches)
 
     def _attention(self, inner_of: Callable, cache, ends: list[list[int]] | None, paths: list | None) -> Callable:
@@ -379,6 +385,7 @@ class RowExact:
             if ends is not None:  # a batch whose row b's query i sees that row's keys up to ends[b][i]
                 window = window_of(module)
                 width = 1 if window is not None else self._group_width(module, query, key, kwargs, inner)
+                self._note_cost(len(cache.layers))
                 if width > 1:
                     out = _grouped_sdpa(module, query, key, value, ends, width,
                                        plan=plan(ends, width, query.device, off_path), **kwargs)[0]
@@ -400,6 +407,7 @@ class RowExact:
             calls = self._one_token_calls(window_of(module), query.shape[2], key.shape[2], attention_mask)
             if query.shape[0] == 1 and all(mask is None and start == 0 for start, _, mask in calls):
                 width = self._group_width(module, query, key, kwargs, inner)
+                self._note_cost(len(cache.layers))
                 if width > 1:
                     ends_one = [[end for _, end, _ in calls]]
                     return _grouped_sdpa(module, query, key, value, ends_one, width, plan=plan(ends_one, width, query.device),
@@ -411,6 +419,21 @@ class RowExact:
             return torch.cat(outputs, dim=1), None
 
         return attention
+
+    def _note_cost(self, layers: int) -> None:
+        """Warn once if, by the calibrations, a row-exact pass of ``_TIMED_ROWS`` tokens costs over twice an ordinary
+        one here (``layers`` attention layers, each costed as the calibrated one)."""
+        if self._noted or not self.attention_ms:
+            return
+        self._noted = True
+        exact, ordinary = (self.linear_ms[i] + layers * max(ms[i] for ms in self.attention_ms.values()) for i in (0, 1))
+        if exact > 2 * ordinary:
+            warnings.warn(
+                f"On this machine a row-exact verification pass over {_TIMED_ROWS} tokens costs about "
+                f"{exact / ordinary:.1f}x an ordinary one (its attention kernel gives a query its one-token bits only "
+                "when computed alone), so drafts gain less; the cost model sends only those that still pay. "
+                "row_exact=False (--no-row-exact) verifies the ordinary way: faster, but greedy output may then "
+                "leave model.generate's after a near-tie.", stacklevel=2)
 
     def _tree_row(self, out, b: int, module, query, key, value, attention_mask, paths: list, ends: list[int],
                   window: int | None, width: int, inner: Callable, kwargs: dict, plan: Callable) -> None:
