@@ -62,6 +62,7 @@ class Calibrations:
         except (OSError, ValueError):
             self.known = {}
         self.seconds = 0.0  # spent calibrating in this process
+        self.made = 0  # calibrations made in this process (a pass that made one is no measure of its cost)
         self._told = False
 
     def get(self, key: str, calibrate: Callable[[], object]):
@@ -70,6 +71,7 @@ class Calibrations:
             started = time.perf_counter()
             self.known[key] = calibrate()
             self.seconds += time.perf_counter() - started
+            self.made += 1
             with contextlib.suppress(OSError):
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self.path.write_text(json.dumps(self.known, indent=1))

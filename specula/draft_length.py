@@ -370,12 +370,12 @@ class DraftPolicy:
 
     def learn(
         self, lengths: Sequence[DraftLength], drafts: Sequence["Draft"], sent: Sequence["Draft"],
-        new_tokens: Sequence[list[int]], tokens: int, seconds: float,
+        new_tokens: Sequence[list[int]], tokens: int, seconds: float | None,
     ) -> None:
-        """A pass over ``tokens`` tokens in all (its rows padded to the widest) took ``seconds`` and gave each row
-        ``new_tokens[r]`` for its proposed ``drafts[r]``, of which it verified ``sent[r]`` (timed as a tree pass
-        where one is a tree)."""
-        if self.timed:
+        """A pass over ``tokens`` tokens in all (its rows padded to the widest) took ``seconds`` (``None``: not a
+        measure of what such a pass costs) and gave each row ``new_tokens[r]`` for its proposed ``drafts[r]``, of
+        which it verified ``sent[r]`` (timed as a tree pass where one is a tree)."""
+        if self.timed and seconds is not None:
             _record(self.tables(len(lengths), any(draft.is_tree for draft in sent)), tokens, seconds)
         for row, draft, verified, new in zip(lengths, drafts, sent, new_tokens):
             for learner in (row, self.pool):

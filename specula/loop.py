@@ -13,6 +13,7 @@ import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from . import calibration
 from .acceptance import accept_draft
 from .cached_model import CachedModel, UnsupportedModelError
 from .draft_length import DraftLength, DraftPolicy, FixedDrafts, shared_step_seconds
@@ -281,7 +282,7 @@ class Decoder:
                     row.draft = draft if self._target.ragged else draft.chain()  # (trees need own masks)
             for row, tokens in zip(rows, self.policy.trim(lengths, [row.draft for row in rows])):
                 row.sent = row.draft.select(tokens)
-            started = time.perf_counter()
+            started, calibrations = time.perf_counter(), calibration.shared().made
             device = self.model.device
             blocks = [torch.cat([torch.from_numpy(row.sequence.ids[-1:]), row.sent.tokens]).to(device) for row in rows]
             trees = [_tree(row.sent) for row in rows]
@@ -289,6 +290,8 @@ class Decoder:
             outcomes = [accept_draft(row_logits, row.sent, row.sampling, self._tokens(row))
                         for row, row_logits in zip(rows, logits)]
             seconds = time.perf_counter() - started
+            if calibration.shared().made != calibrations:  # it calibrated row-exact kernels: no measure of its cost
+                seconds = None
             self.passes += 1
             # the last token and the accepted drafts
             paths = [_path(row.sent, tokens) for row, tokens in zip(rows, outcomes)]

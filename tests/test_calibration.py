@@ -4,14 +4,19 @@ kept on disk per machine, torch, shape and dtype (specula.calibration, specula.r
 from __future__ import annotations
 
 import json
+import time
 
+import numpy as np
 import pytest
 import torch
-
+import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import specula
 import specula.row_exact as row_exact
 from specula import calibration
+from specula.draft_length import shared_step_seconds
+from specula.loop import MAX_DRAFT
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -147,4 +152,30 @@ def test_calibrations_are_kept_and_made_again_when_what_they_depend_on_changes(m
     for other in changed:
         assert other != key and calibration.shared().get(other, lambda: made.append(1) or {"width": 1}) == {"width": 1}
     assert len(made) == 1 + len(changed)
+    calibration.forget()
+
+
+def test_a_pass_that_calibrates_is_not_taken_for_what_passes_cost(monkeypatch, tmp_path) -> None:
+    """The first row-exact pass calibrates attention, which takes seconds on a real model. Timed, that pass made
+    the cost model take drafts for ruinous and never send one again (Qwen2.5-Coder-1.5B on a 2-core EPYC: 0.99x
+    HF greedy on the first run, 2.05x on later ones). Here calibrating takes a second longer than it does: no pass
+    cost the cost model keeps may include it (the mutant that times every pass keeps a cost over a second)."""
+    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "row_exact.json"))
+    calibration.forget()
+    calibrate = row_exact._calibrate_attention
+
+    def slow(*args, **kwargs):
+        time.sleep(1.0)
+        return calibrate(*args, **kwargs)
+
+    monkeypatch.setattr(row_exact, "_calibrate_attention", slow)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    prompt = torch.arange(3, 35).repeat(4)[None]
+    out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=24, eos_token_id=[])
+    assert calibration.shared().made > 0 and out.stats.steps > 1
+    costs = shared_step_seconds(model, (model.device, model.dtype), MAX_DRAFT)
+    assert not np.isnan(costs).all() and np.nanmax(costs) < 1.0
     calibration.forget()
