@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -201,6 +202,12 @@ def _paths(ancestry: torch.Tensor, trees: list[list[int] | None]) -> list[list[l
     return paths
 
 
+@contextlib.contextmanager
+def _as_they_are() -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """An ordinary pass: its logits are used as they are."""
+    yield lambda logits: logits
+
+
 class CachedModel:
     """A HF causal LM with its own rollback-able KV cache, fed one block of new tokens at a time.
 
@@ -359,8 +366,9 @@ class CachedModel:
                 "model."
             )
 
-    def forward(self, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-        """Append ``token_ids`` (1-D) to the cache; return the logits of its last ``num_logits`` positions.
+    def forward(self, token_ids: torch.Tensor, num_logits: int, argmax_only: bool = False) -> torch.Tensor:
+        """Append ``token_ids`` (1-D) to the cache; return the logits of its last ``num_logits`` positions
+        (``argmax_only``: only their argmax is used, see :meth:`specula.row_exact.RowExact.applied`).
 
         Checks what the loop relies on, and raises :class:`UnsupportedModelError` naming the model otherwise: the
         cache holds exactly the tokens fed (a model that ignores the cache or adds tokens of its own is refused), a
@@ -379,9 +387,9 @@ class CachedModel:
         try:
             with (
                 sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu and not exact else contextlib.nullcontext(),
-                self.row_exact.applied(self.cache) if exact else contextlib.nullcontext(),
+                self.row_exact.applied(self.cache, argmax_only=argmax_only) if exact else _as_they_are() as finish,
             ):
-                logits = self.model(**inputs).logits[0, -num_logits:]
+                logits = finish(self.model(**inputs).logits)[0, -num_logits:]
         except Exception as error:
             if start == 0 or token_ids.shape[0] == 1 or isinstance(error, torch.OutOfMemoryError):
                 raise
@@ -403,7 +411,8 @@ class CachedModel:
         return logits
 
     def forward_rows(
-        self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None = None
+        self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None = None,
+        argmax_only: bool = False,
     ) -> list[torch.Tensor]:
         """Append ``blocks[b]`` (1-D) to row ``b``'s cache; return each row's logits at the last ``num_logits[b]``
         positions of its block (``[num_logits[b], vocab]``). ``trees[b]``, where given, makes row ``b``'s block a
@@ -411,7 +420,7 @@ class CachedModel:
         the row's cache and its own ancestors only, at the position of its depth. Batch size 1 is :meth:`forward`."""
         self._block_lengths = [len(block) for block in blocks]
         if not self.ragged:
-            return [self.forward(blocks[0], num_logits[0])]
+            return [self.forward(blocks[0], num_logits[0], argmax_only)]
         lengths = torch.tensor(self._block_lengths, device=self.device)  # [B]
         n = int(lengths.max())
         starts = self.starts[: self.batch]
@@ -447,12 +456,12 @@ class CachedModel:
         if one_token_step:
             del inputs["attention_mask"]
         # row-exact: every token as its row's one-token step computes it, whatever the other rows
-        exact = contextlib.nullcontext()
+        exact = _as_they_are()
         if self.row_exact and not one_token_step:
             ends = (positions + 1).tolist()  # [B][n]: the keys each token's one-token step sees
-            exact = self.row_exact.applied(self.cache, ends, _paths(ancestry, trees) if trees else None)
-        with exact:
-            logits = self.model(**inputs).logits[:, -keep:]  # [B, keep, vocab]
+            exact = self.row_exact.applied(self.cache, ends, _paths(ancestry, trees) if trees else None, argmax_only)
+        with exact as finish:
+            logits = finish(self.model(**inputs).logits)[:, -keep:]  # [B, keep, vocab]
         self.cached_tokens = len(keys)
         self._check_length("a forward pass")
         return [logits[b, first[b] - (n - keep) : lengths[b] - (n - keep)] for b in range(self.batch)]

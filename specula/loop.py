@@ -197,6 +197,7 @@ class Decoder:
         self._spare = [] if proposer is None else [proposer]  # proposer objects free for the next request
         self._target: CachedModel | None = None
         self._trees = getattr(proposer, "proposes_trees", False)  # hold a single request as a batch row
+        self._argmax_only = sampling.greedy and not sampling.processors  # a step takes the logits' argmax only
 
     def _cached_model(self, job: Job, capacity: int) -> CachedModel:
         # position ids as model.generate passes them (some models number tokens wrongly by themselves: Bamba)
@@ -286,7 +287,7 @@ class Decoder:
             device = self.model.device
             blocks = [torch.cat([torch.from_numpy(row.sequence.ids[-1:]), row.sent.tokens]).to(device) for row in rows]
             trees = [_tree(row.sent) for row in rows]
-            logits = self._target.forward_rows(blocks, [len(block) for block in blocks], trees)
+            logits = self._target.forward_rows(blocks, [len(block) for block in blocks], trees, self._argmax_only)
             outcomes = [accept_draft(row_logits, row.sent, row.sampling, self._tokens(row))
                         for row, row_logits in zip(rows, logits)]
             seconds = time.perf_counter() - started

@@ -353,6 +353,7 @@ class RowExact:
             else _ExactLinear(layer, found["rows"], False)
             for layer, found in plans
         ]
+        self.head = _Head.of(model, self.linears)
         calibrations = [_linear_calibration(module) for module in model.modules() if type(module) in (torch.nn.Linear, Conv1D)]
         # milliseconds of a pass's linear layers, exact and ordinary, and of each attention layer (once calibrated)
         self.linear_ms = (sum(found["exact_ms"] for found in calibrations), sum(found["ordinary_ms"] for found in calibrations))
@@ -511,12 +512,18 @@ class RowExact:
         return self._group_widths[geometry]
 
     @contextlib.contextmanager
-    def applied(self, cache, ends: list[list[int]] | None = None, paths: list | None = None) -> Iterator[None]:
+    def applied(self, cache, ends: list[list[int]] | None = None, paths: list | None = None,
+                argmax_only: bool = False) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
         """Within the block, every multi-token pass of the model over ``cache`` (whose layers say which attention
         layers keep a sliding window) is row-exact. For a batch whose rows keep their own lengths, ``ends[b][i]``
         is how many keys of row ``b`` its query ``i`` sees (its keys start at slot 0: no padding). ``paths[b]``,
         for a row whose block is a tree, gives for each query the block indices of its ancestors and itself, or
-        ``None`` where those are just the block tokens before it."""
+        ``None`` where those are just the block tokens before it.
+
+        Yields what turns the pass's logits into the ones to use. With ``argmax_only`` (greedy decoding that takes
+        the argmax of the logits as they are), those are exact only where the argmax could change: the LM head
+        feeds no cache, so it runs the ordinary way and only rows it cannot certify are computed again (:class:`_Head`).
+        """
         mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
         saved = mapping.get(self.implementation)
         if self.implementation == "sdpa":
@@ -528,17 +535,124 @@ class RowExact:
         linears = self.linears
         if ends is not None and sum(map(len, ends)) > _CALIBRATION_ROWS:  # wider than any width calibrated
             linears = linears + self.plain_linears
+        head = self.head.pass_(argmax_only) if self.head is not None else None
+        if head is not None and head.shortcut:
+            linears = [linear for linear in linears if linear is not self.head.exact]
         for linear in linears:
             linear.layer.forward = linear.forward
         try:
-            yield
+            yield (lambda logits: logits) if head is None else head.logits
         finally:
             for linear in linears:
                 del linear.layer.forward
+            if head is not None:
+                head.close()
             if saved is None:
                 del mapping[self.implementation]
             else:
                 mapping[self.implementation] = saved
+
+
+class _Head:
+    """The LM head of a model whose head rounds a row otherwise in a multi-row pass than alone, for greedy passes
+    that only need each row's argmax (``model.generate``'s token) to be exact.
+
+    Such a head runs the ordinary way; a row whose argmax the rounding cannot have changed keeps those logits, and
+    the others are computed again exactly. The bound: a logit is ``z_j = sum_i h_i W_ji``, summed in float32 in some
+    order and rounded once to the model's dtype. Summed in any order, ``|sum - z_j| <= gamma_d * sum_i |h_i W_ji|``
+    with ``gamma_d = d u / (1 - d u)``, ``u = 2**-24`` (Higham, *Accuracy and Stability of Numerical Algorithms*,
+    3.1), and ``sum_i |h_i W_ji| <= |h| |W_j|`` (Cauchy-Schwarz); rounding moves each result by at most half a unit
+    in the last place. So ordinary and exact logits differ by at most ``D_j = 2 gamma_d |h| |W_j| + U_j``, with
+    ``U_j`` a unit in the last place one binade above ``|z_j|`` (plus a term for denormals flushed to zero), and the
+    ordinary argmax ``a`` is the exact one (the first of the maxima, as ``argmax`` takes it, with no tie) wherever
+    ``z_a - z_j > D_a + D_j`` for every other ``j``; :meth:`certain` checks it in float32 with the norms rounded up.
+    Only on CPUs and GPUs that sum in float32 (a GPU allowed reduced-precision reductions is not covered), for a
+    head without bias whose output the model returns as its logits (not softcapped or scaled: checked on the first
+    pass, where the head is still exact).
+    """
+
+    def __init__(self, exact: _ExactLinear) -> None:
+        self.exact, self.layer = exact, exact.layer
+        self.returned: bool | None = None  # whether the model's logits are the head's output (seen on a first pass)
+        d = self.layer.weight.shape[1]
+        self.gamma = d * 2.0**-24 / (1 - d * 2.0**-24)
+        self.eps = torch.finfo(self.layer.weight.dtype).eps  # a unit in the last place of 1.0 in the head's dtype
+        self._norms: tuple[tuple[int, int], torch.Tensor, float] | None = None  # (weight version, |W_j|, max)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, linears: list[_ExactLinear]) -> "_Head | None":
+        """The model's head where it is among the layers computed row-exactly and the bound covers it."""
+        layer = model.get_output_embeddings()
+        exact = next((linear for linear in linears if linear.layer is layer), None)
+        if exact is None or not isinstance(layer, torch.nn.Linear) or layer.bias is not None:
+            return None
+        device, dtype = layer.weight.device, layer.weight.dtype
+        if device.type == "cuda":
+            matmul = torch.backends.cuda.matmul
+            if (matmul.allow_bf16_reduced_precision_reduction if dtype == torch.bfloat16
+                    else matmul.allow_fp16_reduced_precision_reduction):
+                return None
+        elif device.type != "cpu":
+            return None
+        return cls(exact)
+
+    def norms(self) -> tuple[torch.Tensor, float]:
+        """``|W_j|`` per token (float32, rounded up) and their largest, kept until the weight changes."""
+        version = (self.layer.weight.data_ptr(), self.layer.weight._version)
+        if self._norms is None or self._norms[0] != version:
+            norms = torch.linalg.vector_norm(self.layer.weight.detach().float(), dim=-1) * (1 + 2**-10)
+            self._norms = (version, norms, float(norms.max()))
+        return self._norms[1:]
+
+    def certain(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Of ordinary-head ``logits`` ``[rows, vocab]`` from ``hidden`` ``[rows, d]``: whether each row's argmax
+        is the exact head's (see the class)."""
+        z = logits.float()
+        top, first = z.max(dim=-1, keepdim=True)  # [rows, 1]
+        h = torch.linalg.vector_norm(hidden.float(), dim=-1, keepdim=True) * (1 + 2**-10)  # [rows, 1]
+        norms, largest = self.norms()  # [vocab]
+        flushed = hidden.shape[-1] * 2.0**-126 * (1 + float(h.max()) + largest)
+        magnitude = torch.maximum(z.abs(), top.abs()).clamp(min=torch.finfo(torch.float32).tiny)
+        ulp = self.eps * torch.exp2(torch.floor(torch.log2(magnitude)) + 1)
+        bound = 2 * self.gamma * h * norms + flushed + ulp  # [rows, vocab]: D_j
+        clear = (top - z) > bound + bound.gather(1, first)
+        return clear.scatter_(1, first, True).all(dim=-1)
+
+    def pass_(self, argmax_only: bool) -> "_HeadPass":
+        return _HeadPass(self, shortcut=argmax_only and self.returned is True)
+
+
+class _HeadPass:
+    """One pass's view of the head: what it computed (watched with a hook), and the logits to use."""
+
+    def __init__(self, head: _Head, shortcut: bool) -> None:
+        self.head, self.shortcut, self.seen = head, shortcut, {}
+        self.recomputed = 0  # rows whose argmax the bound could not certify
+        self._hook = None
+        if shortcut or head.returned is None:
+            self._hook = head.layer.register_forward_hook(lambda module, args, out: self.seen.update(hidden=args[0], out=out))
+
+    def logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The pass's ``logits`` ``[..., vocab]``, fixed where the ordinary head may have changed an argmax."""
+        out = self.seen.get("out")
+        returned = out is not None and logits.data_ptr() == out.data_ptr() and logits.shape == out.shape
+        if self.head.returned is None:
+            self.head.returned = returned
+        if not self.shortcut:
+            return logits
+        if not returned:
+            raise RuntimeError("the LM head's output is no longer the model's logits; cannot certify its argmax")
+        flat, hidden = logits.reshape(-1, logits.shape[-1]), self.seen["hidden"].reshape(-1, self.seen["hidden"].shape[-1])
+        doubtful = torch.nonzero(~self.head.certain(flat, hidden)).flatten()
+        self.recomputed = len(doubtful)
+        if self.recomputed:
+            flat = flat.clone()
+            flat[doubtful] = self.head.exact.forward(hidden[doubtful][None])[0]
+        return flat.reshape(logits.shape)
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
 
 
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -189,3 +189,81 @@ def test_bf16_trees_give_model_generates_tokens(name: str) -> None:
             assert got == [expected[i] for i in members], (members, proposer)
             if isinstance(proposer, TreeOracle):  # (the trees were verified)
                 assert out.stats.accepted > NEW_TOKENS * len(members) // 2
+
+
+def _rounds_by_rows(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """A forward hook that makes an LM head's own product round a row otherwise in a pass of several rows than
+    alone, by a unit in the last place (within the bound a changed summation order keeps to): where a row's maximum
+    is shared, the later ones come out a unit higher, so that the ordinary multi-row head flips every tie. (Where
+    row-exact verification computes the head row by row, its replacement ``forward`` is what ran: left alone.)"""
+    if args[0].shape[-2] == 1 or "forward" in module.__dict__:
+        return out
+    later = out == out.amax(-1, keepdim=True)
+    later.scatter_(-1, out.argmax(-1, keepdim=True), False)
+    bits = out.view(torch.int16)
+    up = torch.where(out > 0, bits + 1, torch.where(out < 0, bits - 1, torch.ones_like(bits))).view(out.dtype)
+    return torch.where(later, up, out)
+
+
+def _tied_head_model() -> torch.nn.Module:
+    """A bf16 Llama whose head gives tokens 2k and 2k + 1 (k < 64) the same row: where one of them is the argmax,
+    the other ties with it (model.generate takes 2k), and the head rounds by rows (_rounds_by_rows)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                                      pad_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        model.lm_head.weight[1:128:2] = model.lm_head.weight[0:128:2]
+        model.lm_head.weight.mul_(8.0)  # (so that the argmax falls on the tied tokens often)
+    model.lm_head.register_forward_hook(_rounds_by_rows)
+    return model
+
+
+def test_the_lm_head_is_computed_again_only_where_the_argmax_could_change(monkeypatch) -> None:
+    """Greedy passes run a head that needs row-exactness the ordinary way and compute again the rows whose argmax
+    the rounding bound cannot certify: every tie here. Output stays model.generate's; some rows keep the ordinary
+    head's logits. The mutant that certifies every row leaves model.generate at the first tie."""
+    model = _tied_head_model()
+    linear_calibration = row_exact_module._linear_calibration
+    monkeypatch.setattr(row_exact_module, "_linear_calibration", lambda layer: (
+        {"rows": 1, "by_columns": False, "exact_ms": 1.0, "ordinary_ms": 1.0} if layer is model.lm_head
+        else linear_calibration(layer)))
+    passes = []
+    logits = row_exact_module._HeadPass.logits
+    monkeypatch.setattr(row_exact_module._HeadPass, "logits",
+                        lambda self, out: (result := logits(self, out), passes.append((self.shortcut, self.recomputed, out.shape[1])))[0])
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 256, (1, 12), generator=generator).repeat(1, 6)
+    ref = hf_greedy(model, prompt, 40, eos_token_id=[])
+    assert (ref[0, 72:] < 128).sum() > 4  # ties were to break
+    row_exact_module._BUILT.clear()
+    out = specula.generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[], adaptive_draft=False)
+    assert out.sequences.tolist() == ref.tolist()
+    shortcut = [(recomputed, rows) for used, recomputed, rows in passes if used]
+    assert shortcut and sum(r for r, _ in shortcut) > 0 and sum(rows - r for r, rows in shortcut) > 0
+    monkeypatch.setattr(row_exact_module._Head, "certain", lambda self, logits, hidden: torch.ones(len(logits), dtype=torch.bool))
+    row_exact_module._BUILT.clear()
+    mutant = specula.generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[], adaptive_draft=False)
+    assert mutant.sequences.tolist() != ref.tolist()
+    row_exact_module._BUILT.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_lm_head_bound_holds_between_a_real_multi_row_product_and_one_row_ones(dtype) -> None:
+    """The bound the head shortcut certifies with (row_exact._Head) against this machine's kernels: logits of a
+    wide head with an inner dimension of 1536, 33 rows in one product against each alone, never differ by more than
+    the bound (and do differ, else this checks nothing)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1536, 4096, bias=False).to(dtype)
+    head = row_exact_module._Head(row_exact_module._ExactLinear(layer, 1, False))
+    x = row_exact_module._spread((33, 1536), torch.Generator().manual_seed(1), 6).to(dtype)
+    together = layer(x[None])[0].float()  # [33, vocab]
+    alone = torch.cat([layer(row[None, None])[0] for row in x]).float()
+    norms, largest = head.norms()
+    h = torch.linalg.vector_norm(x.float(), dim=-1, keepdim=True)
+    magnitude = torch.maximum(together.abs(), alone.abs())
+    ulp = head.eps * torch.exp2(torch.floor(torch.log2(magnitude.clamp(min=1e-30))) + 1)
+    bound = 2 * head.gamma * h * norms + ulp
+    assert ((together - alone).abs() <= bound).all()
+    assert not torch.equal(together, alone) or dtype == torch.float16
