@@ -606,17 +606,27 @@ class _Head:
 
     def certain(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Of ordinary-head ``logits`` ``[rows, vocab]`` from ``hidden`` ``[rows, d]``: whether each row's argmax
-        is the exact head's (see the class)."""
-        z = logits.float()
-        top, first = z.max(dim=-1, keepdim=True)  # [rows, 1]
-        h = torch.linalg.vector_norm(hidden.float(), dim=-1, keepdim=True) * (1 + 2**-10)  # [rows, 1]
-        norms, largest = self.norms()  # [vocab]
-        flushed = hidden.shape[-1] * 2.0**-126 * (1 + float(h.max()) + largest)
-        magnitude = torch.maximum(z.abs(), top.abs()).clamp(min=torch.finfo(torch.float32).tiny)
-        ulp = self.eps * torch.exp2(torch.floor(torch.log2(magnitude)) + 1)
-        bound = 2 * self.gamma * h * norms + flushed + ulp  # [rows, vocab]: D_j
-        clear = (top - z) > bound + bound.gather(1, first)
-        return clear.scatter_(1, first, True).all(dim=-1)
+        is the exact head's (see the class). First with the row's largest bound for every token (its top two and
+        largest magnitude: cheap), then token by token for the rows that leaves in doubt."""
+        h = torch.linalg.vector_norm(hidden.float(), dim=-1) * (1 + 2**-10)  # [rows]
+        norms, widest = self.norms()  # [vocab]; their largest
+        flushed = hidden.shape[-1] * 2.0**-126 * (1 + float(h.max()) + widest)
+        best = logits.topk(2, dim=-1).values.float()  # [rows, 2]
+        bound = 2 * self.gamma * h * widest + flushed + self._ulp(logits.abs().amax(dim=-1).float())  # [rows]
+        certain = best[:, 0] - best[:, 1] > 2 * bound
+        doubtful = torch.nonzero(~certain).flatten()
+        if len(doubtful):
+            z = logits[doubtful].float()  # [doubtful, vocab]
+            top, first = z.max(dim=-1, keepdim=True)
+            bound = 2 * self.gamma * h[doubtful, None] * norms + flushed + self._ulp(torch.maximum(z.abs(), top.abs()))
+            clear = (top - z) > bound + bound.gather(1, first)  # [doubtful, vocab]: z_a - z_j > D_a + D_j
+            certain[doubtful] = clear.scatter_(1, first, True).all(dim=-1)
+        return certain
+
+    def _ulp(self, magnitude: torch.Tensor) -> torch.Tensor:
+        """A unit in the last place of the head's dtype one binade above ``magnitude`` (float32)."""
+        tiny = torch.finfo(torch.float32).tiny
+        return self.eps * torch.exp2(torch.floor(torch.log2(magnitude.clamp(min=tiny))) + 1)
 
     def pass_(self, argmax_only: bool) -> "_HeadPass":
         return _HeadPass(self, shortcut=argmax_only and self.returned is True)
