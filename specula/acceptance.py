@@ -1,11 +1,23 @@
 """Deciding which draft tokens the target keeps: the one acceptance rule every proposer goes through.
 
-Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): draft token ``d`` drawn from ``q`` is accepted with
-probability ``min(1, p(d) / q(d))``; at the first rejection the target's token is drawn from the residual
+Greedy decoding keeps a draft token while it is the target's argmax after the tokens before it.
+
+Sampling with drafts that were not drawn at random (PromptLookup, NGramPredictor, trees of their candidates, a
+greedy drafter) draws the target's token at each verified position exactly as ``model.generate`` draws it (its
+processed scores after that position's own prefix, softmax, one ``torch.multinomial`` on the same generator),
+position after position, and keeps the draft while the drawn token is a draft token there (at a tree node: one of
+its children); the first drawn token that is not ends the step. That accepts a draft token ``d`` with probability
+``p(d)`` and otherwise gives ``p`` without ``d``, renormalised: what the rejection rule below gives for a one-hot
+``q`` (for several candidates at a node, the sum of their probabilities: SpecInfer's rule), so every token is
+distributed as ``p``. It also draws one random number per new token, as ``model.generate`` does: a seeded request
+gives ``model.generate``'s very tokens, whatever the drafts and their lengths.
+
+Drafts drawn at random with probabilities ``q`` (``Draft.probs``: a sampling drafter) go through speculative
+sampling (Leviathan et al. 2023, Chen et al. 2023): draft token ``d`` is accepted with probability
+``min(1, p(d) / q(d))``; at the first rejection the target's token is drawn from the residual
 ``norm(max(0, p - q))``; after all drafts are accepted a bonus token is drawn from the target's next ``p``. Every
-emitted token is then distributed exactly as ``p``. A deterministic proposer's ``q`` is one-hot on its token, which
-makes the rule "accept ``d`` with probability ``p(d)``, else draw from ``p`` without ``d``"; greedy decoding is the
-temperature-0 case, where ``p`` is one-hot on the target's argmax.
+emitted token is then distributed exactly as ``p``, but the random numbers it draws depend on the drafts, so the
+tokens are ``model.generate``'s in distribution only.
 """
 
 from __future__ import annotations
@@ -47,12 +59,14 @@ def accept_draft(
     draft token ``i`` and its ancestors, so it has ``len(draft) + 1`` rows. From the last verified token on, the
     children of the current node are tried in their order; an accepted child becomes the current node, and when
     none is (or there are none) the target's own token ends the step: ``len(result) - 1`` of the returned tokens
-    came from the draft. Sampling tries the children by the multi-candidate rule of SpecInfer (Miao et al. 2024): a
-    child is accepted with probability ``min(1, r(d) / q(d))`` where ``r`` starts as the target's ``p`` and becomes
-    ``norm(max(0, r - q))`` after each rejected child; the target's token is drawn from the last ``r``. A chain has
-    one child per node, which is Leviathan et al.'s rule; greedy decoding is its temperature-0 case. Every emitted
-    token is distributed exactly as ``p``. ``input_ids`` (``[1, length]``: the sequence so far followed by the
-    draft) is needed when ``sampling.reads_tokens``. One host-device synchronisation per call.
+    came from the draft. Sampling draws the target's token at each node reached, as ``model.generate`` draws it, and
+    moves to the child whose token was drawn (see the module); a draft with ``probs`` tries the children by the
+    multi-candidate rule of SpecInfer (Miao et al. 2024): a child is accepted with probability ``min(1, r(d) / q(d))``
+    where ``r`` starts as the target's ``p`` and becomes ``norm(max(0, r - q))`` after each rejected child; the
+    target's token is drawn from the last ``r`` (for a chain, Leviathan et al.'s rule). Every emitted token is
+    distributed exactly as ``p``. ``input_ids`` (``[1, length]``: the sequence so far followed by the draft) is
+    needed when ``sampling.reads_tokens``. One host-device synchronisation per call (greedy, drafts with ``probs``),
+    or per new token (drafts without).
 
     >>> logits = torch.eye(5)[[1, 2, 4]]                       # the target's argmax: 1, then 2, then 4
     >>> accept_draft(logits, Draft([1, 3]), Sampling())        # greedy: 1 agrees, 3 does not, correct to 2
@@ -66,6 +80,8 @@ def accept_draft(
     if sampling.greedy:
         own = scores.argmax(dim=-1).tolist()  # [n + 1]: the target's token after each node
         accepted = [token == own[parent + 1] for token, parent in zip(tokens, parents)]
+    elif draft.probs is None:
+        return _drawn_walk(scores, tokens, children, sampling)
     else:
         accepted, own = _sampled_decisions(torch.softmax(scores, dim=-1), draft, children, sampling)
     new, node = [], -1
@@ -73,6 +89,19 @@ def accept_draft(
         new.append(tokens[child])
         node = child
     return new + [own[node + 1]]
+
+
+def _drawn_walk(scores: torch.Tensor, tokens: list[int], children: list[list[int]], sampling: Sampling) -> list[int]:
+    """From the last verified token, draw the target's token at the node reached as ``model.generate`` draws it
+    (softmax of that node's scores, ``[1, vocab]``, one ``torch.multinomial``) and move to the child with that
+    token, until none has it: the drawn tokens are the step's new tokens. ``scores``: ``[n + 1, vocab]``."""
+    new, node = [], -1
+    while True:
+        drawn = int(sampling.sample(torch.softmax(scores[node + 1 : node + 2], dim=-1)))
+        new.append(drawn)
+        node = next((child for child in children[node + 1] if tokens[child] == drawn), None)
+        if node is None:
+            return new
 
 
 def _scores(logits: torch.Tensor, draft: Draft, sampling: Sampling, input_ids: torch.Tensor | None) -> torch.Tensor:

@@ -17,8 +17,8 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 import specula
 from specula import acceptance
 from specula.acceptance import accept_draft, acceptance_probability, residual_distribution
-from helpers import NoisyModelDrafter, chi_square_p_value
-from tiny_models import tiny_model
+from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, TreeOracle, chi_square_p_value
+from tiny_models import VOCAB as TINY_VOCAB, tiny_model
 
 # ---------------------------------------------------------------------------------------------------------------
 # The acceptance rule, analytically: for any p and q, emitted tokens are distributed as p.
@@ -255,6 +255,24 @@ def test_the_reference_distribution_is_what_model_generate_samples() -> None:
 
 def test_the_test_fails_when_rejections_resample_from_p(monkeypatch) -> None:
     monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: p)
+    counts, expected, _ = sample_first_two(lambda: NoisyModelDrafter(sharp_model(), 2), TRUNCATED, 1000)
+    assert chi_square_p_value(counts, expected) < 0.001
+
+
+def test_the_test_fails_when_draft_positions_are_drawn_from_the_wrong_prefix(monkeypatch) -> None:
+    """Deterministic drafts: the token at each node is drawn from the scores a token later (after its first child,
+    the draft token being verified) instead of that node's own."""
+    def walk_one_token_late(scores, tokens, children, sampling):
+        new, node = [], -1
+        while True:
+            late = min(node + 2, len(scores) - 1)
+            drawn = int(sampling.sample(torch.softmax(scores[late : late + 1], dim=-1)))
+            new.append(drawn)
+            node = next((child for child in children[node + 1] if tokens[child] == drawn), None)
+            if node is None:
+                return new
+
+    monkeypatch.setattr(acceptance, "_drawn_walk", walk_one_token_late)
     counts, expected, _ = sample_first_two(specula.PromptLookup, TRUNCATED, 1000)
     assert chi_square_p_value(counts, expected) < 0.001
 
@@ -362,3 +380,80 @@ def test_draft_probabilities_over_another_vocabulary_are_refused() -> None:
 
     with pytest.raises(ValueError, match="probabilities over 10 tokens but the target's vocabulary has 96"):
         specula.generate(tiny_model("llama"), torch.tensor([[1, 2, 3]]), WrongWidth(), max_new_tokens=4, do_sample=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Seeded sampling draws model.generate's very tokens, whatever the drafts and their lengths.
+
+SEEDED = {
+    "temperature": dict(temperature=0.7),
+    "top_k": dict(temperature=1.3, top_k=12),
+    "top_p-repetition_penalty": dict(temperature=0.9, top_p=0.8, repetition_penalty=1.3),
+}
+_SAMPLED_TOKENS = 40
+
+
+def _sharp(name: str) -> torch.nn.Module:
+    """A tiny model whose next-token distributions are peaked enough for drafts of its own samples to be drawn
+    again now and then."""
+    model = tiny_model(name)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(6.0)
+    return model
+
+
+def hf_sampled(model, prompt: torch.Tensor, seed: int, **settings_) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                          max_new_tokens=_SAMPLED_TOKENS, eos_token_id=[], pad_token_id=0, **settings_)
+
+
+def specula_sampled(model, prompt: torch.Tensor, proposer, seed: int, **kwargs) -> specula.GenerateOutput:
+    torch.manual_seed(seed)
+    return specula.generate(model, prompt, proposer, do_sample=True, max_new_tokens=_SAMPLED_TOKENS,
+                            eos_token_id=[], **kwargs)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("settings_", list(SEEDED.values()), ids=list(SEEDED))
+def test_seeded_sampling_draws_model_generates_tokens(name: str, settings_: dict) -> None:
+    """With the same seed, every proposer and every way of choosing draft lengths gives model.generate's tokens:
+    PromptLookup, drafts of the reference's own tokens (mostly accepted) and of wrong ones (never)."""
+    model, prompt = _sharp(name), torch.tensor([[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
+    for seed in (0, 1, 2):
+        ref = hf_sampled(model, prompt, seed, **settings_)
+        for proposer in (specula.PromptLookup(), Oracle(ref, 6), AlwaysWrong(ref, 6, TINY_VOCAB), None):
+            for adaptive in (True, False):
+                out = specula_sampled(model, prompt, proposer, seed, adaptive_draft=adaptive, **settings_)
+                assert out.sequences.tolist() == ref.tolist(), (seed, type(proposer).__name__, adaptive)
+                if isinstance(proposer, Oracle) and not isinstance(proposer, AlwaysWrong) and not adaptive:
+                    assert out.stats.accepted >= _SAMPLED_TOKENS // 2
+
+
+@pytest.mark.parametrize("shape", ["second", "detour", "late", "wrong"])
+def test_seeded_sampling_through_trees_draws_model_generates_tokens(shape: str) -> None:
+    model, prompt = _sharp("llama"), torch.tensor([[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
+    for seed in (0, 1):
+        ref = hf_sampled(model, prompt, seed, **SEEDED["top_k"])
+        out = specula_sampled(model, prompt, TreeOracle([ref], shape, TINY_VOCAB), seed, adaptive_draft=False,
+                              **SEEDED["top_k"])
+        assert out.sequences.tolist() == ref.tolist()
+        assert out.stats.tree_steps > 0 and (shape == "wrong" or out.stats.accepted >= _SAMPLED_TOKENS // 2)
+
+
+def test_a_seeded_request_draws_the_same_tokens_alone_and_in_any_batch() -> None:
+    """Each row draws from its own generator: a request seeded s gives model.generate's tokens with seed s, alone
+    and next to other requests (rows accepting different numbers of drafts)."""
+    model = _sharp("llama")
+    prompts = [[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [1, 9, 3, 9, 3, 9, 3], [1, 4, 4, 4, 4, 4, 4, 4, 4]]
+    refs = [hf_sampled(model, torch.tensor([p]), seed, **SEEDED["top_k"]) for seed, p in enumerate(prompts)]
+    for rows in ([0, 1], [2, 0], [1, 2, 0]):
+        width = max(len(prompts[r]) for r in rows)
+        ids = torch.tensor([[0] * (width - len(prompts[r])) + prompts[r] for r in rows])
+        mask = (torch.arange(width) >= torch.tensor([width - len(prompts[r]) for r in rows])[:, None]).long()
+        out = specula.generate(model, ids, Oracle([refs[r] for r in rows], 6), attention_mask=mask, do_sample=True,
+                               max_new_tokens=_SAMPLED_TOKENS, eos_token_id=[], adaptive_draft=False,
+                               generator=[torch.Generator().manual_seed(r) for r in rows], **SEEDED["top_k"])
+        for b, r in enumerate(rows):
+            assert out.sequences[b, width:].tolist() == refs[r][0, len(prompts[r]):].tolist(), (rows, r)
+        assert out.stats.accepted > 0
