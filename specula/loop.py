@@ -177,11 +177,13 @@ class Decoder:
         adaptive_draft: bool = True, row_exact: bool | None = None,
     ) -> None:
         self.model, self.proposer, self.sampling, self.slots = model, proposer, sampling, slots
-        # Draft lengths follow measured timings only where the output cannot depend on them: greedy, with passes
+        # Draft lengths follow measured timings only where the output cannot depend on them: greedy decoding, and
+        # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
         # that round as one-token steps do (or in fp32, far below the gaps between logits). Elsewhere they follow
         # acceptance alone, so that a request decodes the same on every run.
         self.row_exact = (proposer is not None or slots > 1) and wanted(model, row_exact)
-        timed = sampling.greedy and (self.row_exact or not is_half_precision(model))
+        drawn = not sampling.greedy and getattr(proposer, "samples_drafts", False)
+        timed = not drawn and (self.row_exact or not is_half_precision(model))
         setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
         def tables(rows: int, tree: bool = False):  # pass costs (passes with trees apart)
             return shared_step_seconds(model, (*setting, "tree") if tree else setting, MAX_DRAFT, rows)

@@ -240,6 +240,11 @@ class Proposer:
     # Whether drafts may be trees (``Draft.parents``): the verifier then holds the target so that it can verify
     # them, and cuts them to their first branch where the model cannot (see ``specula.generate``).
     proposes_trees: bool = False
+    # Whether, when the target samples, drafts are drawn at random (with ``Draft.probs``). Such drafts are verified
+    # by speculative sampling, whose random draws depend on how many are sent; the cost model then leaves timings
+    # out, so that a seeded request samples the same on every run. Other drafts are verified by drawing each token
+    # as ``model.generate`` does, whatever their lengths.
+    samples_drafts: bool = False
 
     def check_target(self, model: torch.nn.Module) -> None:
         """Raise ``ValueError`` if this proposer cannot draft for ``model``; called before every generation."""

@@ -42,6 +42,8 @@ class SmallModelDrafter(Proposer):
             tells the real vocabulary size when the two models' embedding matrices differ only by padding rows.
     """
 
+    samples_drafts = True  # under sampling it draws its drafts (and says from what: Draft.probs)
+
     def __init__(
         self,
         draft_model: torch.nn.Module,

@@ -122,6 +122,8 @@ class NoisyModelDrafter(specula.Proposer):
     settings the loop gives it, to build a drafter that warps differently from the target.
     """
 
+    samples_drafts = True
+
     def __init__(self, model, num_draft: int, noise: float = 1.0, sampling: specula.Sampling | None = None) -> None:
         vocab = model.config.vocab_size
         self.model = model

@@ -179,3 +179,14 @@ def test_a_pass_that_calibrates_is_not_taken_for_what_passes_cost(monkeypatch, t
     costs = shared_step_seconds(model, (model.device, model.dtype), MAX_DRAFT)
     assert not np.isnan(costs).all() and np.nanmax(costs) < 1.0
     calibration.forget()
+
+
+def test_calibrating_draws_none_of_torchs_global_random_numbers() -> None:
+    """Seeded sampling draws from torch's global generator, as model.generate does: a first run that calibrates
+    must leave it alone, or that run would not draw model.generate's tokens."""
+    layer = torch.nn.Linear(1536, 64, bias=False).to(torch.bfloat16)  # (making it draws: before)
+    state = torch.get_rng_state()
+    row_exact._calibrate(layer)
+    row_exact._calibrate_attention(_Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16,
+                                   torch.device("cpu"), {})
+    assert torch.equal(torch.get_rng_state(), state)

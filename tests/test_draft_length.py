@@ -8,11 +8,12 @@ import importlib
 import numpy as np
 import pytest
 import torch
-from helpers import AlwaysWrong, Oracle, hf_greedy
+from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, hf_greedy
 from tiny_models import VOCAB, tiny_model
 
 import specula
 from specula import Draft
+from specula.loop import MAX_DRAFT
 from specula.draft_length import RANKS, DraftLength, DraftPolicy, budgets, choose_lengths, shared_step_seconds
 from specula.workloads import left_padded
 
@@ -216,7 +217,10 @@ def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) 
     assert runs[0] > 0 and all(table is tables[0] for table in tables) and not np.isnan(tables[0]).all()
     assert steps[1] < steps[0]  # the second run does not explore again
     specula.generate(target, prompt, specula.PromptLookup(), max_new_tokens=4, do_sample=True)
-    assert len(tables) == runs[1]  # sampling decides without timings
+    assert len(tables) > runs[1]  # sampling with drafts not drawn at random decides by timings too
+    runs.append(len(tables))
+    specula.generate(target, prompt, NoisyModelDrafter(target, 2), max_new_tokens=4, do_sample=True)
+    assert len(tables) == runs[2]  # drafts drawn at random: their lengths change the draws, so untimed
 
 
 def batch_table(rows: int, costs: dict[int, float]) -> np.ndarray:
@@ -330,3 +334,27 @@ def test_trees_that_gain_less_than_their_chances_say_stop_being_sent() -> None:
     assert lengths.sibling_factor() == pytest.approx(1 / 4, rel=1e-4)  # no token off the first branch for 3 expected
     np.testing.assert_allclose(lengths.node_chances(sent)[1], 0.3 * lengths.sibling_factor(), rtol=0.05)
     assert policy.trim([lengths], [tree]) == [[0, 2, 4]]  # the first branch alone now
+
+
+def test_sampling_sends_no_drafts_where_passes_cost_more_than_they_gain() -> None:
+    """Sampling with drafts not drawn at random is timed as greedy decoding is: where a pass over more than one
+    token costs ten times a one-token pass, it sends nothing (never slower than plain sampling), and the seeded
+    tokens are model.generate's either way. (The mutant that leaves sampling untimed sends drafts here.)"""
+    target = tiny_model("llama", seed=4)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(6.0)  # (peaked: drafts of its own samples get accepted)
+    prompt = torch.tensor([[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
+    torch.manual_seed(0)
+    expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, max_new_tokens=24,
+                               eos_token_id=[], pad_token_id=0, temperature=0.7)
+    table = shared_step_seconds(target, (target.device, target.dtype), MAX_DRAFT)
+    table[1], table[2:] = 1.0, 10.0
+    torch.manual_seed(0)
+    out = specula.generate(target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[],
+                           temperature=0.7)
+    assert out.stats.drafted == 0 and torch.equal(out.sequences, expected)
+    table[:] = np.nan  # nothing measured yet: the passes it times show that the drafts pay
+    torch.manual_seed(0)
+    out = specula.generate(target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[],
+                           temperature=0.7)
+    assert out.stats.accepted > 0 and torch.equal(out.sequences, expected)

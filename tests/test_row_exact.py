@@ -265,3 +265,21 @@ def test_the_lm_head_bound_holds_between_a_real_multi_row_product_and_one_row_on
     bound = 2 * head.gamma * h * norms + head._ulp(torch.maximum(together.abs(), alone.abs()))
     assert ((together - alone).abs() <= bound).all()
     assert not torch.equal(together, alone) or dtype == torch.float16
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_bf16_seeded_sampling_draws_model_generates_tokens(name: str) -> None:
+    """Row-exact passes give each position its one-token logits, so seeded sampling with drafts draws
+    model.generate's tokens in bf16 too, with timed draft lengths and with every draft sent."""
+    settings_ = dict(do_sample=True, temperature=0.3, top_k=40)
+    net = model(name, torch.bfloat16)  # (made before seeding: making it seeds torch)
+    torch.manual_seed(5)
+    ref = net.generate(prompt(), attention_mask=torch.ones_like(prompt()), max_new_tokens=NEW_TOKENS,
+                       eos_token_id=[], pad_token_id=0, **settings_)
+    for proposer in (specula.PromptLookup(), Oracle(ref, WIDE - 1)):
+        for adaptive in (True, False):
+            torch.manual_seed(5)
+            out = speculate(name, proposer, adaptive_draft=adaptive, **settings_)
+            assert out.sequences.tolist() == ref.tolist(), (type(proposer).__name__, adaptive)
+            if isinstance(proposer, Oracle) and not adaptive:
+                assert out.stats.accepted > 0
