@@ -128,3 +128,23 @@ def test_bf16_trees_alone_and_in_a_batch_are_model_generate() -> None:
         got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
         assert got == [expected[i] for i in members], members
         assert out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_seeded_sampling_draws_model_generates_tokens(dtype: str) -> None:
+    """Sampling at temperature 0.7 with top-p 0.9, each workload prompt seeded alike: PromptLookup at timed draft
+    lengths and with every draft sent, and a tree of 4 occurrences, draw model.generate's tokens (bf16: row-exact
+    passes), with drafts accepted."""
+    model, _ = smollm2() if dtype == "fp32" else smollm2_bf16()
+    settings_ = dict(do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=32)
+    accepted = 0
+    for seed, (name, prompt) in enumerate(prompts()):
+        torch.manual_seed(seed)
+        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings_).tolist()
+        for proposer, adaptive in ((specula.PromptLookup(), True), (specula.PromptLookup(), False),
+                                   (specula.PromptLookup(branches=4), False)):
+            torch.manual_seed(seed)
+            out = specula.generate(model, prompt, proposer, adaptive_draft=adaptive, **settings_)
+            assert out.sequences.tolist() == expected, (name, proposer, adaptive)
+            accepted += out.stats.accepted
+    assert accepted > 0
