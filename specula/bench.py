@@ -154,8 +154,8 @@ class BenchRow:
     seconds: float
     tokens_per_s: float
     speedup_vs_hf_greedy: float
-    identical_to_greedy: float | None  # share of prompts whose output equals the baseline's (None when sampling)
-    repeatable: float | None  # share of prompts whose output was the same in every repeat (None when sampling)
+    identical_to_greedy: float | None  # share of prompts whose output equals the baseline's (None: not compared)
+    repeatable: float | None  # share of prompts whose output was the same in every repeat (None: not compared)
     acceptance_rate: float | None
     tokens_per_step: float | None
     drafted: int  # draft tokens sent to the target, all prompts (last repeat)
@@ -177,13 +177,15 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
     compare_outputs: bool = True,
     outputs: dict | None = None,
+    seed: int | None = None,
 ) -> list[BenchRow]:
     """Run every method on every prompt ``repeats`` times, rotating the order, and summarise per workload.
 
     Time per prompt is the median over repeats; a workload's tokens/s is its total new tokens over the summed
-    medians; speedups are against ``baseline``. With ``compare_outputs`` (greedy runs), output identity is judged
-    against ``baseline``'s output on the same prompt. ``outputs``, if given, receives the baseline's output per
-    ``(workload, prompt index)``, for :func:`run_batch_bench`.
+    medians; speedups are against ``baseline``. With ``compare_outputs``, output identity is judged against
+    ``baseline``'s output on the same prompt (when sampling, with ``seed``: every run on the ``i``-th prompt of a
+    workload starts from ``torch.manual_seed(seed + i)``). ``outputs``, if given, receives the baseline's output
+    per ``(workload, prompt index)``, for :func:`run_batch_bench`.
     """
     names, baseline_outputs = list(methods), outputs
     warm = encode(tokenizer, next(iter(workloads.values()))[0])
@@ -201,6 +203,8 @@ def run_bench(
             for repeat in range(repeats):
                 shift = (index + repeat) % len(names)
                 for name in names[shift:] + names[:shift]:
+                    if seed is not None:
+                        torch.manual_seed(seed + index)
                     tokens, seconds, stats = methods[name](prompt, max_new_tokens)
                     times[name].append(seconds)
                     if name in outputs and outputs[name][0] != tokens:

@@ -171,6 +171,20 @@ def test_auto_dtype_is_resolved_and_reported(model_folder, tmp_path, capsys) -> 
     assert f", {expected}, cpu," in capsys.readouterr().out
 
 
+def test_a_sampled_bench_seeds_each_prompt_alike_and_checks_identity(model_folder, tmp_path) -> None:
+    """With --temperature every method's run on a prompt starts from the same seed, so specula's output (drafts
+    not drawn at random) is checked against model.generate's own samples."""
+    workloads = tmp_path / "workloads"
+    workloads.mkdir()
+    (workloads / "copying.jsonl").write_text(REQUESTS[0] + "\n" + REQUESTS[5] + "\n")
+    run_cli("bench", "--workloads", workloads, "--model", model_folder, "--dtype", "fp32", "--limit", 2,
+            "--repeats", 2, "--max-new-tokens", 16, "--proposers", "prompt-lookup,none", "--temperature", 0.9,
+            "--seed", 3, "--json", tmp_path / "rows.json")
+    rows = {row["method"]: row for row in json.loads((tmp_path / "rows.json").read_text())}
+    for method in ("hf-sample", "specula-prompt-lookup", "specula-none"):
+        assert rows[method]["identical_to_greedy"] == 1.0 and rows[method]["repeatable"] == 1.0, method
+
+
 def test_bench_reports_which_methods_repeat_their_output() -> None:
     """`repeatable` is the share of prompts whose output was the same in every repeat."""
     calls = {"n": 0}
