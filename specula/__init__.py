@@ -5,6 +5,9 @@
     out.sequences, out.stats
 """
 
+import importlib
+import pkgutil
+
 from .generate import generate
 from .hf import SpeculaGenerateOutput, custom_generate, prepare_jobs
 from .loop import Decoder, Job
@@ -23,3 +26,12 @@ __all__ = [
     "prepare_jobs", "tune_cpu_layout",
 ]
 __version__ = "0.1.0"
+_MODULES = frozenset(module.name for module in pkgutil.iter_modules(__path__))
+
+
+def __getattr__(name: str):
+    """specula's modules as attributes of the package, imported on first use (``specula.models.load_model()``
+    after ``import specula``; ``specula.ray_job`` needs the ``ray`` extra)."""
+    if name in _MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

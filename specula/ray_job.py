@@ -27,9 +27,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import ray
 import torch
-import ray.data
+
+try:
+    import ray
+    import ray.data
+except ImportError as error:  # (the optional extra)
+    raise ImportError("specula.ray_job needs Ray: pip install 'specula[ray]'") from error
 
 from .answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key, unique_requests
 from .models import load_model, resolve_model

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
+from pathlib import Path
 import subprocess
 
 import pytest
@@ -122,6 +125,29 @@ def test_bad_arguments_get_clear_errors(model_folder, tmp_path, capsys) -> None:
         run_cli("generate", "--prompt", "hi", "--model", tmp_path)
     with pytest.raises(SystemExit, match="no \\*.jsonl workloads"):
         run_cli("bench", "--workloads", tmp_path, "--model", model_folder)
+
+
+@pytest.mark.parametrize("count", ["0", "-1", "many"])
+def test_a_bad_max_new_tokens_is_one_message_before_anything_runs(model_folder, tmp_path, capsys, count) -> None:
+    """--max-new-tokens 0 used to skip every line of --input and exit 0 with an empty file, and to print two
+    contradicting messages with --prompt: now one message up front, and nothing written."""
+    (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
+    for source in (("--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl"), ("--prompt", "hi")):
+        with pytest.raises(SystemExit) as stop:
+            run_cli("generate", *source, "--model", model_folder, "--max-new-tokens", count)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("error:") == 1 and "--max-new-tokens: must be" in err
+        assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_every_module_the_readme_names_works_after_import_specula() -> None:
+    """`import specula`, then specula.models.load_model, specula.answers.AnswerFile ... as the README writes them
+    (in a fresh interpreter: this one has imported the modules already)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    names = sorted(set(re.findall(r"\bspecula\.[a-z_]+\.[A-Za-z_]+", readme)))
+    assert "specula.models.load_model" in names
+    check = "import specula\n" + "".join(f"{name}\n" for name in names)
+    subprocess.run([sys.executable, "-c", check], check=True, capture_output=True, text=True)
 
 
 def test_missing_default_model_says_how_to_install_it(monkeypatch) -> None:
