@@ -266,9 +266,9 @@ def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_
         starts.append((index, self.batch))  # (the slot it takes, rows in the batch then)
         return start_row(self, index, token_ids)
 
-    def recording_forward(self, blocks, num_logits, trees=None):
+    def recording_forward(self, blocks, num_logits, trees=None, argmax_only=False):
         widths.append(len(blocks))
-        return forward_rows(self, blocks, num_logits, trees)
+        return forward_rows(self, blocks, num_logits, trees, argmax_only)
 
     monkeypatch.setattr(specula.cached_model.CachedModel, "start_row", recording_start)
     monkeypatch.setattr(specula.cached_model.CachedModel, "forward_rows", recording_forward)

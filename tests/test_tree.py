@@ -145,10 +145,25 @@ def test_a_tree_samples_exactly_the_targets_distribution(make_draft) -> None:
     assert fits_the_target(*two_tokens(make_draft))
 
 
-@pytest.mark.parametrize("make_draft", [deterministic_tree, sampled_tree])
-def test_the_test_fails_without_renormalising_after_a_rejected_child(monkeypatch, make_draft) -> None:
+def test_the_test_fails_without_renormalising_after_a_rejected_child(monkeypatch) -> None:
     monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: (p - q).clamp(min=0))
-    assert not fits_the_target(*two_tokens(make_draft))
+    assert not fits_the_target(*two_tokens(sampled_tree))
+
+
+def test_the_test_fails_when_the_walk_follows_the_first_child_whatever_was_drawn(monkeypatch) -> None:
+    """Deterministic trees: a drawn token that is a later sibling's moves the walk to the first child, whose
+    scores then give the next token (the wrong prefix)."""
+    def first_child_walk(scores, tokens, children, sampling):
+        new, node = [], -1
+        while True:
+            drawn = int(sampling.sample(torch.softmax(scores[node + 1 : node + 2], dim=-1)))
+            new.append(drawn)
+            if not any(tokens[child] == drawn for child in children[node + 1]):
+                return new
+            node = children[node + 1][0]
+
+    monkeypatch.setattr(acceptance, "_drawn_walk", first_child_walk)
+    assert not fits_the_target(*two_tokens(deterministic_tree))
 
 
 def test_a_model_that_cannot_hold_a_tree_gets_its_first_branches_and_a_warning() -> None:
