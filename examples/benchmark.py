@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 import specula
-from specula.bench import format_table, hf_method, run_bench, specula_method
-from specula.models import load_model
-from specula.workloads import load_workloads
+from specula.tools.bench import format_table, hf_method, run_bench, specula_method
+from specula.hf.loading import load_model
+from specula.jobs.requests import load_workloads
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

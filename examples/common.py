@@ -8,7 +8,7 @@ import time
 import torch
 
 import specula
-from specula.models import load_model
+from specula.hf.loading import load_model
 
 
 def load(description: str, max_new_tokens: int = 200):

@@ -1,7 +1,7 @@
 """On a CPU: what storing the weights column-major (``specula.tune_cpu_layout``) does to decoding speed.
 
 Loads the model twice, as stored (``as-is``) and after ``tune_cpu_layout`` (``tuned``; the CLI and
-``specula.models.load_model`` do this on a CPU), then runs ``specula bench``'s harness over both in one process,
+``specula.hf.loading.load_model`` do this on a CPU), then runs ``specula bench``'s harness over both in one process,
 methods interleaved per prompt: model.generate greedy, HF prompt lookup and specula with PromptLookup.
 Speedups are against model.generate greedy on the as-is model. The script also prints which weight shapes the
 tuning changed and what a pass over 1..11 tokens costs in each layout.
@@ -20,9 +20,9 @@ import torch
 from transformers import DynamicCache
 
 import specula
-from specula.bench import format_table, hf_method, run_bench, specula_method
-from specula.models import load_model
-from specula.workloads import load_workloads
+from specula.tools.bench import format_table, hf_method, run_bench, specula_method
+from specula.hf.loading import load_model
+from specula.jobs.requests import load_workloads
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 PASS_LENGTHS = (1, 2, 4, 8, 11)

@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 import specula
-from specula.draft_length import DraftPolicy, FixedDrafts
-from specula.kernels import lookup_candidates
-from specula.loop import MAX_DRAFT
-from specula.models import load_model
-from specula.proposers import PROPOSER_NAMES, proposer_factory
-from specula.workloads import encode, load_workloads
+from specula.policy.draft_length import DraftPolicy, FixedDrafts
+from specula.proposers.kernels import lookup_candidates
+from specula.core.loop import MAX_DRAFT
+from specula.hf.loading import load_model
+from specula.proposers.registry import PROPOSER_NAMES, proposer_factory
+from specula.jobs.requests import encode, load_workloads
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 BF16_COSTS = "1.00,0.99,1.02,0.97,1.03,1.04,1.04,1.04,1.10,1.15,1.19,1.20,1.21,1.22,1.23,1.25,1.28,1.31,1.34,1.37"

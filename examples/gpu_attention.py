@@ -1,7 +1,7 @@
 """On a GPU: what a verification step costs with and without cuDNN's attention kernel, against one-token steps.
 
 specula runs its multi-token passes on CUDA with every scaled-dot-product-attention backend except cuDNN's
-(``specula/cached_model.py``): cuDNN prepares an execution plan for each new query/key shape, and a verification pass
+(``specula/target/runner.py``): cuDNN prepares an execution plan for each new query/key shape, and a verification pass
 has a new shape every step. This script times, per prompt, plain decoding through specula's loop and PromptLookup
 with that choice (``no-cudnn``, the default) and with cuDNN allowed again (``cudnn``), as milliseconds per target
 step and per new token, median of ``--repeats``.
@@ -21,8 +21,8 @@ from torch.nn.attention import SDPBackend
 
 import specula
 from specula import cached_model
-from specula.models import load_model
-from specula.workloads import encode, load_workloads
+from specula.hf.loading import load_model
+from specula.jobs.requests import encode, load_workloads
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 BACKENDS = {

@@ -17,8 +17,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from specula.cached_model import CachedModel
-from specula.models import load_model
+from specula.target.runner import CachedModel
+from specula.hf.loading import load_model
 
 
 @torch.inference_mode()

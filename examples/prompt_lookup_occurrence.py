@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 import specula
-from specula.models import load_model
-from specula.workloads import encode, load_workloads
+from specula.hf.loading import load_model
+from specula.jobs.requests import encode, load_workloads
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 

@@ -5,20 +5,19 @@
     out.sequences, out.stats
 """
 
-import importlib
-import pkgutil
-
-from .generate import generate
-from .hf import SpeculaGenerateOutput, custom_generate, prepare_jobs
-from .loop import Decoder, Job
-from .ngram import NGramPredictor
-from .prompt_lookup import PromptLookup
-from .proposer import Draft, Proposer
-from .sampling import Sampling
-from .small_model import SmallModelDrafter
-from .stats import GenerateOutput, SpecStats
-from .cached_model import UnsupportedModelError
-from .cpu_layout import tune_cpu_layout
+from . import _modules
+from .hf.generate import generate
+from .hf.decoding_method import SpeculaGenerateOutput, custom_generate, prepare_jobs
+from .core.loop import Decoder, Job
+from .proposers.ngram import NGramPredictor
+from .proposers.prompt_lookup import PromptLookup
+from .core.draft import Draft
+from .proposers.base import Proposer
+from .core.sampling import Sampling
+from .proposers.small_model import SmallModelDrafter
+from .core.stats import GenerateOutput, SpecStats
+from .target.runner import UnsupportedModelError
+from .target.cpu_layout import tune_cpu_layout
 
 __all__ = [
     "Decoder", "Draft", "GenerateOutput", "Job", "SpeculaGenerateOutput", "custom_generate", "NGramPredictor",
@@ -26,12 +25,10 @@ __all__ = [
     "prepare_jobs", "tune_cpu_layout",
 ]
 __version__ = "0.1.0"
-_MODULES = frozenset(module.name for module in pkgutil.iter_modules(__path__))
+_modules.install()
 
 
 def __getattr__(name: str):
-    """specula's modules as attributes of the package, imported on first use (``specula.models.load_model()``
-    after ``import specula``; ``specula.ray_job`` needs the ``ray`` extra)."""
-    if name in _MODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """specula's packages and modules as attributes, imported on first use (``specula.jobs.ray`` needs the ``ray``
+    extra), under their names from before 0.2 too."""
+    return _modules.attribute(__name__, name)

@@ -16,18 +16,15 @@ import torch
 from tqdm import tqdm
 from transformers import TextStreamer
 
-from . import row_exact as row_exact_module
-from .bench import (
-    format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method,
-    specula_method,
-)
-from .drift import drift
-from .generate import generate
-from .invariance import probe
-from .models import ModelNotFoundError, load_model
-from .proposers import PROPOSER_NAMES, available, check_proposer, proposer_factory
-from .workloads import BadRequest, encode, load_workloads
-from .answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key, unique_requests
+from .target import row_exact as row_exact_module
+from .tools.bench import format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method, specula_method
+from .tools.drift import drift
+from .hf.generate import generate
+from .tools.probe import probe
+from .hf.loading import ModelNotFoundError, load_model
+from .proposers.registry import PROPOSER_NAMES, available, check_proposer, proposer_factory
+from .jobs.requests import BadRequest, encode, load_workloads
+from .jobs.answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key, unique_requests
 
 DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -174,7 +171,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(f"{args.output}: its last line was cut short when a run stopped; that request is answered again",
               file=sys.stderr)
     if args.ray:
-        from .ray_job import generate_with_ray  # Ray is optional
+        from .jobs.ray import generate_with_ray  # Ray is optional
 
         with output:
             generate_with_ray(args.input, output, args.model, args.proposer, settings, dtype=DTYPES[args.dtype],

@@ -14,8 +14,8 @@ from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, chi_square_p_value, 
 from tiny_models import VOCAB, tiny_model
 
 import specula
-from specula.cached_model import UnsupportedModelError
-from specula.loop import MAX_DRAFT
+from specula.target.runner import UnsupportedModelError
+from specula.core.loop import MAX_DRAFT
 
 NEW_TOKENS = 24
 PAD = 0  # the tiny models' pad_token_id

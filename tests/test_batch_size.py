@@ -8,8 +8,8 @@ import pytest
 from architectures import tiny_causal_lm
 from tiny_models import tiny_model
 
-from specula import batch_size
-from specula.cached_model import CachedModel
+from specula.policy import batch_size
+from specula.target.runner import CachedModel
 
 
 @pytest.mark.parametrize("cost, expected", [

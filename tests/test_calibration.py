@@ -1,5 +1,5 @@
 """Row-exact strategies: only exact ones are ever chosen, the cheapest of them by the clock, and calibrations are
-kept on disk per machine, torch, shape and dtype (specula.calibration, specula.row_exact)."""
+kept on disk per machine, torch, shape and dtype (specula.target.calibration, specula.target.row_exact)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import specula
-import specula.row_exact as row_exact
-from specula import calibration
-from specula.draft_length import shared_step_seconds
-from specula.loop import MAX_DRAFT
+import specula.target.row_exact as row_exact
+from specula.target import calibration
+from specula.policy.draft_length import shared_step_seconds
+from specula.core.loop import MAX_DRAFT
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 

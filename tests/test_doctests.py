@@ -10,7 +10,7 @@ import pytest
 
 import specula
 
-MODULES = sorted(module.name for module in pkgutil.iter_modules(specula.__path__, "specula."))
+MODULES = sorted(module.name for module in pkgutil.walk_packages(specula.__path__, "specula."))
 
 
 @pytest.mark.parametrize("name", MODULES)

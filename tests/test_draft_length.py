@@ -13,9 +13,9 @@ from tiny_models import VOCAB, tiny_model
 
 import specula
 from specula import Draft
-from specula.loop import MAX_DRAFT
-from specula.draft_length import RANKS, DraftLength, DraftPolicy, budgets, choose_lengths, shared_step_seconds
-from specula.workloads import left_padded
+from specula.core.loop import MAX_DRAFT
+from specula.policy.draft_length import RANKS, DraftLength, DraftPolicy, budgets, choose_lengths, shared_step_seconds
+from specula.jobs.requests import left_padded
 
 PROMPT = [1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]
 
@@ -199,7 +199,7 @@ def test_step_costs_are_shared_per_model_and_setting() -> None:
 def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) -> None:
     target = tiny_model("llama", seed=3)
     tables = []
-    loop = importlib.import_module("specula.loop")
+    loop = importlib.import_module("specula.core.loop")
 
     def recording(*args, **kwargs):
         tables.append(shared_step_seconds(*args, **kwargs))
@@ -254,7 +254,7 @@ def test_a_batch_pads_its_rows_to_the_widest_and_sends_none_where_passes_cost_by
 def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch) -> None:
     target = tiny_model("llama", seed=5)
     tables = {}
-    loop = importlib.import_module("specula.loop")
+    loop = importlib.import_module("specula.core.loop")
 
     def recording(*args):
         tables[args[-1]] = shared_step_seconds(*args)  # (the loop passes the number of rows last)

@@ -9,7 +9,7 @@ from test_row_exact import NEW_TOKENS, model, prompt, reference
 from helpers import Oracle
 
 from specula import cli
-from specula.drift import drift
+from specula.tools.drift import drift
 
 
 def plant(target: torch.nn.Module, position: int, margin: float, in_passes_only: bool = False):

@@ -6,7 +6,8 @@ import pytest
 import torch
 from tiny_models import tiny_model, tiny_tokenizer
 
-from specula import models, precision
+from specula.hf import loading
+from specula.hf import precision
 
 GIB = 1 << 30
 
@@ -50,10 +51,10 @@ def test_load_model_resolves_auto(cpu, tmp_path) -> None:
     model.save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     expected_parameters = model.num_parameters()
-    assert models._num_parameters(tmp_path) == expected_parameters
+    assert loading._num_parameters(tmp_path) == expected_parameters
     for native_bf16, dtype in ((False, torch.float32), (True, torch.bfloat16)):
         cpu(native_bf16=native_bf16)
-        loaded, _ = models.load_model(tmp_path, tune_layout=False)
+        loaded, _ = loading.load_model(tmp_path, tune_layout=False)
         assert loaded.dtype == dtype
     with pytest.raises(ValueError, match="torch.dtype or 'auto'"):
-        models.load_model(tmp_path, dtype="float32")
+        loading.load_model(tmp_path, dtype="float32")

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specula
-from specula.kernels import lookup_candidates, prompt_lookup
+from specula.proposers.kernels import lookup_candidates, prompt_lookup
 
 
 def reference_lookup(tokens: list[int], min_ngram: int, max_ngram: int, max_draft: int) -> list[int]:

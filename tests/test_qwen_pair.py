@@ -16,8 +16,8 @@ from helpers import hf_greedy
 from test_smollm2 import WORKLOADS
 
 import specula
-from specula.models import load_model
-from specula.workloads import encode, load_workloads
+from specula.hf.loading import load_model
+from specula.jobs.requests import encode, load_workloads
 
 MODELS = Path(os.environ.get("SPECULA_MODELS", Path.home() / ".cache" / "specula-models"))
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from specula import cli
-from specula.answers import AnswerFile, answer_key
+from specula.jobs.answers import AnswerFile, answer_key
 
 WORDS = "the quick brown fox jumps over the lazy dog and def foo bar baz return print hello world".split()
 

@@ -1,5 +1,5 @@
 """Half precision: verification passes compute every position as a one-token step does, so greedy output is
-model.generate's in bf16 and fp16 too, whatever the drafts and draft lengths (specula.row_exact)."""
+model.generate's in bf16 and fp16 too, whatever the drafts and draft lengths (specula.target.row_exact)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from helpers import TreeOracle, AlwaysWrong, Oracle, hf_greedy
 
 import numpy as np
 import specula
-import specula.row_exact as row_exact_module
-from specula.draft_length import shared_step_seconds
-from specula.invariance import probe
-from specula.loop import MAX_DRAFT
-from specula.row_exact import RowExact
+import specula.target.row_exact as row_exact_module
+from specula.policy.draft_length import shared_step_seconds
+from specula.tools.probe import probe
+from specula.core.loop import MAX_DRAFT
+from specula.target.row_exact import RowExact
 
 VOCAB = 512
 # Big enough for the kernels' blocking to depend on the number of rows (inner dimensions of 1536, heads of 64, a

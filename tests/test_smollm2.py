@@ -11,8 +11,8 @@ import torch
 from helpers import Oracle, hf_greedy
 
 import specula
-from specula.models import load_model
-from specula.workloads import encode, left_padded, load_workloads
+from specula.hf.loading import load_model
+from specula.jobs.requests import encode, left_padded, load_workloads
 
 WORKLOADS = Path(os.environ.get("SPECULA_WORKLOADS", Path(__file__).resolve().parents[2] / "shared" / "workloads"))
 pytestmark = pytest.mark.slow

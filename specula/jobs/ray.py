@@ -36,9 +36,9 @@ except ImportError as error:  # (the optional extra)
     raise ImportError("specula.ray_job needs Ray: pip install 'specula[ray]'") from error
 
 from .answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key, unique_requests
-from .models import load_model, resolve_model
-from .proposers import proposer_factory
-from .workloads import BadRequest
+from ..hf.loading import load_model, resolve_model
+from ..proposers.registry import proposer_factory
+from .requests import BadRequest
 
 RAY_BATCH = 64  # requests a worker takes at once, decoded up to settings.batch_size at a time (continuous batching)
 

@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from . import kernels
-from .proposer import Draft, Proposer, check_int, merged
-from .sampling import Sampling
+from ..core.draft import Draft, check_int, merged
+from .base import Proposer
+from ..core.sampling import Sampling
 
 _FORMAT = "specula.NGramPredictor/1"
 

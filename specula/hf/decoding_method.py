@@ -17,11 +17,11 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from .loop import Job, decode, jobs_of
+from ..core.loop import Job, decode, jobs_of
 from .inputs import prepare_request
-from .proposer import Proposer
-from .sampling import Sampling
-from .stats import SpecStats
+from ..proposers.base import Proposer
+from ..core.sampling import Sampling
+from ..core.stats import SpecStats
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cached_model import _CACHE_ARGUMENTS
-from .generate import generate
-from .proposer import Proposer
+from ..target.runner import _CACHE_ARGUMENTS
+from ..hf.generate import generate
+from ..proposers.base import Proposer
 
 TIE_ULPS = 8  # a gap within this many units in the last place of the larger logit counts as a near-tie
 

@@ -10,12 +10,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .generate import generate
-from .hf import prepare_jobs
-from .loop import Decoder
-from .proposer import Draft, Proposer
-from .stats import TREE_COUNTERS, SpecStats
-from .workloads import encode, left_padded
+from ..hf.generate import generate
+from ..hf.decoding_method import prepare_jobs
+from ..core.loop import Decoder
+from ..core.draft import Draft
+from ..proposers.base import Proposer
+from ..core.stats import TREE_COUNTERS, SpecStats
+from ..jobs.requests import encode, left_padded
 
 # A method turns a prompt into (new token ids, seconds, SpecStats or None).
 Method = Callable[[torch.Tensor, int], tuple[list[int], float, object]]

@@ -13,13 +13,15 @@ import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from . import calibration
+from ..target import calibration
 from .acceptance import accept_draft
-from .cached_model import CachedModel, UnsupportedModelError
-from .draft_length import DraftLength, DraftPolicy, FixedDrafts, shared_step_seconds
-from .inputs import Request, vocab_size
-from .proposer import Draft, Proposer, RowProposalError
-from .row_exact import is_half_precision, wanted
+from ..target.runner import CachedModel, UnsupportedModelError
+from ..policy.draft_length import DraftLength, DraftPolicy, FixedDrafts, shared_step_seconds
+from ..hf.inputs import Request
+from ..target.support import vocab_size
+from .draft import Draft
+from ..proposers.base import Proposer, RowProposalError
+from ..target.row_exact import is_half_precision, wanted
 from .sampling import Sampling
 from .stats import GenerateOutput, SpecStats
 

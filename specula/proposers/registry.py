@@ -18,10 +18,10 @@ from typing import Callable
 
 import torch
 
-from .models import load_model
+from ..hf.loading import load_model
 from .ngram import NGramPredictor
 from .prompt_lookup import PromptLookup
-from .proposer import Proposer
+from .base import Proposer
 from .small_model import SmallModelDrafter
 
 ENTRY_POINT_GROUP = "specula.proposers"

@@ -9,10 +9,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .cached_model import CachedModel, UnsupportedModelError
-from .inputs import vocab_size
-from .proposer import Draft, Proposer, check_int
-from .sampling import Sampling
+from ..target.runner import CachedModel, UnsupportedModelError
+from ..target.support import vocab_size
+from ..core.draft import Draft, check_int
+from .base import Proposer
+from ..core.sampling import Sampling
 
 
 def _vocab_description(tokenizer) -> str:

@@ -9,9 +9,9 @@ import weakref
 
 import torch
 
-from .cached_model import CachedModel, UnsupportedModelError
-from .inputs import vocab_size
-from .row_exact import _spare_bytes, wanted
+from ..target.runner import CachedModel, UnsupportedModelError
+from ..target.support import vocab_size
+from ..target.row_exact import _spare_bytes, wanted
 
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -9,10 +9,10 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
-from .hf import custom_generate
+from .decoding_method import custom_generate
 from .inputs import check_max_new_tokens, check_prompt, eos_ids
-from .proposer import Proposer
-from .stats import GenerateOutput
+from ..proposers.base import Proposer
+from ..core.stats import GenerateOutput
 
 
 @torch.inference_mode()

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from .batch_size import fastest_batch_size
-from .hf import prepare_jobs
-from .loop import Decoder, Job
-from .workloads import BadRequest, encode, read_requests
+from ..policy.batch_size import fastest_batch_size
+from ..hf.decoding_method import prepare_jobs
+from ..core.loop import Decoder, Job
+from .requests import BadRequest, encode, read_requests
 
 
 @dataclass

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .proposer import Draft
+from .draft import Draft
 from .sampling import Sampling
 
 
