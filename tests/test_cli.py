@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from pathlib import Path
@@ -48,6 +49,11 @@ def test_generate_jsonl_keeps_ids_and_reports_bad_lines(model_folder, tmp_path, 
         assert record["stats"]["new_tokens"] == 12
     err = capsys.readouterr().err
     assert "in.jsonl:2:" in err and "in.jsonl:4:" in err and '"messages"' in err
+    assert "in.jsonl:2: not JSON (Expecting value: line 1 column 1 (char 0))" in err  # not the decoder's words alone
+    # Each skipped line on a line of its own, not glued onto the progress bar's ("...req/s]skipped ..."): a bar
+    # drawn on a terminal is cleared with "\r" first.
+    skipped = [line for line in re.split(r"[\r\n]", err) if "skipped" in line]
+    assert len(skipped) == 2 and all(re.match(r"skipped \S+in\.jsonl:[24]: ", line) for line in skipped), err
     # The text is the model's own greedy continuation.
     model, tokenizer = loading.load_model(model_folder, dtype=torch.float32)
     prompt = tokenizer(json.loads(REQUESTS[0])["prompt"], return_tensors="pt").input_ids
@@ -82,6 +88,11 @@ def test_strict_checks_every_line_before_decoding(model_folder, tmp_path, monkey
         run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--strict",
                 "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
     assert not decoded and not (tmp_path / "out.jsonl").exists()
+    (tmp_path / "out.jsonl").write_text('{"id": "old"}\n')  # as the help says: nothing written, the file kept
+    with pytest.raises(SystemExit, match=r"in.jsonl:2: .*--strict"):
+        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--strict",
+                "--overwrite", "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
+    assert not decoded and (tmp_path / "out.jsonl").read_text() == '{"id": "old"}\n'
 
 
 @pytest.mark.parametrize("proposer", ["none", "ngram", "prompt-lookup"])
@@ -122,12 +133,14 @@ def test_bad_arguments_get_clear_errors(model_folder, tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as stop:
         run_cli("generate", "--model", model_folder)
     assert stop.value.code == 2 and "either --prompt TEXT or --input FILE" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="Unknown proposer 'magic'"):
-        run_cli("generate", "--prompt", "hi", "--model", model_folder, "--proposer", "magic")
-    with pytest.raises(SystemExit, match="neither an HF model folder"):
-        run_cli("generate", "--prompt", "hi", "--model", tmp_path)
-    with pytest.raises(SystemExit, match="no \\*.jsonl workloads"):
-        run_cli("bench", "--workloads", tmp_path, "--model", model_folder)
+    for argv, message in [
+        (["generate", "--prompt", "hi", "--model", model_folder, "--proposer", "magic"], "Unknown proposer 'magic'"),
+        (["generate", "--prompt", "hi", "--model", tmp_path], "neither an HF model folder"),
+        (["bench", "--workloads", tmp_path, "--model", model_folder], "no *.jsonl workloads"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            run_cli(*argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("count", ["0", "-1", "many"])
@@ -189,6 +202,12 @@ def test_help_of_the_installed_command() -> None:
     bench_help = subprocess.run(["specula", "bench", "--help"], capture_output=True, text=True).stdout
     for option in ("--workloads", "--limit", "--proposers", "--dtype", "--json", "--max-new-tokens"):
         assert option in bench_help
+    # --strict stops before anything is written (test_strict_checks_every_line_before_decoding): the help said
+    # "lines already written stay", as if some were.
+    generate_help = " ".join(generate_help.split())
+    assert "already written stay" not in generate_help
+    assert "(--strict: every line is checked first and the run stops at the first bad one, before any answer is " \
+        "written; an existing --output is left as it was)" in generate_help
 
 
 @pytest.mark.slow
@@ -389,3 +408,79 @@ def test_bench_checks_every_workload_line_before_loading_the_model(tmp_path, mon
     monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit, match=r"bad.jsonl:3: .*\"messages\" \(chat\) or \"prompt\""):
         run_cli("bench", "--workloads", workloads, "--limit", 1)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "hi", "--proposer", "nonsense"],
+    ["generate", "--prompt", "hi", "--proposer", "prompt-lookup-tree:x"],
+    ["generate", "--prompt", "hi", "--proposer", "draft:{tmp}/nowhere"],
+    ["generate", "--prompt", "hi", "--model", "{tmp}"],  # a folder with no model
+    ["generate", "--prompt", "hi", "--model", "{tmp}/nowhere"],
+    ["generate", "--prompt", "hi", "--temperature", "-1"],
+    ["generate", "--prompt", "hi", "--temperature", "nan"],
+    ["generate", "--prompt", "hi", "--top-p", "2"],
+    ["generate", "--prompt", "hi", "--top-k", "-1"],
+    ["generate", "--prompt", "hi", "--device", "nonsense"],
+    ["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/out.jsonl", "--ray", "--gpus-per-worker", "-1"],
+    ["bench", "--workloads", "{tmp}", "--proposers", "prompt-lookup,nonsense"],
+    ["bench", "--workloads", "{tmp}", "--repeats", "0"],
+    ["bench", "--workloads", "{tmp}", "--limit", "0"],
+    ["bench", "--workloads", "{tmp}/empty"],  # no *.jsonl in it
+    ["drift", "--input", "{tmp}/in.jsonl", "--proposer", "nonsense"],
+    ["probe", "--width", "0"],
+    ["probe", "--text", "{tmp}/nowhere.txt"],
+])
+def test_usage_errors_exit_2_with_one_message_before_any_model_work(argv, tmp_path, capsys, no_model_loading) -> None:
+    """Usage errors exit with status 2, as argparse's own do (--proposer nonsense, --model FOLDER and --temperature
+    -1 exited 1, some after loading the model): one "error:" line, nothing loaded, no traceback."""
+    (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        run_cli(*[arg.format(tmp=tmp_path) for arg in argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2, err
+    assert err.count("error:") == 1 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith(f"specula {argv[0]}: error: ")
+
+
+def test_a_bad_workload_line_says_it_is_not_json(tmp_path, no_model_loading) -> None:
+    (tmp_path / "w.jsonl").write_text(REQUESTS[0] + "\n{'prompt': 'single quotes'}\n")
+    with pytest.raises(SystemExit, match=r"w.jsonl:2: not JSON \(Expecting property name enclosed in double quotes"):
+        run_cli("bench", "--workloads", tmp_path)
+
+
+def collected_transformers_messages() -> tuple[list[str], logging.Handler]:
+    """What transformers logs (as its own handler would print it), collected from now until the handler is removed."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    return messages, handler
+
+
+def test_the_gguf_dtype_advice_alone_is_dropped_and_only_while_specula_converts() -> None:
+    messages, handler = collected_transformers_messages()
+    quantizer = logging.getLogger(loading.GGUF_LOGGER)
+    advice = "Loading a GGUF checkpoint with its weights packed is fastest in float32, and this one was asked for in ..."
+    try:
+        with loading._without_gguf_dtype_advice():
+            quantizer.warning(advice)
+            quantizer.warning("Dequantizing the whole model, because ...")  # other warnings are kept
+        quantizer.warning(advice)  # outside the conversion, transformers' advice is transformers' business
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert messages == ["Dequantizing the whole model, because ...", advice]
+
+
+@pytest.mark.slow
+def test_converting_the_default_model_prints_no_gguf_dtype_advice(tmp_path, monkeypatch) -> None:
+    """The first run converts the embedded GGUF; transformers advised "Pass `dtype=torch.float32`", which a user of
+    the command line cannot act on."""
+    monkeypatch.setenv("SPECULA_CACHE", str(tmp_path))  # converted afresh (~30 s on 2 cores)
+    messages, handler = collected_transformers_messages()
+    try:
+        model, _ = loading.load_model(tune_layout=False)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert model.dtype in (torch.float32, torch.bfloat16) and list((tmp_path / "models").iterdir())
+    assert not [message for message in messages if loading.GGUF_DTYPE_ADVICE in message], messages

@@ -14,7 +14,11 @@ from tiny_models import VOCAB, tiny_model
 import specula
 from specula import Draft
 from specula.core.loop import MAX_DRAFT
-from specula.policy.draft_length import RANKS, DraftLength, DraftPolicy, budgets, choose_lengths, shared_step_seconds
+from specula.policy import costs
+from specula.policy.acceptance import RANKS, RequestAcceptance
+from specula.policy.adaptive import AdaptiveDrafts, budgets, choose_lengths
+from specula.policy.costs import shared_step_seconds
+from specula.policy.protocol import Step
 from specula.jobs.requests import left_padded
 
 PROMPT = [1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]
@@ -30,10 +34,36 @@ def reference(name: str, new_tokens: int) -> torch.Tensor:
     return hf_greedy(model(name), torch.tensor([PROMPT]), new_tokens, eos_token_id=[])
 
 
-def lengths_with(costs: list[float], chances: list[float]) -> DraftLength:
-    """A DraftLength whose measured costs (n = 1, 2, ...) and acceptance chances P_i are given."""
-    lengths = DraftLength(len(chances), memory=1e9)
-    for verified, seconds in enumerate(costs, start=1):
+class Decisions:
+    """One request's acceptance (its :class:`RequestAcceptance`, whose attributes it shows) with a one-row pass-cost
+    table of its own: what the adaptive policy decides for it alone."""
+
+    def __init__(self, max_draft: int, table: np.ndarray | None = None, **kwargs) -> None:
+        self.state = RequestAcceptance(max_draft, **kwargs)
+        self.table = np.full(max_draft + 2, np.nan) if table is None else table
+
+    def __getattr__(self, name: str):
+        return getattr(self.state, name)
+
+    def record_step(self, verified: int, seconds: float) -> None:
+        if self.state.timed:
+            costs.record(self.table, verified, seconds)
+
+    def costs(self) -> np.ndarray:
+        return costs.estimated(self.table, 1)
+
+    def best_length(self, available: int, source: object = None) -> int:
+        chances = self.state.chances(source)[: max(min(available, self.state.max_draft), 0)]
+        return choose_lengths([self.state], [chances], self.table if self.state.timed else None)[0]
+
+    def budget(self, remaining: int) -> int:
+        return budgets([self.state], [remaining], self.table if self.state.timed else None)[0]
+
+
+def lengths_with(step_costs: list[float], chances: list[float]) -> Decisions:
+    """A request's decisions with these measured costs (n = 1, 2, ...) and acceptance chances P_i."""
+    lengths = Decisions(len(chances), memory=1e9)
+    for verified, seconds in enumerate(step_costs, start=1):
         lengths.record_step(verified, seconds)
     conditional = np.array(chances) / np.concatenate([[1.0], chances[:-1]])
     lengths.acceptance[None] = chain_record(len(chances), conditional)
@@ -62,7 +92,7 @@ def test_flat_costs_send_every_token_worth_a_chance_and_no_more() -> None:
 
 
 def test_costs_not_measured_are_interpolated_and_one_off_stalls_are_damped() -> None:
-    lengths = DraftLength(8)
+    lengths = Decisions(8)
     np.testing.assert_allclose(lengths.costs(), 1.0)  # nothing known: every length looks alike
     lengths.record_step(1, 0.1)
     lengths.record_step(5, 0.2)
@@ -72,17 +102,17 @@ def test_costs_not_measured_are_interpolated_and_one_off_stalls_are_damped() -> 
 
 
 def test_lengths_are_explored_by_doubling_the_longest_timed_pass() -> None:
-    lengths = DraftLength(16)
+    lengths = Decisions(16)
     lengths.acceptance[None] = chain_record(16, 0.99)  # drafts that are nearly always right
     assert lengths.best_length(16) == 0  # no pass timed yet: a plain step first
     for verified, expected in ((1, 1), (2, 3), (4, 7), (8, 15)):
         lengths.record_step(verified, 1.0)
         assert lengths.best_length(16) == expected
-    assert DraftLength(16, timed=False).best_length(16) > 0  # sampling never times, so it never waits for timings
+    assert Decisions(16, timed=False).best_length(16) > 0  # sampling never times, so it never waits for timings
 
 
 def test_acceptance_is_learnt_per_position_from_sent_and_unsent_tokens() -> None:
-    lengths = DraftLength(4, memory=1e9)
+    lengths = RequestAcceptance(4, memory=1e9)
     np.testing.assert_allclose(lengths.chances("s"), np.cumprod([0.5] * 4))  # the prior, before any evidence
     lengths.record_outcome(Draft([5, 6, 7, 8], source="s"), [5, 6, 9])  # 1, 2 accepted, 3 rejected, 4 not tried
     trials, accepts = lengths.acceptance["s"]
@@ -96,7 +126,7 @@ def test_acceptance_is_learnt_per_position_from_sent_and_unsent_tokens() -> None
 
 
 def test_positions_not_tried_are_expected_to_do_as_well_as_the_one_before() -> None:
-    lengths = DraftLength(8, memory=1e9)
+    lengths = Decisions(8, memory=1e9)
     for _ in range(20):  # not sent: only the first token of each draft is checked, and it is always right
         lengths.record_outcome(Draft([5, 6, 7], source="s"), [5])
     assert lengths.chances("s")[7] > 0.8  # so with costs known, long drafts are worth sending
@@ -163,11 +193,8 @@ def test_adaptive_lengths_keep_greedy_output_identical(name: str) -> None:
 
 
 def test_sampling_decisions_ignore_timings_so_a_seed_reproduces_the_output() -> None:
-    untimed = DraftLength(4, timed=False)
-    untimed.record_step(1, 0.1)
-    untimed.record_step(3, 9.0)
+    untimed = RequestAcceptance(4, timed=False)
     untimed.record_draft_time(5.0)
-    np.testing.assert_allclose(untimed.costs(), 1.0)
     assert untimed.draft_seconds == 0.0
     runs = []
     for _ in range(2):
@@ -183,17 +210,15 @@ def test_step_costs_are_shared_per_model_and_setting() -> None:
     assert table is shared_step_seconds(owner, ("cpu", torch.float32), 16)
     assert table is not shared_step_seconds(owner, ("cpu", torch.bfloat16), 16)
     assert table is not shared_step_seconds(other, ("cpu", torch.float32), 16)
-    first = DraftLength(16, step_seconds=table)
+    first = Decisions(16, table=table)
     first.acceptance[None] = chain_record(16, 0.99)
     assert first.best_length(16) == 0  # nothing timed: a plain step first
     for verified in (1, 2, 4, 8):
         first.record_step(verified, 1.0)
-    later = DraftLength(16, step_seconds=table)  # the next generation with the same model
+    later = Decisions(16, table=table)  # the next generation with the same model
     later.acceptance[None] = first.acceptance[None]
     np.testing.assert_allclose(later.costs(), first.costs())
     assert later.best_length(16) == 15  # no exploration again
-    with pytest.raises(ValueError, match="18 entries"):
-        DraftLength(16, step_seconds=np.zeros(5))
 
 
 def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) -> None:
@@ -281,7 +306,7 @@ def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch) -> None:
 
 
 def test_a_tree_is_learnt_per_position_and_sibling_rank() -> None:
-    lengths = DraftLength(4, memory=1e9)
+    lengths = RequestAcceptance(4, memory=1e9)
     tree = Draft([3, 1, 4, 5], source="s", parents=[-1, -1, 0, 1])  # 3 -> 4 or 1 -> 5
     lengths.record_outcome(tree, [1, 5, 9])  # the second child, then its child
     trials, accepts = lengths.acceptance["s"]
@@ -292,7 +317,7 @@ def test_a_tree_is_learnt_per_position_and_sibling_rank() -> None:
 
 
 def test_a_trees_likeliest_tokens_are_sent() -> None:
-    lengths = DraftLength(4, memory=1e9)
+    lengths = RequestAcceptance(4, memory=1e9)
     trials, accepts = chain_record(4, [0.5, 0.9, 0.9, 0.9])
     trials[0, 1], accepts[0, 1] = 1e6, 0.6e6  # a second first token is right 60% of the times the first is wrong
     lengths.acceptance["s"] = (trials, accepts)
@@ -300,12 +325,12 @@ def test_a_trees_likeliest_tokens_are_sent() -> None:
     np.testing.assert_allclose(lengths.node_chances(tree), [0.5, 0.3, 0.45, 0.27, 0.405], rtol=1e-4)
     np.testing.assert_allclose(lengths.node_chances(tree.chain()), lengths.chances("s")[:3])
     costs = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 3.0}  # up to four draft tokens are free
-    policy = DraftPolicy(4, timed=True, tables=lambda rows, tree: batch_table(rows, costs))
-    assert policy.trim([lengths], [tree]) == [[0, 1, 2, 4]]  # the likeliest four: 3 -> 4 -> 6, and 1
+    policy = AdaptiveDrafts(4, timed=True, tables=lambda rows, tree: batch_table(rows, costs))
+    assert policy.trim([lengths], [tree], [None]) == [[0, 1, 2, 4]]  # the likeliest four: 3 -> 4 -> 6, and 1
 
 
 def test_a_tree_is_sent_only_where_it_beats_its_first_branch() -> None:
-    lengths = DraftLength(4, memory=1e9)
+    lengths = RequestAcceptance(4, memory=1e9)
     trials, accepts = chain_record(4, [0.5, 0.9, 0.9, 0.9])
     trials[0, 1], accepts[0, 1] = 1e6, 0.6e6
     lengths.acceptance["s"] = (trials, accepts)
@@ -315,25 +340,25 @@ def test_a_tree_is_sent_only_where_it_beats_its_first_branch() -> None:
                                  ({5: 1.05}, [0, 1, 2, 4]),  # a little dearer: 2.53 tokens a unit against 2.36
                                  ({2: 2.0, 3: 2.0, 4: 2.0, 5: 2.0}, [0, 2, 4])):  # twice as dear: the first branch
         costs = {False: batch_table(1, chain_costs), True: batch_table(1, tree_costs)}
-        policy = DraftPolicy(4, timed=True, tables=lambda rows, tree: costs[tree])
-        assert policy.trim([lengths], [tree]) == [expected], tree_costs
+        policy = AdaptiveDrafts(4, timed=True, tables=lambda rows, tree: costs[tree])
+        assert policy.trim([lengths], [tree], [None]) == [expected], tree_costs
 
 
 def test_trees_that_gain_less_than_their_chances_say_stop_being_sent() -> None:
-    lengths = DraftLength(4, memory=1e9)
+    lengths = RequestAcceptance(4, memory=1e9)
     trials, accepts = chain_record(4, [0.5, 0.9, 0.9, 0.9])
     trials[0, 1], accepts[0, 1] = 1e6, 0.6e6  # the second first token: 60% when the first is wrong, say the rates
     lengths.acceptance["s"] = (trials, accepts)
     tree = Draft([3, 1, 4, 5, 6], source="s", parents=[-1, -1, 0, 1, 2])  # first branch: 3 -> 4 -> 6
     costs = {False: batch_table(1, {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 3.0}), True: batch_table(1, {5: 1.05})}
-    policy = DraftPolicy(4, timed=True, tables=lambda rows, tree: costs[tree])
-    assert policy.trim([lengths], [tree]) == [[0, 1, 2, 4]] and lengths.sibling_factor() == 1.0
+    policy = AdaptiveDrafts(4, timed=True, tables=lambda rows, tree: costs[tree])
+    assert policy.trim([lengths], [tree], [None]) == [[0, 1, 2, 4]] and lengths.sibling_factor() == 1.0
     sent = tree.select([0, 1, 2, 4])
     for _ in range(10):  # sent ten times, the first branch right and the 1 (expected: 0.3) never
-        policy.learn([lengths], [tree], [sent], [[3, 4, 6, 9]], 5, 1.05)  # (timed as measured)
+        policy.learn(Step([lengths], [tree], [sent], [[3, 4, 6, 9]], 5, 1.05))  # (timed as measured)
     assert lengths.sibling_factor() == pytest.approx(1 / 4, rel=1e-4)  # no token off the first branch for 3 expected
     np.testing.assert_allclose(lengths.node_chances(sent)[1], 0.3 * lengths.sibling_factor(), rtol=0.05)
-    assert policy.trim([lengths], [tree]) == [[0, 2, 4]]  # the first branch alone now
+    assert policy.trim([lengths], [tree], [None]) == [[0, 2, 4]]  # the first branch alone now
 
 
 def test_sampling_sends_no_drafts_where_passes_cost_more_than_they_gain() -> None:

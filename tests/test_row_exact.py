@@ -16,10 +16,12 @@ from helpers import TreeOracle, AlwaysWrong, Oracle, hf_greedy
 import numpy as np
 import specula
 import specula.target.row_exact as row_exact_module
-from specula.policy.draft_length import shared_step_seconds
+from specula.policy.costs import shared_step_seconds
 from specula.tools.probe import probe
 from specula.core.loop import MAX_DRAFT
-from specula.target.row_exact import RowExact
+from specula.target.calibration import spread
+from specula.target.row_exact import head as head_module, linear as linear_module
+from specula.target.row_exact.attention import RowAttention, _PassAttention
 
 VOCAB = 512
 # Big enough for the kernels' blocking to depend on the number of rows (inner dimensions of 1536, heads of 64, a
@@ -89,7 +91,7 @@ def test_probe_finds_what_rounds_differently_and_row_exact_removes_it(name: str)
 
 def test_verifying_attention_the_old_way_is_caught(monkeypatch) -> None:
     """A mutant RowExact that leaves attention to the ordinary multi-query call: the probe names attention."""
-    monkeypatch.setattr(RowExact, "_attention", lambda self, inner_of, cache, ends, paths: lambda m, *args, **kw: inner_of(m)(m, *args, **kw))
+    monkeypatch.setattr(_PassAttention, "__call__", lambda self, m, *args, **kw: self.inner_of(m)(m, *args, **kw))
     row_exact_module._BUILT.clear()
     report = probe(model("llama"), prompt(), width=WIDE, row_exact=True)
     assert not report.logits_identical
@@ -113,7 +115,7 @@ def test_fp16_identical_to_model_generate() -> None:
 
 def test_grouping_rows_past_the_kernels_vector_tail_is_caught(monkeypatch) -> None:
     """A mutant that groups rows by 32 keys, so that some rows' tail keys land in the kernel's vectors."""
-    monkeypatch.setattr(RowExact, "_group_width", lambda self, *args: 32)
+    monkeypatch.setattr(RowAttention, "_group_width", lambda self, *args: 32)
     row_exact_module._BUILT.clear()
     report = probe(model("llama"), prompt(), width=WIDE, row_exact=True)
     row_exact_module._BUILT.clear()
@@ -122,7 +124,7 @@ def test_grouping_rows_past_the_kernels_vector_tail_is_caught(monkeypatch) -> No
 
 def test_row_by_row_where_column_major_copies_do_not_fit(monkeypatch) -> None:
     """With no memory to spare, row-major weights are not copied: their layers compute row by row, still exact."""
-    monkeypatch.setattr(row_exact_module, "_spare_bytes", lambda device: 0)
+    monkeypatch.setattr(linear_module, "_spare_bytes", lambda device: 0)
     row_exact_module._BUILT.clear()
     ref = reference("llama")
     with warnings.catch_warnings(record=True):
@@ -226,13 +228,13 @@ def test_the_lm_head_is_computed_again_only_where_the_argmax_could_change(monkey
     the rounding bound cannot certify: every tie here. Output stays model.generate's; some rows keep the ordinary
     head's logits. The mutant that certifies every row leaves model.generate at the first tie."""
     model = _tied_head_model()
-    linear_calibration = row_exact_module._linear_calibration
-    monkeypatch.setattr(row_exact_module, "_linear_calibration", lambda layer: (
+    linear_calibration = linear_module._linear_calibration
+    monkeypatch.setattr(linear_module, "_linear_calibration", lambda layer: (
         {"rows": 1, "by_columns": False, "exact_ms": 1.0, "ordinary_ms": 1.0} if layer is model.lm_head
         else linear_calibration(layer)))
     passes = []
-    logits = row_exact_module._HeadPass.logits
-    monkeypatch.setattr(row_exact_module._HeadPass, "logits",
+    logits = head_module._HeadPass.logits
+    monkeypatch.setattr(head_module._HeadPass, "logits",
                         lambda self, out: (result := logits(self, out), passes.append((self.shortcut, self.recomputed, out.shape[1])))[0])
     generator = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 256, (1, 12), generator=generator).repeat(1, 6)
@@ -243,7 +245,7 @@ def test_the_lm_head_is_computed_again_only_where_the_argmax_could_change(monkey
     assert out.sequences.tolist() == ref.tolist()
     shortcut = [(recomputed, rows) for used, recomputed, rows in passes if used]
     assert shortcut and sum(r for r, _ in shortcut) > 0 and sum(rows - r for r, rows in shortcut) > 0
-    monkeypatch.setattr(row_exact_module._Head, "certain", lambda self, logits, hidden: torch.ones(len(logits), dtype=torch.bool))
+    monkeypatch.setattr(head_module._Head, "certain", lambda self, logits, hidden: torch.ones(len(logits), dtype=torch.bool))
     row_exact_module._BUILT.clear()
     mutant = specula.generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[], adaptive_draft=False)
     assert mutant.sequences.tolist() != ref.tolist()
@@ -256,18 +258,18 @@ def test_no_timed_pass_computes_the_head_norms(monkeypatch) -> None:
     a first run: 1.05x model.generate instead of 1.84x). They are computed while the model is set up; here that
     takes a second longer, and no pass cost the cost model keeps may include it."""
     model = _tied_head_model()
-    linear_calibration = row_exact_module._linear_calibration
-    monkeypatch.setattr(row_exact_module, "_linear_calibration", lambda layer: (
+    linear_calibration = linear_module._linear_calibration
+    monkeypatch.setattr(linear_module, "_linear_calibration", lambda layer: (
         {"rows": 1, "by_columns": False, "exact_ms": 1.0, "ordinary_ms": 1.0} if layer is model.lm_head
         else linear_calibration(layer)))
-    norms = row_exact_module._Head.norms
+    norms = head_module._Head.norms
 
     def slow(self):
         if self._norms is None:
             time.sleep(1.0)
         return norms(self)
 
-    monkeypatch.setattr(row_exact_module._Head, "norms", slow)
+    monkeypatch.setattr(head_module._Head, "norms", slow)
     prompt = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(3)).repeat(1, 6)
     ref = hf_greedy(model, prompt, 40, eos_token_id=[])
     row_exact_module._BUILT.clear()
@@ -280,13 +282,13 @@ def test_no_timed_pass_computes_the_head_norms(monkeypatch) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_lm_head_bound_holds_between_a_real_multi_row_product_and_one_row_ones(dtype) -> None:
-    """The bound the head shortcut certifies with (row_exact._Head) against this machine's kernels: logits of a
+    """The bound the head shortcut certifies with (row_exact.head._Head) against this machine's kernels: logits of a
     wide head with an inner dimension of 1536, 33 rows in one product against each alone, never differ by more than
     the bound (and do differ, else this checks nothing)."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(1536, 4096, bias=False).to(dtype)
-    head = row_exact_module._Head(row_exact_module._ExactLinear(layer, 1, False))
-    x = row_exact_module._spread((33, 1536), torch.Generator().manual_seed(1), 6).to(dtype)
+    head = head_module._Head(linear_module._ExactLinear(layer, 1, False))
+    x = spread((33, 1536), torch.Generator().manual_seed(1), 6).to(dtype)
     together = layer(x[None])[0].float()  # [33, vocab]
     alone = torch.cat([layer(row[None, None])[0] for row in x]).float()
     norms, _ = head.norms()

@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from ..core.loop import Job, decode, jobs_of
-from .inputs import prepare_request
+from ..core.loop import Decoder, Job
+from .inputs import Request, prepare_request
 from ..proposers.base import Proposer
 from ..core.sampling import Sampling
-from ..core.stats import SpecStats
+from ..core.stats import GenerateOutput, SpecStats
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -117,6 +119,64 @@ def prepare_jobs(model: torch.nn.Module, input_ids: torch.Tensor, **generate_kwa
     mask = generate_kwargs.pop("attention_mask", None)
     return model.generate(input_ids, attention_mask=torch.ones_like(input_ids) if mask is None else mask,
                           custom_generate=_jobs_only, **generate_kwargs)
+
+
+def jobs_of(
+    request: Request, stopping_criteria: StoppingCriteriaList | None = None,
+    row_generators: list[torch.Generator] | None = None,
+) -> list[Job]:
+    """One :class:`Job` per row of ``request`` (its key: the row, ``None`` alone)."""
+    batch, width = request.input_ids.shape
+    padded = batch == 1 and request.attention_mask is not None
+    return [
+        Job(request.prompt(b), request.max_length - width, request.eos_token_ids, stopping_criteria,
+            None if row_generators is None else row_generators[b], key=b if batch > 1 else None,
+            padded=(request.input_ids[0], request.positions, request.attention_mask) if padded else None)
+        for b in range(batch)
+    ]
+
+
+def decode(
+    model: torch.nn.Module,
+    request: Request,
+    proposer: Proposer | None,
+    sampling: Sampling,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    streamer: BaseStreamer | None = None,
+    adaptive_draft: bool = True,
+    row_exact: bool | None = None,
+    row_generators: list[torch.Generator] | None = None,
+) -> GenerateOutput:
+    """:class:`Decoder` on a validated request of one or more rows, all in one batch (see :func:`specula.generate`);
+    ``row_generators`` gives each row its own random stream."""
+    started = time.perf_counter()
+    batch, width = request.input_ids.shape
+    jobs = jobs_of(request, stopping_criteria, row_generators)
+    decoder = Decoder(model, proposer, sampling, batch, adaptive_draft, row_exact)
+    rows = {}
+    if request.max_length > width:
+        for row, kept in decoder.run(jobs):
+            rows[row.job.key] = row
+            if streamer is not None:
+                streamer.put(torch.tensor(kept))
+    if streamer is not None:
+        streamer.end()
+    new = [rows[job.key].sequence.ids[len(job.prompt) :] if job.key in rows else np.zeros(0, np.int64) for job in jobs]
+    per_row = [rows[job.key].stats if job.key in rows else SpecStats(prompt_tokens=len(job.prompt)) for job in jobs]
+    stats = SpecStats.total(per_row, steps=decoder.passes, wall_time_s=time.perf_counter() - started,
+                            prefill_time_s=sum(row.prefill_time_s for row in per_row))
+    return GenerateOutput(sequences=_padded(request, new).to(request.device), stats=stats)
+
+
+def _padded(request: Request, new: list[np.ndarray]) -> torch.Tensor:
+    """``[B, L + new]``: each row's (padded) prompt and its new tokens ``new[b]``, rows that ended early padded after
+    their end with ``request.pad_token_id``, as ``model.generate`` pads them."""
+    width = request.input_ids.shape[1]
+    out = np.full((len(new), width + max(map(len, new))), request.pad_token_id, dtype=np.int64)
+    out[:, :width] = request.input_ids
+    for b, tokens in enumerate(new):
+        out[b, width : width + len(tokens)] = tokens
+    return torch.from_numpy(out)
 
 
 def _pad_token_id(generation_config: GenerationConfig) -> int | None:

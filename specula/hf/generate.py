@@ -69,7 +69,7 @@ def generate(
         streamer: an HF streamer (``TextStreamer``, ``TextIteratorStreamer`` ...): gets the prompt, then the new
             tokens of every step as soon as they are accepted.
         adaptive_draft: choose each step's draft length from measured step costs and running acceptance, and stop
-            sending drafts that do not pay (:mod:`specula.draft_length`); ``False`` verifies every draft as proposed.
+            sending drafts that do not pay (:mod:`specula.policy.adaptive`); ``False`` verifies every draft as proposed.
         row_exact: compute every position of a verification pass bit for bit as a one-token step computes it
             (:mod:`specula.row_exact`), so that greedy output is ``model.generate``'s in bf16 and fp16 too. ``None``
             (the default) turns it on in bf16 and fp16, where passes of other shapes round differently, and off in

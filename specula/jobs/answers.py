@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ..policy.batch_size import fastest_batch_size
 from ..hf.decoding_method import prepare_jobs
@@ -50,6 +51,12 @@ def unique_requests(path: Path) -> Iterator[tuple[int, dict | BadRequest]]:
                                      "its own \"id\" (a line without one is known by its line number)")
             first.setdefault(key, number)
         yield number, request
+
+
+def report_skipped(where: str) -> None:
+    """Say on stderr that a request is skipped (``where``: ``path:line: reason``), on a line of its own: through
+    tqdm, which lifts a progress bar drawn on that stream out of the way and draws it again below."""
+    tqdm.write(f"skipped {where}", file=sys.stderr)
 
 
 def _stats(stats) -> dict:

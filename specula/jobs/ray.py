@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,7 +34,9 @@ try:
 except ImportError as error:  # (the optional extra)
     raise ImportError("specula.ray_job needs Ray: pip install 'specula[ray]'") from error
 
-from .answers import AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key, unique_requests
+from .answers import (
+    AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key, report_skipped, unique_requests,
+)
 from ..hf.loading import load_model, resolve_model
 from ..proposers.registry import proposer_factory
 from .requests import BadRequest
@@ -86,47 +87,67 @@ def generate_with_ray(
     did. Bad lines are reported (``strict``: ``ValueError`` at the first, before any worker starts);
     Ctrl-C stops after the answer being written (``SystemExit(130)``), and a rerun with a resumed ``output`` goes on.
     ``model`` and ``dtype`` are what :func:`specula.load_model` takes, ``proposer`` a ``--proposer`` name."""
-    settings = settings or Settings()
-    requests, tally = [], Tally()
-    for number, request in unique_requests(input_path):
-        if isinstance(request, BadRequest):
-            if strict:
-                raise ValueError(f"{request} (--strict)")
-            print(f"skipped {request}", file=sys.stderr)
-        elif answer_key(request.get("id", number)) in output.done:
-            tally.answered_before += 1
-        else:
-            requests.append({"number": number, "request": json.dumps(request)})
+    tally = Tally()
+    requests = _pending(input_path, output, strict, tally)
     if not os.environ.get("RAY_ADDRESS"):  # workers on this machine: the model must be here (on a cluster: each node)
         resolve_model(model)
     stop = StopOnInterrupt()
     if requests:
-        ray.init(ignore_reinit_error=True, logging_level=logging.WARNING)  # RAY_ADDRESS: that cluster; else local
-        context = ray.data.DataContext.get_current()
-        context.enable_progress_bars = False  # specula reports what it did
-        context.target_max_block_size = 1  # every answer a block of its own, sent back as soon as it is made
-        if cpus_per_worker is None:
-            cpus_per_worker = 1 if gpus_per_worker else max(1, int(ray.cluster_resources().get("CPU", 1)) // workers)
-        device = "cuda" if gpus_per_worker else "cpu"
-        answers = ray.data.from_items(requests).map_batches(
-            RayWorker, batch_size=RAY_BATCH, compute=ray.data.ActorPoolStrategy(size=workers),
-            fn_constructor_kwargs={"model": model, "proposer": proposer, "settings": settings, "dtype": dtype,
-                                   "device": device, "threads": cpus_per_worker},
-            num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
-        )
+        worker = {"model": model, "proposer": proposer, "settings": settings or Settings(), "dtype": dtype}
+        answers = _answers(requests, worker, workers, gpus_per_worker, cpus_per_worker)
         with stop:
-            try:
-                for row in answers.iter_rows():
-                    if row["answer"]:
-                        answer = json.loads(row["answer"])
-                        output.write(answer)
-                        tally.add(answer)
-                    else:
-                        print(f"skipped {input_path}:{row['skipped']}", file=sys.stderr)
-                    if stop.requested:
-                        break
-            except ray.exceptions.RayError as error:  # the worker's own error, without Ray's machinery around it
-                reason = str(error).strip().splitlines()[-1]
-                raise ValueError(f"a Ray worker failed ({tally.answered} answers written): {reason}") from None
+            _write_answers(answers, output, tally, input_path, stop)
     tally.report(f"{workers} Ray worker{'s' * (workers > 1)}", output.path, stop.requested)
     return tally
+
+
+def _pending(input_path: str | Path, output: AnswerFile, strict: bool, tally: Tally) -> list[dict]:
+    """The requests of ``input_path`` still to answer, as rows for Ray Data (``number``, ``request`` as JSON); bad
+    lines reported (or with ``strict``, the first is a ``ValueError``), those answered before counted in ``tally``."""
+    requests = []
+    for number, request in unique_requests(input_path):
+        if isinstance(request, BadRequest):
+            if strict:
+                raise ValueError(f"{request} (--strict)")
+            report_skipped(str(request))
+        elif answer_key(request.get("id", number)) in output.done:
+            tally.answered_before += 1
+        else:
+            requests.append({"number": number, "request": json.dumps(request)})
+    return requests
+
+
+def _answers(requests: list[dict], worker: dict, workers: int, gpus_per_worker: float,
+             cpus_per_worker: int | None) -> "ray.data.Dataset":
+    """The answers of ``requests`` by a pool of ``workers`` :class:`RayWorker` (made with ``worker``, the
+    arguments they share), each answer a row of its own, sent back as soon as it is made."""
+    ray.init(ignore_reinit_error=True, logging_level=logging.WARNING)  # RAY_ADDRESS: that cluster; else local
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False  # specula reports what it did
+    context.target_max_block_size = 1  # every answer a block of its own, sent back as soon as it is made
+    if cpus_per_worker is None:
+        cpus_per_worker = 1 if gpus_per_worker else max(1, int(ray.cluster_resources().get("CPU", 1)) // workers)
+    return ray.data.from_items(requests).map_batches(
+        RayWorker, batch_size=RAY_BATCH, compute=ray.data.ActorPoolStrategy(size=workers),
+        fn_constructor_kwargs={**worker, "device": "cuda" if gpus_per_worker else "cpu", "threads": cpus_per_worker},
+        num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
+    )
+
+
+def _write_answers(answers: "ray.data.Dataset", output: AnswerFile, tally: Tally, input_path: str | Path,
+                   stop: StopOnInterrupt) -> None:
+    """Write the answers as they arrive and report the requests the workers skipped, until all are in or
+    ``stop`` is requested; a worker's error is a ``ValueError`` with its own last line."""
+    try:
+        for row in answers.iter_rows():
+            if row["answer"]:
+                answer = json.loads(row["answer"])
+                output.write(answer)
+                tally.add(answer)
+            else:
+                report_skipped(f"{input_path}:{row['skipped']}")
+            if stop.requested:
+                break
+    except ray.exceptions.RayError as error:  # the worker's own error, without Ray's machinery around it
+        reason = str(error).strip().splitlines()[-1]
+        raise ValueError(f"a Ray worker failed ({tally.answered} answers written): {reason}") from None

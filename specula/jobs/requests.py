@@ -22,16 +22,22 @@ def read_requests(path: Path) -> Iterator[tuple[int, dict | BadRequest]]:
                 continue
             try:
                 request = json.loads(line)
-                if not isinstance(request, dict) or not ("messages" in request or "prompt" in request):
-                    raise ValueError('each line must be a JSON object with "messages" (chat) or "prompt" (text)')
-                if "messages" in request and not isinstance(request["messages"], list):
-                    raise ValueError('"messages" must be a list of {"role": ..., "content": ...}')
-                if "prompt" in request and "messages" not in request and not isinstance(request["prompt"], str):
-                    raise ValueError('"prompt" must be a string')
-            except ValueError as error:  # json.JSONDecodeError is a ValueError
+            except json.JSONDecodeError as error:  # the decoder's words alone ("Expecting value") do not say it
                 yield number, BadRequest(f"{path}:{number}: {error}")
                 continue
-            yield number, request
+            problem = _request_problem(request)
+            yield number, request if problem is None else BadRequest(f"{path}:{number}: {problem}")
+
+
+def _request_problem(request: object) -> str | None:
+    """Why a line's JSON value is not a request, or None."""
+    if not isinstance(request, dict) or not ("messages" in request or "prompt" in request):
+        return 'each line must be a JSON object with "messages" (chat) or "prompt" (text)'
+    if "messages" in request and not isinstance(request["messages"], list):
+        return '"messages" must be a list of {"role": ..., "content": ...}'
+    if "prompt" in request and "messages" not in request and not isinstance(request["prompt"], str):
+        return '"prompt" must be a string'
+    return None
 
 
 def load_workloads(directory: Path, limit: int, names: list[str] | None = None) -> dict[str, list[dict]]:

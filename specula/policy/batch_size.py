@@ -11,7 +11,8 @@ import torch
 
 from ..target.runner import CachedModel, UnsupportedModelError
 from ..target.support import vocab_size
-from ..target.row_exact import _spare_bytes, wanted
+from ..target.row_exact import wanted
+from ..target.row_exact.linear import _spare_bytes
 
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

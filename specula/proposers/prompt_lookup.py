@@ -30,7 +30,7 @@ class PromptLookup(Proposer):
 
     Which n-grams: down to single tokens (``min_ngram=1``), and every draft carries its match length as
     ``Draft.source``, so the loop learns how often drafts from 1-, 2- and 3-token matches are accepted and sends each
-    kind as far as it pays (:mod:`specula.draft_length`). Single-token matches are right less often (acceptance 20%
+    kind as far as it pays (:mod:`specula.policy.adaptive`). Single-token matches are right less often (acceptance 20%
     vs 36% on code_edit) but cost nearly nothing to verify where a pass over several tokens costs what a one-token
     pass does: replaying SmolLM2 bf16 outputs (12 prompts per workload, ``examples/draft_replay.py``) they raise
     tokens per step from 2.06 to 2.18 on code_edit and from 1.66 to 1.83 on summarize. Where verification is dear
@@ -38,7 +38,7 @@ class PromptLookup(Proposer):
 
     Which occurrences: with ``branches > 1``, the continuations of several (the longest matches first, then the most
     recent) as a tree, merged where they agree, all verified in one pass (:class:`specula.Draft` ``parents``); the
-    loop sends the likeliest of its tokens, as many as pay (:mod:`specula.draft_length`), so a tree costs a pass
+    loop sends the likeliest of its tokens, as many as pay (:mod:`specula.policy.adaptive`), so a tree costs a pass
     over more tokens only where that is worth it.
 
     Args:

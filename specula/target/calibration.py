@@ -2,7 +2,7 @@
 
 Each operation a row-exact pass computes (attention of one geometry, a linear layer of one weight shape) has
 several ways to give every row the bits of its one-token step. Which of them are exact, and which is cheapest,
-differs between CPUs, GPUs and torch builds, so :mod:`specula.row_exact` finds the exact ones by testing them on
+differs between CPUs, GPUs and torch builds, so :mod:`specula.target.row_exact` finds the exact ones by testing them on
 data chosen to expose a changed summation order, times those, and keeps the cheapest. The choices are kept in a
 JSON file (``$SPECULA_CALIBRATIONS``, else ``row_exact.json`` in specula's cache folder), keyed by what they depend
 on: the device's model name and threads, torch's version and CPU capability, and the operation's shape and dtype.
@@ -24,6 +24,9 @@ import torch
 
 TIMING_REPEATS = 5
 CLOCK = time.perf_counter  # what strategies are timed with (tests put a fake clock here)
+CALIBRATION_ROWS = 33  # the widest pass the loop sends (MAX_DRAFT + 1)
+TIMED_ROWS = 9  # strategies are timed on a typical pass: the last token and 8 drafts ...
+TIMED_KEYS = 700  # ... after this many tokens
 
 
 def device_name(device: torch.device) -> str:
@@ -115,6 +118,14 @@ def seconds_of(run: Callable[[], object], clock: Callable[[], float] | None = No
         run()
         times.append(clock() - started)
     return min(times)
+
+
+def spread(shape: tuple, generator: torch.Generator, octaves: float) -> torch.Tensor:
+    """Random values of both signs whose magnitudes spread over ``octaves`` powers of two: sums of them cancel and
+    are dominated by a few terms, so that a sum taken in another order rounds otherwise far more often than for
+    Gaussian values."""
+    magnitudes = torch.exp2((torch.rand(shape, generator=generator) - 0.5) * octaves)
+    return torch.randn(shape, generator=generator) * magnitudes
 
 
 def cheapest(strategies: dict[Hashable, Callable[[], object]], clock: Callable[[], float] | None = None) -> Hashable:

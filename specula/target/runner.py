@@ -428,20 +428,7 @@ class CachedModel:
         ancestry, depth = _ancestry(trees or [None] * len(blocks), n, self.device)  # [B, n, n]; [B, n]
         positions = starts[:, None] + depth  # [B, n]
         keys = torch.arange(int(starts.max()) + n, device=self.device)  # every slot a query may see
-        inside = keys - starts[:, None]  # [B, keys]: a key's index in its row's block (< 0: the row's cache)
-        in_block = ancestry.gather(2, inside.clamp(0, n - 1)[:, None].expand(-1, n, -1))  # [B, n, keys]
-        seen = (inside < 0)[:, None] | ((inside < n)[:, None] & in_block)  # a token sees its row's past and path
-        masks = {"full_attention": seen}
-        if self.window is not None:  # ... and in a sliding-window layer only the last `window` positions
-            key_positions = torch.where(inside < 0, keys, starts[:, None] + depth.gather(1, inside.clamp(0, n - 1)))
-            masks["sliding_attention"] = seen & (key_positions[:, None] > positions[..., None] - self.window)
-        for kind, seen in masks.items():
-            mask = seen[:, None]  # [B, 1, n, keys]
-            if self.attention == "eager":  # (eager attention adds its mask to the scores)
-                mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(~mask, torch.finfo(self.dtype).min)
-            masks[kind] = mask
-        # models with both kinds of layers take a mask per layer type; the others the one their layers use
-        mask = masks if self.mixed else masks["sliding_attention" if self.window is not None else "full_attention"]
+        mask = self._block_mask(starts, keys, ancestry, depth, positions)
         first = lengths - torch.tensor(num_logits, device=self.device)  # [B]: first position wanted per row
         keep = n - int(first.min())
         inputs = {
@@ -465,6 +452,27 @@ class CachedModel:
         self.cached_tokens = len(keys)
         self._check_length("a forward pass")
         return [logits[b, first[b] - (n - keep) : lengths[b] - (n - keep)] for b in range(self.batch)]
+
+    def _block_mask(self, starts: torch.Tensor, keys: torch.Tensor, ancestry: torch.Tensor, depth: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The attention mask of a :meth:`forward_rows` pass (``[B, 1, n, keys]``; for a model with both kinds of
+        layers, one per layer type) over ``keys`` (every slot a query may see), rows' blocks starting at ``starts``
+        (``[B]``), their tokens' ``ancestry`` (``[B, n, n]``), ``depth`` in it and ``positions`` (``[B, n]``)."""
+        n = ancestry.shape[1]
+        inside = keys - starts[:, None]  # [B, keys]: a key's index in its row's block (< 0: the row's cache)
+        in_block = ancestry.gather(2, inside.clamp(0, n - 1)[:, None].expand(-1, n, -1))  # [B, n, keys]
+        seen = (inside < 0)[:, None] | ((inside < n)[:, None] & in_block)  # a token sees its row's past and path
+        masks = {"full_attention": seen}
+        if self.window is not None:  # ... and in a sliding-window layer only the last `window` positions
+            key_positions = torch.where(inside < 0, keys, starts[:, None] + depth.gather(1, inside.clamp(0, n - 1)))
+            masks["sliding_attention"] = seen & (key_positions[:, None] > positions[..., None] - self.window)
+        for kind, seen in masks.items():
+            mask = seen[:, None]  # [B, 1, n, keys]
+            if self.attention == "eager":  # (eager attention adds its mask to the scores)
+                mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(~mask, torch.finfo(self.dtype).min)
+            masks[kind] = mask
+        # models with both kinds of layers take a mask per layer type; the others the one their layers use
+        return masks if self.mixed else masks["sliding_attention" if self.window is not None else "full_attention"]
 
     def keep_rows(self, kept: list[int], paths: list[list[int] | None] | None = None) -> None:
         """After :meth:`forward_rows`: row ``b`` keeps the first ``kept[b]`` tokens of its block, or where

@@ -1,0 +1,169 @@
+"""How many draft tokens to send each step: the cost model behind the speculation loop.
+
+Speculation pays when the tokens a step gains outweigh what the longer verification pass costs. Both sides are
+measured while decoding, never assumed:
+
+- **cost**: the wall time of a step that verifies ``n`` tokens (last token + ``n - 1`` drafts), smoothed per ``n``.
+  It is not linear in ``n``, and its shape differs between machines and dtypes (``docs/cost-model.md``).
+- **acceptance**: for each draft position ``i`` the share of steps whose token ``i`` was accepted given that tokens
+  ``1 .. i-1`` were, with exponential forgetting so that it follows the text (copying a passage, then writing new
+  prose). Drafts that were proposed but not sent still count where the tokens generated anyway reveal whether they
+  were right, so a proposer that was switched off can earn its way back.
+
+Costs are learnt by sending, so sending is what exploration risks: a length is sent only once a pass over about
+half as many tokens has been timed (``k <= 2n - 1`` draft tokens after a pass over ``n`` tokens; the first step after
+the prefill is a plain one-token step, while the proposer's draft is checked for free against the token it
+produces). What a pass costs is a fact of the model and the machine, not of the text, so the measured costs are remembered
+per target model (and its device and dtype) and later generations start from them (:func:`specula.policy.costs.shared_step_seconds`):
+only the first generation with a model explores; later ones send what pays from their first step.
+
+With ``P_i`` the chance that the first ``i`` draft tokens are all accepted, sending ``k`` tokens yields
+``E(k) = 1 + P_1 + .. + P_k`` tokens for ``cost(k + 1)`` seconds plus the drafting time; each step sends the ``k``
+that maximises tokens per second (Leviathan et al. 2023, Theorem 3.8, with measured costs and per-position
+acceptance instead of a constant ratio and rate). ``k = 0`` sends nothing: when drafts do not pay, decoding runs
+as plain one-token steps and only pays for asking the proposer, which is itself rationed (at most ~3% of a
+one-token step) when the proposer is expensive. Worked example, costs ``[1.0, 1.6, 1.9, 1.4, 1.2]`` seconds for
+``n = 1..5`` and ``P = [0.5, 0.3, 0.2, 0.1]``: ``E/cost`` is ``1.0, 0.94, 0.95, 1.43, 1.75`` for ``k = 0..4``, so
+all 4 tokens are sent, although any shorter draft would have been slower than sending none.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+from .acceptance import RequestAcceptance
+from .costs import estimated, explored_width, record
+from .protocol import Step
+
+if TYPE_CHECKING:
+    from ..core.draft import Draft
+
+
+def choose_lengths(rows: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray], table: np.ndarray | None) -> list[int]:
+    """How many draft tokens each row of a pass sends: ``chances[r]`` holds ``P_1, P_2 ..`` for the tokens row ``r``
+    has, ``table`` the measured pass costs for ``len(rows)`` rows (``None``: untimed, every pass costs the same).
+    See :func:`_choice`."""
+    return _choice(rows, chances, table)[0]
+
+
+def _choice(
+    rows: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray], table: np.ndarray | None
+) -> tuple[list[int], float]:
+    """:func:`choose_lengths`, and the expected tokens per second (per unit of cost) of that choice.
+
+    The ``R`` rows of a pass are computed equally wide, ``m + 1`` tokens with ``m`` the longest draft sent (shorter
+    blocks are padded), so a pass costs what ``R * (m + 1)`` tokens cost, and yields ``R + sum of the sent tokens'
+    P`` tokens. For a given ``m`` every row sends what it has up to ``m`` (the padding is computed anyway); ``m`` is
+    chosen to maximise tokens per second. One row is the single-request case. Worked example, two rows with
+    ``P = [0.9, 0.5]`` and ``[0.6]``, pass costs 1.0 / 1.3 / 2.0 for 2 / 4 / 6 tokens: ``m = 0, 1, 2`` gives
+    ``2.0, 2.69, 1.98`` tokens per second, so ``m = 1``: ``[1, 1]``.
+    """
+    usable = [
+        chance[: int(np.sum(chance >= row.min_chance)) if len(chance) and chance[0] >= row.min_chance else 0]
+        for row, chance in zip(rows, chances)
+    ]
+    longest = min(max(map(len, usable), default=0), max(row.max_draft for row in rows))
+    if table is not None:
+        longest = min(longest, explored_width(table, len(rows)))
+    widths = np.arange(longest + 1)  # m
+    expected = len(rows) + sum(np.concatenate([[0.0], np.cumsum(c)])[np.minimum(widths, len(c))] for c in usable)
+    costs = np.ones(len(widths)) if table is None else estimated(table, len(rows))[len(rows) * widths]
+    rates = expected / (costs + sum(row.draft_seconds for row in rows))
+    width = int(np.argmax(rates))  # the first maximum: ties go to fewer tokens
+    return [min(width, len(c)) for c in usable], float(rates[width])
+
+
+def budgets(rows: Sequence["RequestAcceptance"], remaining: Sequence[int], table: np.ndarray | None) -> list[int]:
+    """How many tokens to ask each row's proposer for (0: do not ask), ``remaining`` the room each row has left.
+    While a row's drafts pay (were its draft full, from its best source so far): what it would send, plus one token
+    whose fate the step will reveal for free, when asking is cheap. When not: a one-token probe that is never sent,
+    rationed to ``probe_budget`` of the row's share of a plain pass."""
+    hopes = [
+        np.max([row.chances(source) for source in row.acceptance or [None]], axis=0)[: max(left, 0)]
+        for row, left in zip(rows, remaining)
+    ]
+    best = choose_lengths(rows, hopes, table)
+    share = 1.0 if table is None else estimated(table, len(rows))[0] / len(rows)
+    return [row.ask(k, left, share) for row, k, left in zip(rows, best, remaining)]
+
+
+class AdaptiveDrafts:
+    """The :class:`~specula.policy.protocol.DraftPolicy` of ``adaptive_draft=True``: each request's acceptance is
+    its own (:class:`RequestAcceptance`, its state), what a pass costs is measured by the tokens it verifies in all,
+    per number of rows and apart for passes with trees, and shared per target model (``tables(rows, tree)``; not
+    consulted when untimed)."""
+
+    def __init__(self, max_draft: int, timed: bool, tables: Callable[[int, bool], np.ndarray]) -> None:
+        self.max_draft, self.timed, self.tables = max_draft, timed, tables
+        self.pool = RequestAcceptance(max_draft, memory=48.0, timed=False)  # every request's outcomes, for new ones
+
+    def start(self) -> RequestAcceptance:
+        return RequestAcceptance(self.max_draft, timed=self.timed, pool=self.pool)
+
+    def budgets(self, states: Sequence[RequestAcceptance], room: Sequence[int]) -> list[int]:
+        return budgets(states, room, self._table(len(states), False))
+
+    def trim(self, states: Sequence[RequestAcceptance], drafts: Sequence["Draft"],
+             draft_seconds: Sequence[float | None]) -> list[list[int]]:
+        """The likeliest tokens of each draft, as many as pay. Of a chain, its first ones; of a tree, a tree (a token
+        is never likelier than its parent). Where a row has a tree, the pass is costed as a tree pass (its own table:
+        verifying a tree costs more than a chain as wide) and sent only if it yields more tokens per second than the
+        first branches alone as chains."""
+        for state, seconds in zip(states, draft_seconds):
+            if seconds is not None:
+                state.record_draft_time(seconds)
+        chains = [draft.first_branch() for draft in drafts]
+        picks, rate = self._pick(states, [draft.select(chain) for draft, chain in zip(drafts, chains)], tree=False)
+        picks = [[chain[i] for i in pick] for chain, pick in zip(chains, picks)]  # (indices into the drafts)
+        if any(draft.is_tree for draft in drafts):
+            tree_picks, tree_rate = self._pick(states, drafts, tree=True)
+            if tree_rate > rate:
+                return tree_picks
+        return picks
+
+    def _pick(self, states: Sequence[RequestAcceptance], drafts: Sequence["Draft"],
+              tree: bool) -> tuple[list[list[int]], float]:
+        chances = [state.node_chances(draft) for state, draft in zip(states, drafts)]
+        orders = [np.argsort(-chance, kind="stable") for chance in chances]
+        counts, rate = _choice(states, [c[o] for c, o in zip(chances, orders)], self._table(len(states), tree))
+        return [sorted(order[:count].tolist()) for order, count in zip(orders, counts)], rate
+
+    def _table(self, rows: int, tree: bool) -> np.ndarray | None:
+        """The pass costs the decisions use (``None`` untimed); a tree pass's where measured, else a chain's."""
+        if not self.timed:
+            return None
+        chain = self.tables(rows, False)
+        return np.where(np.isnan(trees := self.tables(rows, True)), chain, trees) if tree else chain
+
+    def learn(self, step: Step) -> None:
+        """The pass's time goes into the cost table of its number of rows (a tree pass's where one row sent a tree),
+        each row's outcome into its acceptance and the pool's."""
+        if self.timed and step.seconds is not None:
+            record(self.tables(len(step.states), any(draft.is_tree for draft in step.sent)), step.tokens, step.seconds)
+        for state, draft, verified, new in zip(step.states, step.proposed, step.sent, step.new_tokens):
+            for learner in (state, self.pool):
+                if verified.is_tree:
+                    learner.record_tree(verified, new)
+                learner.record_outcome(draft, new)
+
+
+class FixedDrafts:
+    """The :class:`~specula.policy.protocol.DraftPolicy` of ``adaptive_draft=False``: ask for every token there is
+    room for, send every draft whole (a tree's first ``max_draft`` tokens). It keeps no state."""
+
+    def __init__(self, max_draft: int) -> None:
+        self.max_draft = max_draft
+
+    def start(self) -> None:
+        return None
+
+    def budgets(self, states: Sequence[None], room: Sequence[int]) -> list[int]:
+        return list(room)
+
+    def trim(self, states: Sequence[None], drafts: Sequence["Draft"], draft_seconds) -> list[list[int]]:
+        return [list(range(min(len(draft), self.max_draft))) for draft in drafts]
+
+    def learn(self, step: Step) -> None:
+        pass
