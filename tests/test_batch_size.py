@@ -9,6 +9,7 @@ from architectures import tiny_causal_lm
 from tiny_models import tiny_model
 
 from specula.policy import batch_size
+from specula.target.profile import profile_of
 from specula.target.runner import CachedModel
 
 
@@ -29,7 +30,7 @@ def test_the_fastest_batch_size_follows_the_pass_costs(monkeypatch, cost, expect
 
     monkeypatch.setattr(CachedModel, "forward_rows", timed)
     model = tiny_model("llama")
-    batch_size._MEASURED.pop(model, None)
+    profile_of(model).batch_size = None
     assert batch_size.fastest_batch_size(model, largest=8) == expected
     assert batch_size.fastest_batch_size(model, largest=1) == 1
 

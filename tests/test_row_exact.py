@@ -15,6 +15,7 @@ from helpers import TreeOracle, AlwaysWrong, Oracle, hf_greedy
 
 import numpy as np
 import specula
+from specula.target.profile import _PROFILES
 import specula.target.row_exact as row_exact_module
 from specula.policy.costs import shared_step_seconds
 from specula.tools.probe import probe
@@ -40,6 +41,12 @@ CONFIGS = {
 }
 PROMPT_LENGTH, NEW_TOKENS = 300, 48
 WIDE = 32  # passes this wide round differently on every model here (8 is often not enough)
+
+
+def forget_row_exact() -> None:
+    """Row-exact kernels are built again for every model (after a test patched how they are built)."""
+    for profile in _PROFILES.values():
+        profile.row_exact = None
 
 
 @functools.cache
@@ -92,11 +99,11 @@ def test_probe_finds_what_rounds_differently_and_row_exact_removes_it(name: str)
 def test_verifying_attention_the_old_way_is_caught(monkeypatch) -> None:
     """A mutant RowExact that leaves attention to the ordinary multi-query call: the probe names attention."""
     monkeypatch.setattr(_PassAttention, "__call__", lambda self, m, *args, **kw: self.inner_of(m)(m, *args, **kw))
-    row_exact_module._BUILT.clear()
+    forget_row_exact()
     report = probe(model("llama"), prompt(), width=WIDE, row_exact=True)
     assert not report.logits_identical
     assert report.culprit == "model.layers.0.self_attn" and report.culprit_op.startswith("attention (sdpa)")
-    row_exact_module._BUILT.clear()
+    forget_row_exact()
 
 
 def test_without_row_exact_greedy_output_is_still_reproducible() -> None:
@@ -116,21 +123,21 @@ def test_fp16_identical_to_model_generate() -> None:
 def test_grouping_rows_past_the_kernels_vector_tail_is_caught(monkeypatch) -> None:
     """A mutant that groups rows by 32 keys, so that some rows' tail keys land in the kernel's vectors."""
     monkeypatch.setattr(RowAttention, "_group_width", lambda self, *args: 32)
-    row_exact_module._BUILT.clear()
+    forget_row_exact()
     report = probe(model("llama"), prompt(), width=WIDE, row_exact=True)
-    row_exact_module._BUILT.clear()
+    forget_row_exact()
     assert not report.logits_identical and report.culprit == "model.layers.0.self_attn"
 
 
 def test_row_by_row_where_column_major_copies_do_not_fit(monkeypatch) -> None:
     """With no memory to spare, row-major weights are not copied: their layers compute row by row, still exact."""
     monkeypatch.setattr(linear_module, "_spare_bytes", lambda device: 0)
-    row_exact_module._BUILT.clear()
+    forget_row_exact()
     ref = reference("llama")
     with warnings.catch_warnings(record=True):
         exact = row_exact_module.row_exact_for(model("llama"))
         out = speculate("llama", Oracle(ref, WIDE - 1), adaptive_draft=False)
-    row_exact_module._BUILT.clear()
+    forget_row_exact()
     assert exact.copied_bytes == 0 and all(linear.weight_t is None for linear in exact.linears)
     assert out.sequences.tolist() == ref.tolist()
 
@@ -240,16 +247,16 @@ def test_the_lm_head_is_computed_again_only_where_the_argmax_could_change(monkey
     prompt = torch.randint(3, 256, (1, 12), generator=generator).repeat(1, 6)
     ref = hf_greedy(model, prompt, 40, eos_token_id=[])
     assert (ref[0, 72:] < 128).sum() > 4  # ties were to break
-    row_exact_module._BUILT.clear()
+    forget_row_exact()
     out = specula.generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[], adaptive_draft=False)
     assert out.sequences.tolist() == ref.tolist()
     shortcut = [(recomputed, rows) for used, recomputed, rows in passes if used]
     assert shortcut and sum(r for r, _ in shortcut) > 0 and sum(rows - r for r, rows in shortcut) > 0
     monkeypatch.setattr(head_module._Head, "certain", lambda self, logits, hidden: torch.ones(len(logits), dtype=torch.bool))
-    row_exact_module._BUILT.clear()
+    forget_row_exact()
     mutant = specula.generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[], adaptive_draft=False)
     assert mutant.sequences.tolist() != ref.tolist()
-    row_exact_module._BUILT.clear()
+    forget_row_exact()
 
 
 def test_no_timed_pass_computes_the_head_norms(monkeypatch) -> None:
@@ -272,9 +279,9 @@ def test_no_timed_pass_computes_the_head_norms(monkeypatch) -> None:
     monkeypatch.setattr(head_module._Head, "norms", slow)
     prompt = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(3)).repeat(1, 6)
     ref = hf_greedy(model, prompt, 40, eos_token_id=[])
-    row_exact_module._BUILT.clear()
+    forget_row_exact()
     out = specula.generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[])
-    row_exact_module._BUILT.clear()
+    forget_row_exact()
     costs = shared_step_seconds(model, (model.device, model.dtype), MAX_DRAFT)
     assert out.sequences.tolist() == ref.tolist() and out.stats.accepted > 0
     assert not np.isnan(costs).all() and np.nanmax(costs) < 1.0

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import statistics
 import time
-import weakref
 
 import torch
 
 from ..target.runner import CachedModel, UnsupportedModelError
+from ..target.profile import profile_of
 from ..target.support import vocab_size
 from ..target.row_exact import wanted
 from ..target.row_exact.linear import _spare_bytes
-
-_MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 @torch.inference_mode()
 def fastest_batch_size(
@@ -31,8 +28,9 @@ def fastest_batch_size(
     SmolLM2-135M on a 2-core CPU)."""
     if largest < 2:
         return 1
-    if model in _MEASURED and _MEASURED[model][0] >= largest:
-        return _MEASURED[model][1]
+    profile = profile_of(model)
+    if profile.batch_size is not None and profile.batch_size[0] >= largest:
+        return profile.batch_size[1]
     device = model.get_input_embeddings().weight.device
     try:
         target = CachedModel(model, None, None, rollback=True, capacity=context + 16 * largest + 1,
@@ -67,5 +65,5 @@ def fastest_batch_size(
         if size == largest:
             break
         size = min(2 * size, largest)
-    _MEASURED[model] = (largest, best)
+    profile.batch_size = (largest, best)
     return best

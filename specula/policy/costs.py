@@ -4,20 +4,20 @@ widest), ``nan`` where no such pass was timed yet."""
 
 from __future__ import annotations
 
-import weakref
 from typing import Hashable
 
 import numpy as np
+import torch
 
-_STEP_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from ..target.profile import profile_of
 
 
-def shared_step_seconds(owner: object, setting: Hashable, max_draft: int, rows: int = 1) -> np.ndarray:
+def shared_step_seconds(owner: torch.nn.Module, setting: Hashable, max_draft: int, rows: int = 1) -> np.ndarray:
     """The pass-cost table (seconds of a pass of ``rows`` rows verifying ``n`` tokens in all, padding included, at
     index ``n``) that every decision for ``owner`` (a target model) in ``setting`` (its device and dtype) shares:
     what one generation measured, the next starts from. Kept per number of rows: ``n`` tokens over one row and over ``n`` rows cost
-    differently (attention reads one cache or ``n``). Forgotten with the model."""
-    tables = _STEP_SECONDS.setdefault(owner, {})
+    differently (attention reads one cache or ``n``). Kept in the model's profile."""
+    tables = profile_of(owner).step_seconds
     return tables.setdefault((setting, max_draft, rows), np.full(rows * (max_draft + 1) + 1, np.nan))
 
 

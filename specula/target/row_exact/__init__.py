@@ -29,13 +29,13 @@ invariant by :func:`specula.invariance.probe`.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 
 from .. import calibration
 from ..calibration import CALIBRATION_ROWS
+from ..profile import profile_of
 from .attention import SUPPORTED_ATTENTION, RowAttention
 from .head import _Head, _HeadPass
 from .linear import _ExactLinear, exact_linears, exact_rows, installed
@@ -94,17 +94,15 @@ class RowExact:
         return linears
 
 
-_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def row_exact_for(model: torch.nn.Module) -> RowExact:
     """The :class:`RowExact` of ``model``, built on first use (its checks take well under a second)."""
     weight = next(model.parameters())
     setting = (weight.dtype, weight.device, model.config._attn_implementation)
-    if model not in _BUILT or _BUILT[model][0] != setting:  # (built again after model.to() or a new attention)
-        _BUILT[model] = (setting, RowExact(model))
+    profile = profile_of(model)
+    if profile.row_exact is None or profile.row_exact[0] != setting:  # (again after model.to() or a new attention)
+        profile.row_exact = (setting, RowExact(model))
         calibration.shared().tell()
-    return _BUILT[model][1]
+    return profile.row_exact[1]
 
 
 def is_half_precision(model: torch.nn.Module) -> bool:
