@@ -194,62 +194,68 @@ def run_bench(
         method(warm, 4)
     rows = []
     for workload, requests in workloads.items():
-        counters = ("tokens", "seconds", "same", "repeatable", "drafted", "accepted", "steps", *TREE_COUNTERS)
-        totals = {name: dict.fromkeys(counters, 0) for name in names}
+        totals = {name: dict.fromkeys(_COUNTERS, 0) for name in names}
         for index, request in enumerate(requests):
-            prompt = encode(tokenizer, request)
-            times: dict[str, list[float]] = {name: [] for name in names}
-            outputs: dict[str, tuple[list[int], object]] = {}
-            varied: set[str] = set()  # methods whose output changed between repeats
-            for repeat in range(repeats):
-                shift = (index + repeat) % len(names)
-                for name in names[shift:] + names[:shift]:
-                    if seed is not None:
-                        torch.manual_seed(seed + index)
-                    tokens, seconds, stats = methods[name](prompt, max_new_tokens)
-                    times[name].append(seconds)
-                    if name in outputs and outputs[name][0] != tokens:
-                        varied.add(name)
-                    outputs[name] = (tokens, stats)
+            times, outputs, varied = _runs(methods, encode(tokenizer, request), max_new_tokens, repeats, index, seed)
             if baseline_outputs is not None:
                 baseline_outputs[workload, index] = outputs[baseline][0]
             for name in names:
-                tokens, stats = outputs[name]
-                total = totals[name]
-                total["tokens"] += len(tokens)
-                total["seconds"] += statistics.median(times[name])
-                total["same"] += tokens == outputs[baseline][0]
-                total["repeatable"] += name not in varied
-                if stats is not None:
-                    total["drafted"] += stats.drafted
-                    total["accepted"] += stats.accepted
-                    total["steps"] += stats.steps
-                    for counter in TREE_COUNTERS:
-                        total[counter] += getattr(stats, counter)
+                _add(totals[name], *outputs[name], statistics.median(times[name]), outputs[baseline][0],
+                     name not in varied)
             if progress:
                 progress(f"{workload} {index + 1}/{len(requests)}")
         base_rate = totals[baseline]["tokens"] / totals[baseline]["seconds"]
-        for name in names:
-            total = totals[name]
-            rate = total["tokens"] / total["seconds"]
-            rows.append(
-                BenchRow(
-                    workload=workload,
-                    method=name,
-                    prompts=len(requests),
-                    new_tokens=total["tokens"],
-                    seconds=total["seconds"],
-                    tokens_per_s=rate,
-                    speedup_vs_hf_greedy=rate / base_rate,
-                    identical_to_greedy=total["same"] / len(requests) if compare_outputs else None,
-                    repeatable=total["repeatable"] / len(requests) if compare_outputs else None,
-                    acceptance_rate=total["accepted"] / total["drafted"] if total["drafted"] else None,
-                    tokens_per_step=total["tokens"] / total["steps"] if total["steps"] else None,
-                    drafted=total["drafted"],
-                    **{counter: total[counter] for counter in TREE_COUNTERS},
-                )
-            )
+        rows += [_row(workload, name, len(requests), totals[name], base_rate, compare_outputs) for name in names]
     return rows
+
+
+_COUNTERS = ("tokens", "seconds", "same", "repeatable", "drafted", "accepted", "steps", *TREE_COUNTERS)
+
+
+def _runs(methods: dict[str, Method], prompt: torch.Tensor, max_new_tokens: int, repeats: int, index: int,
+          seed: int | None) -> tuple[dict[str, list[float]], dict[str, tuple[list[int], object]], set[str]]:
+    """Every method on one prompt ``repeats`` times, the order rotated by prompt and repeat: each method's times,
+    its last output and stats, and the methods whose output changed between repeats."""
+    names = list(methods)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    outputs: dict[str, tuple[list[int], object]] = {}
+    varied: set[str] = set()
+    for repeat in range(repeats):
+        shift = (index + repeat) % len(names)
+        for name in names[shift:] + names[:shift]:
+            if seed is not None:
+                torch.manual_seed(seed + index)
+            tokens, seconds, stats = methods[name](prompt, max_new_tokens)
+            times[name].append(seconds)
+            if name in outputs and outputs[name][0] != tokens:
+                varied.add(name)
+            outputs[name] = (tokens, stats)
+    return times, outputs, varied
+
+
+def _add(total: dict, tokens: list[int], stats: SpecStats | None, seconds: float, reference: list[int],
+         repeatable: bool) -> None:
+    """One prompt's run of a method into the method's totals for its workload."""
+    total["tokens"] += len(tokens)
+    total["seconds"] += seconds
+    total["same"] += tokens == reference
+    total["repeatable"] += repeatable
+    if stats is not None:
+        for counter in ("drafted", "accepted", "steps", *TREE_COUNTERS):
+            total[counter] += getattr(stats, counter)
+
+
+def _row(workload: str, name: str, prompts: int, total: dict, base_rate: float, compare_outputs: bool) -> BenchRow:
+    rate = total["tokens"] / total["seconds"]
+    return BenchRow(
+        workload=workload, method=name, prompts=prompts, new_tokens=total["tokens"], seconds=total["seconds"],
+        tokens_per_s=rate, speedup_vs_hf_greedy=rate / base_rate,
+        identical_to_greedy=total["same"] / prompts if compare_outputs else None,
+        repeatable=total["repeatable"] / prompts if compare_outputs else None,
+        acceptance_rate=total["accepted"] / total["drafted"] if total["drafted"] else None,
+        tokens_per_step=total["tokens"] / total["steps"] if total["steps"] else None,
+        drafted=total["drafted"], **{counter: total[counter] for counter in TREE_COUNTERS},
+    )
 
 
 def run_batch_bench(

@@ -95,7 +95,7 @@ def probe(model: torch.nn.Module, input_ids: torch.Tensor, width: int = 8, row_e
         model: the target model, on its device and in its dtype.
         input_ids: ``[1, length]`` real text; the first ``length - width`` tokens are the prompt.
         width: tokens in the pass (the last token and ``width - 1`` drafts).
-        row_exact: verify as specula does by default in bf16/fp16 (:mod:`specula.row_exact`), or the ordinary way.
+        row_exact: verify as specula does by default in bf16/fp16 (:mod:`specula.target.row_exact`), or the ordinary way.
     """
     ids = input_ids.reshape(-1).to(model.device)
     if not 2 <= width < len(ids):
@@ -118,14 +118,21 @@ def probe(model: torch.nn.Module, input_ids: torch.Tensor, width: int = 8, row_e
     finally:
         recorder.remove()
 
-    # One-token steps: each module's calls repeat once per step; a pass calls each once.
-    per_step = len(step_calls) // width
-    modules = dict(model.named_modules())
     report = ProbeReport(
         device=str(model.device), dtype=str(next(model.parameters()).dtype).removeprefix("torch."), width=width,
         row_exact=row_exact, logits_identical=torch.equal(logits_steps, logits_pass),
         max_logit_difference=float((logits_steps.float() - logits_pass.float()).abs().max()),
     )
+    _name_the_culprit(report, model, step_calls, pass_calls, width)
+    return report
+
+
+def _name_the_culprit(report: ProbeReport, model: torch.nn.Module, step_calls: list, pass_calls: list,
+                      width: int) -> None:
+    """Count the modules whose pass output differs from their one-token steps', and name the first whose inputs
+    agree. One-token steps repeat each module's calls once per step; a pass calls each once."""
+    per_step = len(step_calls) // width
+    modules = dict(model.named_modules())
     for index, (name, given, output) in enumerate(pass_calls):
         step_outputs = [step_calls[j * per_step + index][2] for j in range(width)]
         step_inputs = [step_calls[j * per_step + index][1] for j in range(width)]
@@ -143,4 +150,3 @@ def probe(model: torch.nn.Module, input_ids: torch.Tensor, width: int = 8, row_e
         if report.culprit is None and inputs_agree:
             report.culprit, report.culprit_op = name, _describe(modules[name], model)
             report.differing_positions = differs
-    return report
