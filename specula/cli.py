@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 import torch
 from tqdm import tqdm
@@ -176,6 +176,12 @@ def _pad_token_id(tokenizer) -> int | None:
 # Usage errors argparse cannot see (files, proposers, the model, the device), found before any model work: each is
 # one line on stderr and exit status 2, as argparse's own.
 
+def _usage_error(args: argparse.Namespace, problem: str) -> NoReturn:
+    """Stop on a usage error: one line, argparse's exit status, nothing loaded."""
+    print(f"specula {args.command}: error: {problem}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _usage_problem(args: argparse.Namespace) -> str | None:
     """The first usage error of a parsed command line, or None."""
     for check in (_generate_problem, _input_problem, _output_problem, _proposer_problem, _model_problem,
@@ -305,7 +311,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     sampling_settings = _sampling(args)
     row_exact = False if args.no_row_exact else None
     settings = Settings(args.max_new_tokens, sampling_settings, args.seed, row_exact, args.batch_size)
-    output = AnswerFile(args.output, resume=args.resume) if args.input else None  # a bad file fails before loading
+    try:  # --resume: an --output that is not answers fails before loading
+        output = AnswerFile(args.output, resume=args.resume) if args.input else None
+    except ValueError as error:
+        _usage_error(args, str(error))
     if output is not None and output.torn:
         print(f"{args.output}: its last line was cut short when a run stopped; that request is answered again",
               file=sys.stderr)
@@ -654,9 +663,8 @@ def _add_probe_parser(commands) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     problem = _usage_problem(args)
-    if problem is not None:  # a usage error: one line, argparse's exit status, nothing loaded
-        print(f"specula {args.command}: error: {problem}", file=sys.stderr)
-        raise SystemExit(2)
+    if problem is not None:
+        _usage_error(args, problem)
     try:
         args.run(args)
     except (ModelNotFoundError, ValueError) as error:

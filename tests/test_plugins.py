@@ -112,7 +112,7 @@ def test_bad_plugins_are_one_line_errors_before_the_model_loads(plugins, tmp_pat
     source.write_text('{"prompt": "hi"}\n')
     run = specula(plugins, "generate", "--input", source, "--output", tmp_path / "out.jsonl", "--model",
                   tmp_path / "no-such-model", "--proposer", proposer)
-    assert run.returncode == 1 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert "no-such-model" not in run.stderr  # the proposer was checked first
 
 

@@ -150,8 +150,11 @@ def test_resume_refuses_a_file_that_is_not_answers(model_folder, tmp_path, capsy
     source = requests_file(tmp_path / "in.jsonl", 2)
     (tmp_path / "out.jsonl").write_text("some notes\nmore notes\n")
     monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model was loaded"))
-    with pytest.raises(SystemExit, match="out.jsonl:1 is not an answer"):
+    with pytest.raises(SystemExit) as stopped:  # a usage error (the wrong --output), as the other file checks
         cli.main(["generate", "--input", str(source), "--output", str(tmp_path / "out.jsonl"), "--resume"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "out.jsonl:1 is not an answer" in err and err.count("error:") == 1
+    assert (tmp_path / "out.jsonl").read_text() == "some notes\nmore notes\n"
 
 
 def test_a_repeated_id_is_reported_and_answered_once(model_folder, tmp_path, capsys) -> None:

@@ -23,7 +23,7 @@ def read_requests(path: Path) -> Iterator[tuple[int, dict | BadRequest]]:
             try:
                 request = json.loads(line)
             except json.JSONDecodeError as error:  # the decoder's words alone ("Expecting value") do not say it
-                yield number, BadRequest(f"{path}:{number}: {error}")
+                yield number, BadRequest(f"{path}:{number}: not JSON ({error})")
                 continue
             problem = _request_problem(request)
             yield number, request if problem is None else BadRequest(f"{path}:{number}: {problem}")
