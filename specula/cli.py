@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 import torch
 from tqdm import tqdm
@@ -113,28 +113,25 @@ def _requests(path: Path, strict: bool) -> Iterator[tuple[int, dict | None]]:
 
 # Types of options whose values argparse checks: a wrong one is argparse's own usage error (exit status 2).
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _int_at_least(minimum: int, meaning: str = "") -> Callable[[str], int]:
+    """An option type: a whole number of at least ``minimum`` (``meaning`` says what the smallest one does)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number of at least {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{meaning}, got {value}")
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0, " (0 keeps every token)")
 
 
 def _positive_ints(text: str) -> list[int]:
     return [_positive_int(part) for part in text.split(",")]
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 keeps every token), got {value}")
-    return value
 
 
 def _number(text: str) -> float:
