@@ -12,7 +12,7 @@ from .core.loop import Decoder, Job
 from .proposers.ngram import NGramPredictor
 from .proposers.prompt_lookup import PromptLookup
 from .core.draft import Draft
-from .proposers.base import Proposer
+from .proposers.base import Proposer, RequestProposer
 from .core.sampling import Sampling
 from .proposers.small_model import SmallModelDrafter
 from .core.stats import GenerateOutput, SpecStats
@@ -21,7 +21,7 @@ from .target.cpu_layout import tune_cpu_layout
 
 __all__ = [
     "Decoder", "Draft", "GenerateOutput", "Job", "SpeculaGenerateOutput", "custom_generate", "NGramPredictor",
-    "PromptLookup", "Proposer", "Sampling", "SmallModelDrafter", "SpecStats", "UnsupportedModelError", "generate",
+    "PromptLookup", "Proposer", "RequestProposer", "Sampling", "SmallModelDrafter", "SpecStats", "UnsupportedModelError", "generate",
     "prepare_jobs", "tune_cpu_layout",
 ]
 __version__ = "0.1.0"

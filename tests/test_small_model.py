@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import tokenizers
 import torch
@@ -63,11 +64,12 @@ class CheckedDrafter(specula.SmallModelDrafter):
         super().__init__(*args, **kwargs)
         self.checked = 0
 
-    def propose(self, context_ids, max_tokens):
-        draft = super().propose(context_ids, max_tokens)
+    def propose_requests(self, requests, contexts, max_tokens):
+        [draft], [context_ids], [state] = super().propose_requests(requests, contexts, max_tokens), contexts, [
+            self.requests[request] for request in requests]
         # The cache now holds the context and all draft tokens but the last.
-        assert self.cache.cached_tokens == self.cache.cache.get_seq_length() == len(context_ids) + len(draft) - 1
-        assert self.cached_ids == [*context_ids.tolist(), *draft.tokens.tolist()[:-1]]
+        assert state.cache.cached_tokens == state.cache.cache.get_seq_length() == len(context_ids) + len(draft) - 1
+        assert state.cached_ids == [*context_ids.tolist(), *draft.tokens.tolist()[:-1]]
         context = torch.tensor([context_ids.tolist()])
         scratch = self.model.generate(
             context, attention_mask=torch.ones_like(context), do_sample=False, max_new_tokens=len(draft), pad_token_id=0,
@@ -75,7 +77,7 @@ class CheckedDrafter(specula.SmallModelDrafter):
         )
         assert draft.tokens.tolist() == scratch[0, context.shape[1] :].tolist()
         self.checked += 1
-        return draft
+        return [draft]
 
 
 def test_the_drafters_cache_follows_partial_acceptance() -> None:
@@ -90,21 +92,26 @@ def test_the_drafters_cache_follows_partial_acceptance() -> None:
 
 def test_draft_length_adapts_to_acceptance() -> None:
     drafter = specula.SmallModelDrafter(model("llama"), num_draft=4, max_draft=9)
-    drafter.last_draft_length = 4
-    drafter.observe([5, 6, 7, 8, 9], 4)
-    assert drafter.num_draft == 6
+    drafter.start_request("a", np.array(PROMPT), specula.Sampling())
+    drafter.start_request("b", np.array(PROMPT), specula.Sampling())
+    state = drafter.requests["a"]
+    state.last_draft_length = 4
+    drafter.observe_request("a", [5, 6, 7, 8, 9], 4)
+    assert state.num_draft == 6
     for expected in (5, 4):
-        drafter.last_draft_length = drafter.num_draft
-        drafter.observe([5, 6], 1)
-        assert drafter.num_draft == expected
+        state.last_draft_length = state.num_draft
+        drafter.observe_request("a", [5, 6], 1)
+        assert state.num_draft == expected
     for _ in range(5):
-        drafter.last_draft_length = drafter.num_draft
-        drafter.observe([5] * (drafter.num_draft + 1), drafter.num_draft)
-    assert drafter.num_draft == 9
+        state.last_draft_length = state.num_draft
+        drafter.observe_request("a", [5] * (state.num_draft + 1), state.num_draft)
+    assert state.num_draft == 9
+    assert drafter.requests["b"].num_draft == 4 and drafter.num_draft == 4  # (each request its own length)
     fixed = specula.SmallModelDrafter(model("llama"), num_draft=4, adaptive=False)
-    fixed.last_draft_length = 4
+    fixed.begin(np.array(PROMPT), specula.Sampling())
+    fixed.requests[None].last_draft_length = 4
     fixed.observe([5, 6, 7, 8, 9], 4)
-    assert fixed.num_draft == 4
+    assert fixed.requests[None].num_draft == 4
 
 
 def test_a_drafter_in_another_dtype() -> None:
@@ -144,11 +151,12 @@ def test_padding_rows_beyond_the_tokenizer_are_allowed_and_never_drafted() -> No
     drafts = []
 
     class Recording(specula.SmallModelDrafter):
-        def propose(self, context_ids, max_tokens):
-            draft = super().propose(context_ids, max_tokens)
-            drafts.extend(draft.tokens.tolist())
-            assert draft.probs is None or (draft.probs.shape[1] == VOCAB and float(draft.probs[:, 90:].sum()) == 0)
-            return draft
+        def propose_requests(self, requests, contexts, max_tokens):
+            made = super().propose_requests(requests, contexts, max_tokens)
+            for draft in made:
+                drafts.extend(draft.tokens.tolist())
+                assert draft.probs is None or (draft.probs.shape[1] == VOCAB and float(draft.probs[:, 90:].sum()) == 0)
+            return made
 
     drafter = Recording(tiny_with_vocab(128), tokenizer=word_tokenizer([f"w{i}" for i in range(90)]))
     prompt = torch.tensor([PROMPT])
@@ -175,8 +183,8 @@ class CheckedRows(specula.SmallModelDrafter):
 
     checked = 0
 
-    def propose_rows(self, rows, contexts, budgets):
-        drafts = super().propose_rows(rows, contexts, budgets)
+    def propose_requests(self, requests, contexts, max_tokens):
+        drafts = super().propose_requests(requests, contexts, max_tokens)
         for context_ids, draft in zip(contexts, drafts):
             if not len(draft):
                 continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -21,32 +22,38 @@ from ..policy.protocol import DraftPolicy, Step
 from ..target.support import vocab_size
 from .draft import Draft
 from .sequence import Sequence
-from ..proposers.base import Proposer, RowProposalError
+from ..proposers.base import Proposer, RequestFailed, RequestProposer, for_requests
 from ..target.row_exact import is_half_precision, wanted
 from .sampling import Sampling
 from .stats import SpecStats
 
 MAX_DRAFT = 32  # the longest draft the loop sends, whatever the proposer's own limit
+_REQUEST_IDS = itertools.count()  # what proposers know requests by (unique across decoders sharing a proposer)
 
 
-def _proposed(
-    proposer: Proposer, rows: list["Row"], budgets: list[int], vocab: int, batched: bool
-) -> tuple[list[Draft], float]:
-    """Ask ``proposer`` for every row's draft (at most ``budgets[r]`` tokens, 0: none) and check what it returns; in
-    a batch an error names the request (its key). Also the time of one ``propose()`` call."""
+def _proposed(proposer: RequestProposer, rows: list["Row"], budgets: list[int], vocab: int, batched: bool
+              ) -> tuple[list[Draft], float]:
+    """Ask ``proposer`` for the drafts of the rows with a budget (at most ``budgets[r]`` tokens, 0: none) and check
+    what it returns; in a batch an error names the request (its key). Also the time of one request's proposal."""
+    asked = [r for r, budget in enumerate(budgets) if budget > 0]
+    drafts = [Draft.empty()] * len(rows)
+    if not asked:
+        return drafts, 0.0
     started = time.perf_counter()
     try:
-        drafts = proposer.propose_rows([row.proposer for row in rows], [row.sequence.ids for row in rows], budgets)
-    except Exception as error:
-        if isinstance(error, RowProposalError) and not batched:
-            raise error.error
-        if not batched:
-            raise
-        which = f"request {rows[error.row].job.key!r}" if isinstance(error, RowProposalError) else "the rows"
-        raise RuntimeError(f"{proposer!r}.propose() failed for {which} of the batch: {error}") from error
-    seconds = (time.perf_counter() - started) / max(sum(budget > 0 for budget in budgets), 1)
-    return [_checked(proposer, draft, budget, vocab, f" (request {row.job.key!r} of the batch)" if batched else "")
-            for row, draft, budget in zip(rows, drafts, budgets)], seconds
+        got = proposer.propose_requests([rows[r].request for r in asked], [rows[r].sequence.ids for r in asked],
+                                        [budgets[r] for r in asked])
+    except RequestFailed as error:
+        key = next((row.job.key for row in rows if row.request == error.request), error.request)
+        raise RuntimeError(f"{proposer!r}.propose() failed for request {key!r} of the batch: {error}") from error
+    seconds = (time.perf_counter() - started) / len(asked)
+    if not isinstance(got, list) or len(got) != len(asked):
+        raise TypeError(f"{proposer!r}.propose_requests() must return a list of one specula.Draft per request "
+                        f"({len(asked)}), got {type(got).__name__}{f' of {len(got)}' if isinstance(got, list) else ''}.")
+    for r, draft in zip(asked, got):
+        where = f" (request {rows[r].job.key!r} of the batch)" if batched else ""
+        drafts[r] = _checked(proposer, draft, budgets[r], vocab, where)
+    return drafts, seconds
 
 
 def _checked(proposer: Proposer, draft: object, budget: int, vocab: int, where: str) -> Draft:
@@ -84,17 +91,17 @@ class Job:
 
 
 class Row:
-    """One request being decoded: its sequence, its proposer, what the draft policy keeps for it, its counters."""
+    """One request being decoded: its sequence, its id for the proposer, what the draft policy keeps for it, its
+    counters."""
 
-    def __init__(self, job: Job, proposer: Proposer | None, drafting: object, sampling: Sampling) -> None:
-        self.job, self.proposer, self.drafting = job, proposer, drafting
+    def __init__(self, job: Job, drafting: object, sampling: Sampling) -> None:
+        self.job, self.drafting = job, drafting
+        self.request = next(_REQUEST_IDS)
         self.sequence = Sequence(job.prompt, job.max_new_tokens, job.eos_token_ids, job.stopping_criteria)
         self.sampling = sampling if job.generator is None else dataclasses.replace(sampling, generator=job.generator)
         self.stats = SpecStats(prompt_tokens=len(job.prompt))
         self.finished = False
         self.started = time.perf_counter()
-        if proposer is not None:
-            proposer.begin(self.sequence.ids, self.sampling)
 
     def advance(self, new_tokens: list[int], sent: Draft) -> list[int]:
         """Record a pass that verified ``sent`` and produced ``new_tokens`` for this row; return the tokens its
@@ -103,8 +110,6 @@ class Row:
         alone = len(sent.chain().path(new_tokens[:-1])) if sent.is_tree else None  # its first branch's
         self.stats.record_step(len(sent), accepted, None if alone is None else accepted - alone)
         kept, self.finished = self.sequence.append(new_tokens)
-        if self.proposer is not None:
-            self.proposer.observe(kept, min(len(new_tokens) - 1, len(kept)))
         now = time.perf_counter() - self.started
         if self.stats.steps == 1:
             self.stats.prefill_time_s = now
@@ -127,7 +132,8 @@ class Decoder:
         self, model: torch.nn.Module, proposer: Proposer | None, sampling: Sampling, slots: int = 1,
         adaptive_draft: bool = True, row_exact: bool | None = None,
     ) -> None:
-        self.model, self.proposer, self.sampling, self.slots = model, proposer, sampling, slots
+        self.model, self.sampling, self.slots = model, sampling, slots
+        self.proposer = None if proposer is None else for_requests(proposer)
         # Draft lengths follow measured timings only where the output cannot depend on them: greedy decoding, and
         # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
         # that round as one-token steps do (or in fp32, far below the gaps between logits). Elsewhere they follow
@@ -148,7 +154,6 @@ class Decoder:
         self._made: dict[int, int] = {}  # tokens the steps made, by the rows they had
         if proposer is not None:
             proposer.check_target(model)
-        self._spare = [] if proposer is None else [proposer]  # proposer objects free for the next request
         self._target: CachedModel | None = None
         self._trees = getattr(proposer, "proposes_trees", False)  # hold a single request as a batch row
         self._argmax_only = sampling.greedy and not sampling.processors  # a step takes the logits' argmax only
@@ -170,8 +175,9 @@ class Decoder:
 
     def _start(self, index: int, job: Job) -> tuple[Row, list[int]]:
         """Make ``job`` row ``index`` of the batch: prefill its prompt alone, take its first token."""
-        proposer = None if self.proposer is None else self._spare.pop() if self._spare else self.proposer.fork()
-        row = Row(job, proposer, self.policy.start(), self.sampling)
+        row = Row(job, self.policy.start(), self.sampling)
+        if self.proposer is not None:
+            self.proposer.start_request(row.request, row.sequence.ids, row.sampling)
         capacity = len(job.prompt) + job.max_new_tokens + 2 * (MAX_DRAFT + 1)
         if self.slots == 1 or self._target is None:
             self._target = self._cached_model(job, capacity)
@@ -183,7 +189,7 @@ class Decoder:
             logits = self._target.start_row(index, torch.from_numpy(job.prompt).to(self._target.device))
         self.passes += 1
         none = Draft.empty()
-        kept = row.advance(accept_draft(logits, none, row.sampling, self._tokens(row, none)), none)
+        kept = self._append(row, accept_draft(logits, none, row.sampling, self._tokens(row, none)), none)
         self.prefill_seconds += time.perf_counter() - started
         return row, kept
 
@@ -209,16 +215,21 @@ class Decoder:
     @torch.inference_mode()
     def run(self, jobs: Iterable[Job]) -> Iterator[tuple[Row, list[int]]]:
         jobs, rows = iter(jobs), []  # rows[i]: row i of the target's batch (None: its request finished)
-        while True:
-            yield from self._fill(rows, jobs)
-            rows = self._shrink(rows)
-            if not rows:
-                return
-            started = time.perf_counter()
-            proposed, sent = self._propose(rows)
-            outcomes = self._verify(rows, proposed, sent)
-            self.step_seconds += time.perf_counter() - started
-            yield from self._advance(rows, outcomes, sent)
+        try:
+            while True:
+                yield from self._fill(rows, jobs)
+                rows = self._shrink(rows)
+                if not rows:
+                    return
+                started = time.perf_counter()
+                proposed, sent = self._propose(rows)
+                outcomes = self._verify(rows, proposed, sent)
+                self.step_seconds += time.perf_counter() - started
+                yield from self._advance(rows, outcomes, sent)
+        finally:  # (a run given up keeps no request in the proposer)
+            for row in rows:
+                if row is not None and not row.finished:
+                    self._finish(row)
 
     def _fill(self, rows: list[Row | None], jobs: Iterator[Job]) -> Iterator[tuple[Row, list[int]]]:
         """Start requests in the free slots; one may end with its first token (the next one then takes the slot)."""
@@ -279,14 +290,21 @@ class Decoder:
     def _advance(self, rows: list[Row | None], outcomes: list[list[int]], sent: list[Draft]):
         """Append each row's new tokens and yield what its output kept; a finished row frees its slot."""
         for index, (row, tokens, draft) in enumerate(zip(rows, outcomes, sent)):
-            yield row, row.advance(tokens, draft)
+            yield row, self._append(row, tokens, draft)
             if row.finished:
                 rows[index] = None
                 self._finish(row)
 
+    def _append(self, row: Row, new_tokens: list[int], sent: Draft) -> list[int]:
+        """Append a pass's tokens to ``row`` and tell the proposer what its output kept; return those."""
+        kept = row.advance(new_tokens, sent)
+        if self.proposer is not None:
+            self.proposer.observe_request(row.request, kept, min(len(new_tokens) - 1, len(kept)))
+        return kept
+
     def _finish(self, row: Row) -> None:
-        if row.proposer is not None:
-            self._spare.append(row.proposer)
+        if self.proposer is not None:
+            self.proposer.stop_request(row.request)
 
 
 def _tree(draft: Draft) -> list[int] | None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import os
 import zipfile
 from typing import Sequence
@@ -13,7 +11,7 @@ import torch
 
 from . import kernels
 from ..core.draft import Draft, check_int, merged
-from .base import Proposer
+from .base import RequestProposer
 from ..core.sampling import Sampling
 
 _FORMAT = "specula.NGramPredictor/1"
@@ -30,13 +28,14 @@ def _as_tokens(token_ids: object) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
-class NGramPredictor(Proposer):
+class NGramPredictor(RequestProposer):
     """Hashed n-gram frequency tables (orders 2..``max_order``) learnt from the prompt and every generated token.
 
     ``predict`` chains the tables' own most likely continuations, the longest known context first, and stops as
     soon as that continuation is not confident enough (seen fewer than ``min_count`` times, or in less than
-    ``min_share`` of its context's occurrences, per context length 1, 2, 3, ...). As a proposer it learns the
-    prompt in ``begin`` and each step's new tokens in ``observe``; kept across generations it keeps learning, and
+    ``min_share`` of its context's occurrences, per context length 1, 2, 3, ...). As a proposer it learns each
+    request's prompt when it starts and its new tokens after each step, in tables every request shares (each keeps
+    only its own recent tokens); kept across generations it keeps learning, and
     ``save`` / ``load`` persist it. With ``tree=True`` it proposes a tree: that chain, and as alternatives the best
     continuation of each shorter context that disagrees (the runners-up its tables hold), each followed by its own
     chain, all verified in one pass (:class:`specula.Draft` ``parents``).
@@ -86,7 +85,8 @@ class NGramPredictor(Proposer):
             "pairs": np.zeros((rows, slots, width), np.int32),
             "n_pairs": np.zeros(rows, np.int64),
         }
-        self.recent = np.empty(0, np.int64)
+        self.recent = np.empty(0, np.int64)  # the last tokens ``update`` saw
+        self._recent: dict[object, np.ndarray] = {}  # the same, per request being decoded
 
     @staticmethod
     def _per_row(value, rows: int, name: str, dtype) -> np.ndarray:
@@ -102,13 +102,16 @@ class NGramPredictor(Proposer):
 
     def update(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
         """Learn every n-gram ending in ``token_ids``, continuing from the tokens seen before."""
-        new = _as_tokens(token_ids)
-        tokens = np.concatenate([self.recent, new])
-        context = min(len(self.recent), self.max_order - 1)  # earlier tokens that new n-grams start in
-        if not kernels.ngram_update(tokens[len(self.recent) - context :], context, self.capacity // 2,
+        self.recent = self._learn(self.recent, token_ids)
+
+    def _learn(self, recent: np.ndarray, token_ids) -> np.ndarray:
+        """Learn every n-gram ending in ``token_ids`` that continues ``recent``; the recent tokens after them."""
+        tokens = np.concatenate([recent, _as_tokens(token_ids)])
+        context = min(len(recent), self.max_order - 1)  # earlier tokens that new n-grams start in
+        if not kernels.ngram_update(tokens[len(recent) - context :], context, self.capacity // 2,
                                     *self.tables.values()):
             raise ValueError("token ids must be in [0, 2**31).")
-        self.recent = tokens[-self.history :]
+        return tokens[-self.history :]
 
     def reset_context(self) -> None:
         """Start a new, unrelated sequence: n-grams will not span the boundary. The tables are kept."""
@@ -130,10 +133,22 @@ class NGramPredictor(Proposer):
         pair = np.asarray([*context, token], dtype=np.int64)
         return int(kernels.ngram_count(pair, self.tables["pairs"]))
 
-    # Proposer hooks
+    # Proposer hooks: alone, it continues from what ``update`` saw; requests keep their recent tokens apart
     def begin(self, prompt_ids: np.ndarray, sampling: Sampling) -> None:
         self.reset_context()
         self.update(prompt_ids)
+
+    def observe(self, new_ids: Sequence[int], num_accepted: int) -> None:
+        self.update(new_ids)
+
+    def start_request(self, request, prompt_ids: np.ndarray, sampling: Sampling) -> None:
+        self._recent[request] = self._learn(np.empty(0, np.int64), prompt_ids)
+
+    def observe_request(self, request, new_ids: Sequence[int], num_accepted: int) -> None:
+        self._recent[request] = self._learn(self._recent[request], new_ids)
+
+    def stop_request(self, request) -> None:
+        self._recent.pop(request, None)
 
     def propose(self, context_ids: np.ndarray, max_tokens: int) -> Draft:
         context, length = context_ids[-(self.max_order - 1) :], min(self.num_draft, max_tokens)
@@ -142,15 +157,6 @@ class NGramPredictor(Proposer):
         firsts = kernels.ngram_alternatives(context, self.min_count, self.min_share, self.tables["contexts"])
         return merged([[first, *self._predict(np.append(context, first)[-(self.max_order - 1) :], length - 1).tolist()]
                        for first in firsts.tolist()])
-
-    def observe(self, new_ids: Sequence[int], num_accepted: int) -> None:
-        self.update(new_ids)
-
-    def fork(self) -> "NGramPredictor":
-        """Another row's predictor: its own recent tokens, the same tables (every request teaches every other)."""
-        twin = copy.copy(self)
-        twin.recent = np.empty(0, np.int64)
-        return twin
 
     # Persistence
     def save(self, path: str | os.PathLike) -> None:

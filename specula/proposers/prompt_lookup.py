@@ -6,10 +6,10 @@ import numpy as np
 
 from .kernels import lookup_candidates, prompt_lookup
 from ..core.draft import Draft, check_int, merged
-from .base import Proposer
+from .base import RequestProposer
 
 
-class PromptLookup(Proposer):
+class PromptLookup(RequestProposer):
     """Propose the tokens that followed the latest n-gram of the sequence where it occurred before.
 
     The longest suffix of prompt + output (``max_ngram`` tokens down to ``min_ngram``) that occurred earlier is

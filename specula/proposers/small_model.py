@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import copy
-
-from typing import Sequence
+import dataclasses
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -12,7 +11,7 @@ import torch
 from ..target.runner import CachedModel, UnsupportedModelError
 from ..target.support import vocab_size
 from ..core.draft import Draft, check_int
-from .base import Proposer
+from .base import RequestProposer
 from ..core.sampling import Sampling
 
 
@@ -20,7 +19,7 @@ def _vocab_description(tokenizer) -> str:
     return f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '') or 'unnamed'}, {len(tokenizer)} tokens)"
 
 
-class SmallModelDrafter(Proposer):
+class SmallModelDrafter(RequestProposer):
     """Draft with a smaller model of the target's vocabulary (speculative decoding as in Leviathan et al. 2023).
 
     The drafter keeps its own KV cache: the prompt is read once, on the first proposal; afterwards only the tokens
@@ -72,8 +71,8 @@ class SmallModelDrafter(Proposer):
         self.tokenizer = tokenizer
         self.device = draft_model.get_input_embeddings().weight.device
         self.target_vocab = self.shared_vocab = vocab_size(draft_model)
-        self.batch = _Rows()  # the draft model's cache for the rows of a batch, shared with forks
-        self.slot: int | None = None  # this row's place in it
+        self.requests: dict[object, _Request] = {}  # what it keeps per request, by request id
+        self.batch = _Rows()  # the draft model's cache for requests drafted together
 
     def check_target(self, model: torch.nn.Module) -> None:
         draft_rows, target_rows = vocab_size(self.model), vocab_size(model)
@@ -89,127 +88,127 @@ class SmallModelDrafter(Proposer):
         self.target_vocab = target_rows
         self.shared_vocab = min(draft_rows, target_rows) if self.tokenizer is None else len(self.tokenizer)
 
-    def begin(self, prompt_ids: np.ndarray, sampling: Sampling) -> None:
-        self.sampling = sampling
-        self.cache = CachedModel(self.model, positions=None, attention_mask=None, rollback=True)
-        self.cached_ids: list[int] = []  # what the cache holds (this row's, in a batch)
-        self.confirmed = 0  # how many of them are known to be in the sequence
-        self.last_draft_length = 0
+    def start_request(self, request, prompt_ids: np.ndarray, sampling: Sampling) -> None:
+        self.requests[request] = _Request(sampling, self.num_draft)
+
+    def stop_request(self, request) -> None:
+        state = self.requests.pop(request, None)
+        if state is not None and state.slot is not None:
+            self.batch.release(state.slot)
 
     @torch.inference_mode()
     def propose(self, context_ids: np.ndarray, max_tokens: int) -> Draft:
-        return self._drafts([self], [context_ids], [max_tokens], None)[0]
+        return self.propose_requests([None], [context_ids], [max_tokens])[0]
 
     @torch.inference_mode()
-    def propose_rows(self, rows, contexts, budgets) -> list[Draft]:
-        """All rows' drafts from batched passes of the draft model: each pass feeds every drafting row its next
-        token (rows that catch up feed the tokens the verifier appended). Rows keep their own places in one cache
-        of the draft model; a model that cannot be batched drafts row by row."""
-        batch = self.batch.cache_for(self.model, rows)
-        if batch is None:
-            return super().propose_rows(rows, contexts, budgets)
-        return self._drafts(rows, contexts, budgets, batch)
+    def propose_requests(self, requests, contexts, max_tokens) -> list[Draft]:
+        """All requests' drafts from batched passes of the draft model: each pass feeds every drafting request its
+        next token (requests that catch up feed the tokens the verifier appended). Requests keep their own rows of
+        one cache of the draft model; a model that cannot be batched drafts request by request."""
+        states = [self.requests[request] for request in requests]
+        batch = self.batch.cache_for(self.model, states, self.requests.values())
+        if batch is None and len(states) > 1:
+            return [self._drafts([state], [context], [most], None)[0]
+                    for state, context, most in zip(states, contexts, max_tokens)]
+        return self._drafts(states, contexts, max_tokens, batch)
 
-    def _drafts(self, rows: list["SmallModelDrafter"], contexts, budgets, batch: CachedModel | None) -> list[Draft]:
-        """Draft for ``rows`` (alone: one row and its own cache; else ``batch``, the rows' shared cache)."""
-        logits = self._catch_up(rows, contexts, batch)  # per row [1, vocab]
-        lengths = [min(row.num_draft, budget) for row, budget in zip(rows, budgets)]
-        tokens, probs = [[] for _ in rows], [[] for _ in rows]
+    def _drafts(self, states: list["_Request"], contexts, max_tokens, batch: CachedModel | None) -> list[Draft]:
+        """Draft for ``states`` (alone: one request and its own cache; else ``batch``, the requests' shared cache)."""
+        logits = self._catch_up(states, contexts, batch)  # per request [1, vocab]
+        lengths = [min(state.num_draft, most) for state, most in zip(states, max_tokens)]
+        tokens, probs = [[] for _ in states], [[] for _ in states]
         drafting = [length > 0 for length in lengths]
         while any(drafting):
-            for r, row in enumerate(rows):
+            for r, state in enumerate(states):
                 if not drafting[r]:
                     continue
-                token, q, stop = row._next_token(logits[r], tokens[r])
+                token, q, stop = self._next_token(state, logits[r], tokens[r])
                 tokens[r].append(token)
                 if q is not None:
                     probs[r].append(q)
                 drafting[r] = not stop and len(tokens[r]) < lengths[r]
             if any(drafting):
-                fed = [torch.cat(row_tokens[-1:]) if going else None for row_tokens, going in zip(tokens, drafting)]
-                logits = self._feed(rows, fed, batch)
-                for row, token in zip(rows, fed):
+                fed = [torch.cat(drafted[-1:]) if going else None for drafted, going in zip(tokens, drafting)]
+                logits = self._feed(states, fed, batch)
+                for state, token in zip(states, fed):
                     if token is not None:
-                        row.cached_ids.append(int(token))
+                        state.cached_ids.append(int(token))
         drafts = []
-        for row, row_tokens, row_probs in zip(rows, tokens, probs):
-            row.last_draft_length = len(row_tokens)
-            if not row_tokens:
+        for state, drafted, drawn_from in zip(states, tokens, probs):
+            state.last_draft_length = len(drafted)
+            if not drafted:
                 drafts.append(Draft.empty())
                 continue
-            q = row._over_target_vocab(torch.stack(row_probs)) if row_probs else None
-            drafts.append(Draft(torch.cat(row_tokens).cpu(), q))
+            q = self._over_target_vocab(torch.stack(drawn_from)) if drawn_from else None
+            drafts.append(Draft(torch.cat(drafted).cpu(), q))
         return drafts
 
-    def _next_token(self, logits: torch.Tensor, drafted: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    def _next_token(self, state: "_Request", logits: torch.Tensor, drafted: list[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """The next draft token from the drafter's ``logits`` ([1, vocab]), the distribution it was drawn from
         (sampling), and whether drafting stops after it (greedy: the drafter is not confident of it)."""
         logits = logits.float()
         logits[:, self.shared_vocab :] = float("-inf")  # padding rows: never drafted
-        scores = self.sampling.scores(logits, self._input_ids(drafted) if self.sampling.reads_tokens else None)
-        if self.sampling.greedy:
+        sampling = state.sampling
+        scores = sampling.scores(logits, self._input_ids(state, drafted) if sampling.reads_tokens else None)
+        if sampling.greedy:
             token = scores.argmax(dim=-1)
             return token, None, self.min_confidence > 0 and float(torch.softmax(scores, -1)[0, token]) < self.min_confidence
         q = torch.softmax(scores, dim=-1)
-        return self.sampling.sample(q), q[0], False
+        return sampling.sample(q), q[0], False
 
-    def fork(self) -> "SmallModelDrafter":
-        """Another row's drafter: the same draft model (and batch cache), its own cache, place in the batch and
-        draft length (set up by ``begin``)."""
-        clone = copy.copy(self)
-        clone.slot = None
-        return clone
-
-    def observe(self, new_ids: Sequence[int], num_accepted: int) -> None:
-        if self.adaptive and self.last_draft_length:
-            if num_accepted == self.last_draft_length:
-                self.num_draft = min(self.num_draft + 2, self.max_draft)
+    def observe_request(self, request, new_ids: Sequence[int], num_accepted: int) -> None:
+        state = self.requests[request]
+        if self.adaptive and state.last_draft_length:
+            if num_accepted == state.last_draft_length:
+                state.num_draft = min(state.num_draft + 2, self.max_draft)
             else:
-                self.num_draft = max(self.num_draft - 1, 1)
-        self.last_draft_length = 0
+                state.num_draft = max(state.num_draft - 1, 1)
+        state.last_draft_length = 0
 
-    def _catch_up(self, rows: list["SmallModelDrafter"], contexts, batch: CachedModel | None) -> list[torch.Tensor]:
-        """Roll each row's cache back to where it agrees with its context, feed the rest (a new request's prompt
-        alone); return each row's next logits."""
+    def _catch_up(self, states: list["_Request"], contexts, batch: CachedModel | None) -> list[torch.Tensor]:
+        """Roll each request's cache back to where it agrees with its context, feed the rest (a new request's prompt
+        alone); return each request's next logits."""
         fed = []
-        for row, context in zip(rows, contexts):
-            cached, keep = row.cached_ids, row.confirmed
+        for state, context in zip(states, contexts):
+            cached, keep = state.cached_ids, state.confirmed
             while keep < min(len(cached), len(context) - 1) and cached[keep] == context[keep]:
                 keep += 1
             if batch is None:
-                row.cache.rollback(len(cached) - keep)
+                state.own_cache(self.model).rollback(len(cached) - keep)
             else:
-                batch.truncate_row(row.slot, keep)
+                batch.truncate_row(state.slot, keep)
             del cached[keep:]
             new = context[keep:]
             cached.extend(new.tolist())
-            row.confirmed = len(cached)
+            state.confirmed = len(cached)
             fed.append(torch.from_numpy(new.copy()).to(self.device))
         if batch is None:
-            return [rows[0].cache.forward(fed[0], num_logits=1)]
-        logits = [batch.start_row(row.slot, tokens) if row.confirmed == len(tokens) else None
-                  for row, tokens in zip(rows, fed)]  # (new requests: their prompt alone)
-        caught = self._feed(rows, [tokens if got is None else None for tokens, got in zip(fed, logits)], batch)
+            return [states[0].cache.forward(fed[0], num_logits=1)]
+        logits = [batch.start_row(state.slot, tokens) if state.confirmed == len(tokens) else None
+                  for state, tokens in zip(states, fed)]  # (new requests: their prompt alone)
+        caught = self._feed(states, [tokens if got is None else None for tokens, got in zip(fed, logits)], batch)
         return [got if got is not None else other for got, other in zip(logits, caught)]
 
-    def _feed(self, rows: list["SmallModelDrafter"], fed: list[torch.Tensor | None], batch: CachedModel | None):
-        """Feed each row its tokens (``None``: nothing) in one pass; return each row's next logits."""
+    def _feed(self, states: list["_Request"], fed: list[torch.Tensor | None], batch: CachedModel | None):
+        """Feed each request its tokens (``None``: nothing) in one pass; return each request's next logits."""
         if batch is None:
-            return [rows[0].cache.forward(fed[0], num_logits=1)]
+            return [states[0].cache.forward(fed[0], num_logits=1)]
         if all(tokens is None for tokens in fed):
-            return [None] * len(rows)
+            return [None] * len(states)
         idle = self.batch.idle
-        blocks = [idle] * batch.batch  # rows of the cache not fed (finished, or done drafting)
-        for row, tokens in zip(rows, fed):
+        blocks = [idle] * batch.batch  # rows of the cache not fed (free, or done drafting)
+        for state, tokens in zip(states, fed):
             if tokens is not None:
-                blocks[row.slot] = tokens
+                blocks[state.slot] = tokens
         logits = batch.forward_rows(blocks, [1] * len(blocks))
         batch.keep_rows([0 if block is idle else len(block) for block in blocks])
-        return [None if tokens is None else logits[row.slot] for row, tokens in zip(rows, fed)]
+        return [None if tokens is None else logits[state.slot] for state, tokens in zip(states, fed)]
 
-    def _input_ids(self, drafted: list[torch.Tensor]) -> torch.Tensor:
-        """The sequence so far and the tokens drafted in this proposal, for processors that read them."""
-        return torch.tensor([self.cached_ids[: self.confirmed] + [int(token) for token in drafted]], device=self.device)
+    def _input_ids(self, state: "_Request", drafted: list[torch.Tensor]) -> torch.Tensor:
+        """The request's sequence so far and the tokens drafted in this proposal, for processors that read them."""
+        return torch.tensor([state.cached_ids[: state.confirmed] + [int(token) for token in drafted]],
+                            device=self.device)
 
     def _over_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
         """The drafter's distributions as probabilities over the target's token ids (zero past the shared ones)."""
@@ -222,33 +221,57 @@ class SmallModelDrafter(Proposer):
         return f"SmallModelDrafter({type(self.model).__name__}, num_draft={self.num_draft})"
 
 
+@dataclasses.dataclass
+class _Request:
+    """What the drafter keeps for one request."""
+
+    sampling: Sampling
+    num_draft: int  # its draft length now
+    last_draft_length: int = 0  # of its latest draft
+    cached_ids: list[int] = dataclasses.field(default_factory=list)  # what its cache (row) holds
+    confirmed: int = 0  # how many of them are known to be in the sequence
+    slot: int | None = None  # its row of the batch cache (None: it drafts alone, with ``cache``)
+    cache: CachedModel | None = None
+
+    def own_cache(self, model: torch.nn.Module) -> CachedModel:
+        """Its cache for drafting alone (made on first use)."""
+        if self.cache is None:
+            self.cache = CachedModel(model, positions=None, attention_mask=None, rollback=True)
+        return self.cache
+
+
 class _Rows:
-    """The draft model's cache for the rows of a batch: one :class:`CachedModel` row per drafter (the first
-    drafter and its forks), each keeping its place across the requests it serves."""
+    """The draft model's cache for the requests of a batch: one :class:`CachedModel` row per request, freed when the
+    request stops."""
 
     def __init__(self) -> None:
         self.cache: CachedModel | None = None
         self.batchable = True
+        self.free: list[int] = []  # rows no request holds
 
-    def cache_for(self, model: torch.nn.Module, rows: list[SmallModelDrafter]) -> CachedModel | None:
-        """The shared cache with a place for every drafter of ``rows`` (rebuilt, and every row's state dropped, when
-        new drafters do not fit); ``None`` while there is one row (and no batch yet), or for a draft model that
-        cannot be batched."""
-        if not self.batchable or (self.cache is None and len(rows) < 2):
+    def cache_for(self, model: torch.nn.Module, states: list[_Request], running: Iterable[_Request]
+                  ) -> CachedModel | None:
+        """The shared cache with a row for every request of ``states`` (rebuilt, and what every ``running`` request
+        cached dropped, when new requests do not fit); ``None`` while there is one request (and no batch yet), or
+        for a draft model that cannot be batched."""
+        if not self.batchable or (self.cache is None and len(states) < 2):
             return None
-        slots = {row.slot for row in rows} - {None}
-        if self.cache is None or len(slots) + sum(row.slot is None for row in rows) > self.cache.slots:
+        if self.cache is None or sum(state.slot is None for state in states) > len(self.free):
+            running = list(running)
             try:
-                self.cache = CachedModel(model, None, None, rollback=True, capacity=256, slots=2 * len(rows))
+                self.cache = CachedModel(model, None, None, rollback=True, capacity=256, slots=2 * len(running))
             except UnsupportedModelError:
                 self.batchable = False
                 return None
             self.idle = torch.zeros(1, dtype=torch.long, device=self.cache.device)  # fed to rows with nothing to feed
-            self.taken = 0
-            for row in rows:
-                row.slot, row.cached_ids[:], row.confirmed = None, [], 0
-        for row in rows:
-            if row.slot is None:  # (what it cached alone is not in the batch's cache: it starts again there)
-                row.slot, self.taken = self.taken, self.taken + 1
-                row.cached_ids[:], row.confirmed = [], 0
+            self.free = list(range(self.cache.slots - 1, -1, -1))
+            for state in running:
+                state.slot = None
+        for state in states:
+            if state.slot is None:  # (what it cached alone is not in the batch's cache: it starts again there)
+                state.slot = self.free.pop()
+                state.cached_ids[:], state.confirmed = [], 0
         return self.cache
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
