@@ -6,8 +6,7 @@
 """
 
 from . import _modules
-from .hf.generate import generate
-from .hf.decoding_method import SpeculaGenerateOutput, custom_generate, prepare_jobs
+from .hf.generate import SpeculaGenerateOutput, custom_generate, generate, prepare_jobs
 from .core.loop import Decoder, Job
 from .proposers.ngram import NGramPredictor
 from .proposers.prompt_lookup import PromptLookup

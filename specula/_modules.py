@@ -21,7 +21,7 @@ RENAMED = {  # old module (under specula) -> its new place
 }
 # Old modules whose names are packages now: their names, forwarded by the package's ``__getattr__``.
 FORWARDED = {
-    "hf": ("decoding_method", ("SpeculaGenerateOutput", "custom_generate", "prepare_jobs")),
+    "hf": ("generate", ("SpeculaGenerateOutput", "custom_generate", "prepare_jobs")),
     "proposers": ("registry", ("ENTRY_POINT_GROUP", "PROPOSER_NAMES", "available", "check_proposer",
                                "proposer_factory")),
 }

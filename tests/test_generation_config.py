@@ -82,7 +82,7 @@ def test_the_test_fails_when_the_configs_processors_are_dropped(monkeypatch) -> 
     def without_processors(do_sample, processors, generator):
         return specula.Sampling(do_sample, [], generator)
 
-    monkeypatch.setattr(sys.modules["specula.hf.decoding_method"], "Sampling", without_processors)
+    monkeypatch.setattr(sys.modules["specula.hf.bridge"], "Sampling", without_processors)
     model = configured("repetition_penalty")
     out = specula.generate(model, PROMPT, specula.PromptLookup(), max_new_tokens=NEW_TOKENS)
     assert out.sequences[0].tolist() != hf_greedy(model)

@@ -288,7 +288,7 @@ def test_the_test_fails_when_top_p_is_applied_to_q_only(monkeypatch) -> None:
     def without_top_p(do_sample, processors, generator):
         return specula.Sampling(do_sample, [p for p in processors if not isinstance(p, TopPLogitsWarper)], generator)
 
-    monkeypatch.setattr(sys.modules["specula.hf.decoding_method"], "Sampling", without_top_p)
+    monkeypatch.setattr(sys.modules["specula.hf.bridge"], "Sampling", without_top_p)
     drafter = lambda: NoisyModelDrafter(sharp_model(), 2, sampling=specula.Sampling.from_settings(**TRUNCATED))  # noqa: E731
     counts, expected, _ = sample_first_two(drafter, TRUNCATED, 1000)
     assert chi_square_p_value(counts, expected) < 0.001

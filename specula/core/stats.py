@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 TREE_COUNTERS = ("tree_steps", "tree_drafted", "tree_gain")  # SpecStats' counters of steps that sent a tree
 
@@ -89,9 +89,9 @@ class SpecStats:
 
 
 @dataclass
-class GenerateOutput:
-    """``sequences``: prompts + new tokens, shape ``[B, prompt_len + new_tokens]``, rows that ended early padded after
-    their end, as ``model.generate`` returns them."""
+class GenerateOutput(GenerateDecoderOnlyOutput):
+    """What specula's entry points return: ``model.generate``'s output with ``return_dict_in_generate=True``
+    (``sequences``: prompts + new tokens, ``[B, prompt_len + new_tokens]``, rows that ended early padded after their
+    end as ``model.generate`` pads them) plus specula's ``stats``."""
 
-    sequences: torch.LongTensor
-    stats: SpecStats
+    stats: SpecStats | None = None

@@ -1,18 +1,29 @@
-"""``specula.generate``: ``model.generate`` with specula's loop, in one call."""
+"""specula's entry points, one path: ``specula.generate(model, input_ids, proposer)`` is
+``model.generate(input_ids, custom_generate=specula.custom_generate, proposer=...)``. ``model.generate`` prepares
+everything (generation config, logits processors and warpers, stopping criteria, stop strings, streamer) and hands it
+to :func:`custom_generate`, which decodes with specula's loop instead of its own (:mod:`specula.hf.bridge`). Both
+return :class:`GenerateOutput`.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Iterable
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
-from .decoding_method import custom_generate
-from .inputs import check_max_new_tokens, check_prompt, eos_ids
-from ..proposers.base import Proposer
+from ..core.loop import Job
+from ..core.sampling import Sampling
 from ..core.stats import GenerateOutput
+from ..proposers.base import Proposer
+from .bridge import decode, jobs_of, prepared
+from .inputs import check_max_new_tokens, check_prompt, eos_ids
+
+SpeculaGenerateOutput = GenerateOutput  # custom_generate's output type before 0.2: one type now
 
 
 @torch.inference_mode()
@@ -80,8 +91,9 @@ def generate(
             (``repetition_penalty=1.2``, ``stop_strings=[...]`` with ``tokenizer=``, ...) or ``generation_config=``.
 
     Returns:
-        ``GenerateOutput`` with ``sequences`` (prompts + new tokens, ``[B, length]``, padded after a row's end as
-        ``model.generate`` pads it) and ``stats`` (batch totals, per-row stats in ``stats.rows``).
+        :class:`GenerateOutput` (``model.generate``'s output with ``return_dict_in_generate=True``): ``sequences``
+        (prompts + new tokens, ``[B, length]``, padded after a row's end as ``model.generate`` pads it) and ``stats``
+        (batch totals, per-row stats in ``stats.rows``).
     """
     if not isinstance(model, GenerationMixin):
         raise TypeError(
@@ -105,7 +117,7 @@ def generate(
         top_k=top_k, top_p=top_p, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         streamer=streamer,
     )
-    out = model.generate(
+    return model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids) if attention_mask is None else attention_mask,
         custom_generate=custom_generate,
@@ -117,4 +129,85 @@ def generate(
         **{name: value for name, value in given.items() if value is not None},
         **generation_kwargs,
     )
-    return GenerateOutput(sequences=out.sequences, stats=out.stats)
+
+
+def custom_generate(
+    model: torch.nn.Module,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer: BaseStreamer | None = None,
+    proposer: Proposer | None = None,
+    tokenizer=None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    adaptive_draft: bool = True,
+    row_exact: bool | None = None,
+    **model_kwargs,
+) -> torch.LongTensor | GenerateOutput:
+    """Decoding method for ``model.generate(custom_generate=specula.custom_generate, proposer=...)``.
+
+    Greedy or sampled per the generation config, with the logits processors, stopping criteria (EOS, max length,
+    ``stop_strings`` with ``tokenizer=``, custom ones) and streamer ``generate`` prepared; a stop inside an accepted
+    block ends the output exactly there. Returns the sequences, or with ``return_dict_in_generate=True`` a
+    :class:`GenerateOutput` (``sequences`` and specula's ``stats``). ``generator`` (a ``torch.Generator`` on the
+    model's device, or a list of one per row of a batch) makes sampling independent of torch's global RNG (and,
+    one per row, of the other rows: a seeded request samples the same in any batch); ``adaptive_draft``
+    and ``row_exact`` as in :func:`specula.generate`.
+    """
+    del synced_gpus, tokenizer  # one process; the tokenizer already went into the stop-string criteria
+    request, sampling, generators = prepared(model, input_ids, logits_processor, generation_config, generator,
+                                             model_kwargs)
+    out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, row_exact,
+                 generators)
+    return out if generation_config.return_dict_in_generate else out.sequences
+
+
+def _jobs_only(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs
+               ) -> tuple[list[Job], Sampling]:
+    """A ``custom_generate`` that decodes nothing: the requests ``generate`` prepared, for :func:`prepare_jobs`. It
+    declares :func:`custom_generate`'s signature (below), so ``generate`` hands it the same arguments."""
+    own = inspect.signature(custom_generate).parameters
+    request, sampling, generators = prepared(model, input_ids, logits_processor, generation_config,
+                                             kwargs.get("generator"), {k: v for k, v in kwargs.items() if k not in own})
+    return jobs_of(request, stopping_criteria, generators), sampling
+
+
+_jobs_only.__signature__ = inspect.signature(custom_generate)
+
+
+def prepare_jobs(model: torch.nn.Module, input_ids: torch.Tensor, **generate_kwargs) -> tuple[list[Job], Sampling]:
+    """The requests (one per row of ``input_ids``) and sampling that ``specula.generate(model, input_ids,
+    **generate_kwargs)`` would decode, prepared by ``model.generate`` itself (generation config, logits processors,
+    stopping criteria), for a :class:`specula.loop.Decoder` that takes requests as they come."""
+    mask = generate_kwargs.pop("attention_mask", None)
+    return model.generate(input_ids, attention_mask=torch.ones_like(input_ids) if mask is None else mask,
+                          custom_generate=_jobs_only, **generate_kwargs)
+
+
+def _keep_tokenizer_and_streamer(extract):
+    """transformers 5.x forwards only a callable's *own* extra arguments: ``tokenizer`` (which ``stop_strings``
+    needs) and ``streamer`` are dropped, so ``stop_strings`` fails and nothing is streamed. For
+    :func:`custom_generate` only, put them back, as ``generate`` passes them to its built-in decoding methods."""
+    signature = inspect.signature(extract)
+
+    @functools.wraps(extract)
+    def extract_keeping_them(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        tokenizer = bound.arguments["kwargs"].get("tokenizer")
+        mode_kwargs = extract(*args, **kwargs)
+        if bound.arguments["custom_generate"] in (custom_generate, _jobs_only):
+            for name, value in (("tokenizer", tokenizer), ("streamer", bound.arguments.get("streamer"))):
+                if value is not None:
+                    mode_kwargs[name] = value
+        return mode_kwargs
+
+    extract_keeping_them.keeps_tokenizer_and_streamer = True
+    return extract_keeping_them
+
+
+_extract = getattr(GenerationMixin, "_extract_generation_mode_kwargs", None)
+if _extract is not None and not getattr(_extract, "keeps_tokenizer_and_streamer", False):
+    if {"custom_generate", "kwargs", "streamer"} <= set(inspect.signature(_extract).parameters):
+        GenerationMixin._extract_generation_mode_kwargs = _keep_tokenizer_and_streamer(_extract)

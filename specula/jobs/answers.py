@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from ..policy.batch_size import fastest_batch_size
-from ..hf.decoding_method import prepare_jobs
+from ..hf.generate import prepare_jobs
 from ..core.loop import Decoder, Job
 from .requests import BadRequest, encode, read_requests
 

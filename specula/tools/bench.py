@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..hf.generate import generate
-from ..hf.decoding_method import prepare_jobs
+from ..hf.generate import prepare_jobs
 from ..core.loop import Decoder
 from ..core.draft import Draft
 from ..proposers.base import Proposer

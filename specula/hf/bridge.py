@@ -1,81 +1,26 @@
-"""``specula.custom_generate``: specula's loop inside transformers' own ``model.generate``.
-
-``model.generate(input_ids, custom_generate=specula.custom_generate, proposer=specula.PromptLookup(), ...)`` does
-everything ``generate`` usually prepares (generation config, logits processors and warpers, stopping criteria, stop
-strings, streamer) and then decodes with specula instead of its own loop.
-"""
+"""From what ``model.generate`` prepared to specula's loop and back: the checked request and its sampling, one
+:class:`~specula.core.loop.Job` per row, the loop's run over them, and the output ``model.generate`` would return."""
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+from transformers.generation.streamers import BaseStreamer
 
 from ..core.loop import Decoder, Job
-from .inputs import Request, prepare_request
-from ..proposers.base import Proposer
 from ..core.sampling import Sampling
 from ..core.stats import GenerateOutput, SpecStats
+from ..proposers.base import Proposer
+from .inputs import Request, prepare_request
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
-@dataclass
-class SpeculaGenerateOutput(GenerateDecoderOnlyOutput):
-    """``model.generate``'s output with ``return_dict_in_generate=True``, plus specula's ``stats``."""
-
-    stats: SpecStats | None = None
-
-
-def custom_generate(
-    model: torch.nn.Module,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    synced_gpus: bool = False,
-    streamer: BaseStreamer | None = None,
-    proposer: Proposer | None = None,
-    tokenizer=None,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    adaptive_draft: bool = True,
-    row_exact: bool | None = None,
-    **model_kwargs,
-) -> torch.LongTensor | SpeculaGenerateOutput:
-    """Decoding method for ``model.generate(custom_generate=specula.custom_generate, proposer=...)``.
-
-    Greedy or sampled per the generation config, with the logits processors, stopping criteria (EOS, max length,
-    ``stop_strings`` with ``tokenizer=``, custom ones) and streamer ``generate`` prepared; a stop inside an accepted
-    block ends the output exactly there. Returns the sequences, or with ``return_dict_in_generate=True`` a
-    ``SpeculaGenerateOutput`` (``sequences`` and specula's ``stats``). ``generator`` (a ``torch.Generator`` on the
-    model's device, or a list of one per row of a batch) makes sampling independent of torch's global RNG (and,
-    one per row, of the other rows: a seeded request samples the same in any batch); ``adaptive_draft``
-    and ``row_exact`` as in :func:`specula.generate`.
-    """
-    del synced_gpus, tokenizer  # one process; the tokenizer already went into the stop-string criteria
-    request, sampling, generators = _prepared(model, input_ids, logits_processor, generation_config, generator,
-                                              model_kwargs)
-    out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, row_exact,
-                 generators)
-    if generation_config.return_dict_in_generate:
-        return SpeculaGenerateOutput(sequences=out.sequences, stats=out.stats)
-    return out.sequences
-
-
-def _given_cache(model_kwargs: dict):
-    """The cache the caller handed ``generate`` (``cache`` from transformers 5.24, ``past_key_values`` before)."""
-    return next((model_kwargs[name] for name in ("cache", "past_key_values") if model_kwargs.get(name) is not None), None)
-
-
-def _prepared(model, input_ids, logits_processor, generation_config, generator, model_kwargs):
+def prepared(model, input_ids, logits_processor, generation_config, generator, model_kwargs):
     """The checked request, its sampling and per-row generators (``None``: one stream) from what ``generate``
     prepared."""
     _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator, _given_cache(model_kwargs))
@@ -93,32 +38,9 @@ def _prepared(model, input_ids, logits_processor, generation_config, generator, 
     return request, sampling, list(generator) if per_row else None
 
 
-def _jobs_only(
-    model: torch.nn.Module,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    synced_gpus: bool = False,
-    streamer: BaseStreamer | None = None,
-    tokenizer=None,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    **model_kwargs,
-) -> tuple[list[Job], Sampling]:
-    """A ``custom_generate`` that decodes nothing: the requests ``generate`` prepared, for :func:`prepare_jobs`."""
-    del synced_gpus, streamer, tokenizer
-    request, sampling, generators = _prepared(model, input_ids, logits_processor, generation_config, generator,
-                                              model_kwargs)
-    return jobs_of(request, stopping_criteria, generators), sampling
-
-
-def prepare_jobs(model: torch.nn.Module, input_ids: torch.Tensor, **generate_kwargs) -> tuple[list[Job], Sampling]:
-    """The requests (one per row of ``input_ids``) and sampling that ``specula.generate(model, input_ids,
-    **generate_kwargs)`` would decode, prepared by ``model.generate`` itself (generation config, logits processors,
-    stopping criteria), for a :class:`specula.loop.Decoder` that takes requests as they come."""
-    mask = generate_kwargs.pop("attention_mask", None)
-    return model.generate(input_ids, attention_mask=torch.ones_like(input_ids) if mask is None else mask,
-                          custom_generate=_jobs_only, **generate_kwargs)
+def _given_cache(model_kwargs: dict):
+    """The cache the caller handed ``generate`` (``cache`` from transformers 5.24, ``past_key_values`` before)."""
+    return next((model_kwargs[name] for name in ("cache", "past_key_values") if model_kwargs.get(name) is not None), None)
 
 
 def jobs_of(
@@ -220,30 +142,3 @@ def _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator,
                 f"generator is on {one.device} but the model is on {model_device}; create it with "
                 f"torch.Generator(device={str(model_device)!r})."
             )
-
-
-def _keep_tokenizer_and_streamer(extract):
-    """transformers 5.x forwards only a callable's *own* extra arguments: ``tokenizer`` (which ``stop_strings``
-    needs) and ``streamer`` are dropped, so ``stop_strings`` fails and nothing is streamed. For
-    :func:`custom_generate` only, put them back, as ``generate`` passes them to its built-in decoding methods."""
-    signature = inspect.signature(extract)
-
-    @functools.wraps(extract)
-    def extract_keeping_them(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        tokenizer = bound.arguments["kwargs"].get("tokenizer")
-        mode_kwargs = extract(*args, **kwargs)
-        if bound.arguments["custom_generate"] in (custom_generate, _jobs_only):
-            for name, value in (("tokenizer", tokenizer), ("streamer", bound.arguments.get("streamer"))):
-                if value is not None:
-                    mode_kwargs[name] = value
-        return mode_kwargs
-
-    extract_keeping_them.keeps_tokenizer_and_streamer = True
-    return extract_keeping_them
-
-
-_extract = getattr(GenerationMixin, "_extract_generation_mode_kwargs", None)
-if _extract is not None and not getattr(_extract, "keeps_tokenizer_and_streamer", False):
-    if {"custom_generate", "kwargs", "streamer"} <= set(inspect.signature(_extract).parameters):
-        GenerationMixin._extract_generation_mode_kwargs = _keep_tokenizer_and_streamer(_extract)
