@@ -15,7 +15,7 @@ from .proposers.base import Proposer, RequestProposer
 from .core.sampling import Sampling
 from .proposers.small_model import SmallModelDrafter
 from .core.stats import GenerateOutput, SpecStats
-from .target.runner import UnsupportedModelError
+from .target.support import UnsupportedModelError
 from .target.cpu_layout import tune_cpu_layout
 
 __all__ = [

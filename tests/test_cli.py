@@ -305,7 +305,8 @@ def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_
     start_row, forward_rows = specula.target.runner.CachedModel.start_row, specula.target.runner.CachedModel.forward_rows
 
     def recording_start(self, index, token_ids):
-        starts.append((index, self.batch))  # (the slot it takes, rows in the batch then)
+        if self.ragged:  # (a batch's rows; --batch-size 1 holds each request alone)
+            starts.append((index, self.batch))  # (the slot it takes, rows in the batch then)
         return start_row(self, index, token_ids)
 
     def recording_forward(self, blocks, num_logits, trees=None, argmax_only=False):

@@ -166,13 +166,14 @@ class _IgnoresTheCache(transformers.LlamaForCausalLM):
 
 
 def test_a_model_that_ignores_the_cache_is_refused(monkeypatch) -> None:
-    torch.manual_seed(0)
-    ignoring = _IgnoresTheCache(model("llama").config).eval()
+    config = model("llama").config
+    torch.manual_seed(0)  # (after the reference model is made: the same weights alone and in the whole file)
+    ignoring = _IgnoresTheCache(config).eval()
     prompt = torch.tensor([RANDOM])
     expected = hf_greedy(ignoring, prompt, 20)
     for proposer in (specula.PromptLookup(), None):
         with pytest.raises(specula.UnsupportedModelError, match="holds nothing where specula expects 16"):
             specula.generate(ignoring, prompt, proposer, max_new_tokens=20)
     # Without the check the output is silently wrong.
-    monkeypatch.setattr(specula.target.runner.CachedModel, "_check_length", lambda self, after: None)
+    monkeypatch.setattr(specula.target.runner, "check_cache_length", lambda model, cache, expected, after: None)
     assert specula.generate(ignoring, prompt, None, max_new_tokens=20).sequences.tolist() != expected.tolist()

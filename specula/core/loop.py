@@ -15,11 +15,11 @@ from transformers import StoppingCriteriaList
 
 from ..target import calibration
 from .acceptance import accept_draft
-from ..target.runner import CachedModel, UnsupportedModelError
+from ..target.runner import CachedModel
 from ..policy.adaptive import AdaptiveDrafts, FixedDrafts
 from ..policy.costs import shared_step_seconds
 from ..policy.protocol import DraftPolicy, Step
-from ..target.support import vocab_size
+from ..target.support import UnsupportedModelError, vocab_size
 from .draft import Draft
 from .sequence import Sequence
 from ..proposers.base import Proposer, RequestFailed, RequestProposer, for_requests
@@ -182,11 +182,8 @@ class Decoder:
         if self.slots == 1 or self._target is None:
             self._target = self._cached_model(job, capacity)
         started = time.perf_counter()
-        if not self._target.ragged:
-            feed = job.prompt if job.padded is None else job.padded[0]
-            logits = self._target.forward(torch.from_numpy(feed).to(self._target.model.device), 1)
-        else:
-            logits = self._target.start_row(index, torch.from_numpy(job.prompt).to(self._target.device))
+        feed = job.prompt if job.padded is None else job.padded[0]  # (padded: alone, as model.generate feeds it)
+        logits = self._target.start_row(index, torch.from_numpy(feed).to(self._target.device))
         self.passes += 1
         none = Draft.empty()
         kept = self._append(row, accept_draft(logits, none, row.sampling, self._tokens(row, none)), none)

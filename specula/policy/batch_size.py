@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from ..target.runner import CachedModel, UnsupportedModelError
+from ..target.runner import CachedModel
+from ..target.support import UnsupportedModelError
 from ..target.profile import profile_of
 from ..target.support import vocab_size
 from ..target.row_exact import wanted

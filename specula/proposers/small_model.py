@@ -8,8 +8,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from ..target.runner import CachedModel, UnsupportedModelError
-from ..target.support import vocab_size
+from ..target.runner import CachedModel
+from ..target.support import UnsupportedModelError, vocab_size
 from ..core.draft import Draft, check_int
 from .base import RequestProposer
 from ..core.sampling import Sampling
@@ -107,14 +107,14 @@ class SmallModelDrafter(RequestProposer):
         one cache of the draft model; a model that cannot be batched drafts request by request."""
         states = [self.requests[request] for request in requests]
         batch = self.batch.cache_for(self.model, states, self.requests.values())
-        if batch is None and len(states) > 1:
-            return [self._drafts([state], [context], [most], None)[0]
+        if batch is None:  # (each request alone, in a cache of its own)
+            return [self._drafts([state], [context], [most], state.own_cache(self.model))[0]
                     for state, context, most in zip(states, contexts, max_tokens)]
         return self._drafts(states, contexts, max_tokens, batch)
 
-    def _drafts(self, states: list["_Request"], contexts, max_tokens, batch: CachedModel | None) -> list[Draft]:
-        """Draft for ``states`` (alone: one request and its own cache; else ``batch``, the requests' shared cache)."""
-        logits = self._catch_up(states, contexts, batch)  # per request [1, vocab]
+    def _drafts(self, states: list["_Request"], contexts, max_tokens, cache: CachedModel) -> list[Draft]:
+        """Draft for ``states`` in ``cache`` (a request's own, or the requests' shared one)."""
+        logits = self._catch_up(states, contexts, cache)  # per request [1, vocab]
         lengths = [min(state.num_draft, most) for state, most in zip(states, max_tokens)]
         tokens, probs = [[] for _ in states], [[] for _ in states]
         drafting = [length > 0 for length in lengths]
@@ -129,7 +129,7 @@ class SmallModelDrafter(RequestProposer):
                 drafting[r] = not stop and len(tokens[r]) < lengths[r]
             if any(drafting):
                 fed = [torch.cat(drafted[-1:]) if going else None for drafted, going in zip(tokens, drafting)]
-                logits = self._feed(states, fed, batch)
+                logits = self._feed(states, fed, cache)
                 for state, token in zip(states, fed):
                     if token is not None:
                         state.cached_ids.append(int(token))
@@ -166,44 +166,38 @@ class SmallModelDrafter(RequestProposer):
                 state.num_draft = max(state.num_draft - 1, 1)
         state.last_draft_length = 0
 
-    def _catch_up(self, states: list["_Request"], contexts, batch: CachedModel | None) -> list[torch.Tensor]:
-        """Roll each request's cache back to where it agrees with its context, feed the rest (a new request's prompt
-        alone); return each request's next logits."""
+    def _catch_up(self, states: list["_Request"], contexts, cache: CachedModel) -> list[torch.Tensor]:
+        """Roll each request's row of ``cache`` back to where it agrees with its context, feed the rest (a new
+        request's prompt alone); return each request's next logits."""
         fed = []
         for state, context in zip(states, contexts):
             cached, keep = state.cached_ids, state.confirmed
             while keep < min(len(cached), len(context) - 1) and cached[keep] == context[keep]:
                 keep += 1
-            if batch is None:
-                state.own_cache(self.model).rollback(len(cached) - keep)
-            else:
-                batch.truncate_row(state.slot, keep)
+            cache.truncate_row(state.row(cache), keep)
             del cached[keep:]
             new = context[keep:]
             cached.extend(new.tolist())
             state.confirmed = len(cached)
             fed.append(torch.from_numpy(new.copy()).to(self.device))
-        if batch is None:
-            return [states[0].cache.forward(fed[0], num_logits=1)]
-        logits = [batch.start_row(state.slot, tokens) if state.confirmed == len(tokens) else None
+        logits = [cache.start_row(state.row(cache), tokens) if state.confirmed == len(tokens) else None
                   for state, tokens in zip(states, fed)]  # (new requests: their prompt alone)
-        caught = self._feed(states, [tokens if got is None else None for tokens, got in zip(fed, logits)], batch)
+        caught = self._feed(states, [tokens if got is None else None for tokens, got in zip(fed, logits)], cache)
         return [got if got is not None else other for got, other in zip(logits, caught)]
 
-    def _feed(self, states: list["_Request"], fed: list[torch.Tensor | None], batch: CachedModel | None):
+    def _feed(self, states: list["_Request"], fed: list[torch.Tensor | None], cache: CachedModel):
         """Feed each request its tokens (``None``: nothing) in one pass; return each request's next logits."""
-        if batch is None:
-            return [states[0].cache.forward(fed[0], num_logits=1)]
         if all(tokens is None for tokens in fed):
             return [None] * len(states)
-        idle = self.batch.idle
-        blocks = [idle] * batch.batch  # rows of the cache not fed (free, or done drafting)
+        idle = torch.zeros(1, dtype=torch.long, device=cache.device)
+        blocks = [idle] * cache.batch  # rows of the cache not fed (free, or done drafting)
         for state, tokens in zip(states, fed):
             if tokens is not None:
-                blocks[state.slot] = tokens
-        logits = batch.forward_rows(blocks, [1] * len(blocks))
-        batch.keep_rows([0 if block is idle else len(block) for block in blocks])
-        return [None if tokens is None else logits[state.slot] for state, tokens in zip(states, fed)]
+                blocks[state.row(cache)] = tokens
+        logits = cache.forward_rows(blocks, [1] * len(blocks))
+        if cache.ragged:  # (a cache held alone rolls back at the next catch-up: sliding-window layers keep what a
+            cache.keep_rows([0 if block is idle else len(block) for block in blocks])  # rollback needs until then)
+        return [None if tokens is None else logits[state.row(cache)] for state, tokens in zip(states, fed)]
 
     def _input_ids(self, state: "_Request", drafted: list[torch.Tensor]) -> torch.Tensor:
         """The request's sequence so far and the tokens drafted in this proposal, for processors that read them."""
@@ -239,6 +233,10 @@ class _Request:
             self.cache = CachedModel(model, positions=None, attention_mask=None, rollback=True)
         return self.cache
 
+    def row(self, cache: CachedModel) -> int:
+        """Its row of ``cache``."""
+        return 0 if cache is self.cache else self.slot
+
 
 class _Rows:
     """The draft model's cache for the requests of a batch: one :class:`CachedModel` row per request, freed when the
@@ -263,7 +261,6 @@ class _Rows:
             except UnsupportedModelError:
                 self.batchable = False
                 return None
-            self.idle = torch.zeros(1, dtype=torch.long, device=self.cache.device)  # fed to rows with nothing to feed
             self.free = list(range(self.cache.slots - 1, -1, -1))
             for state in running:
                 state.slot = None

@@ -11,70 +11,19 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
-from transformers.cache_utils import (
-    CacheLayerMixin, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin,
-)
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .row_exact import row_exact_for
+from .support import (
+    UnsupportedModelError, cache_argument, check_batchable, check_cache_length, check_rollback, check_split_independent,
+    check_standard_cache, multi_token_failure,
+)
 
 # Attention kernels for multi-token passes on a GPU: every backend but cuDNN's. cuDNN builds an execution plan for
 # each new (query, key) shape, and a verification pass has a new one every step (the cache grows, the draft length
 # varies): on an H100 with SmolLM2-135M that made a PromptLookup step cost 1.6-2.8x a one-token step; without it,
 # 0.8-1.35x (examples/gpu_attention.py). One-token steps keep torch's own choice, as model.generate has it.
 _VERIFY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-# Where a causal LM's forward takes its Cache: cache (transformers >= 5.24), past_key_values (earlier versions, and
-# models that keep the old name), or cache_params for Mamba-style models (as in model.generate). Models that keep their state under another name (XLM's cache dict, RWKV, XLNet ...) are refused.
-_CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
-
-
-# Models whose pass over several tokens after a filled cache does not compute what one-token steps compute, so that
-# even model.generate's own output depends on how the tokens are split into passes; found by the architecture sweep
-# (tests/test_architectures.py). They decode through specula without a proposer (one-token steps), not with one.
-_SPLIT_DEPENDENT = {
-    "moshi": "its attention mask has no sliding window while its KV cache keeps one",
-}
-
-
-class UnsupportedModelError(ValueError):
-    """The model (or its cache) cannot be used for speculative decoding."""
-
-
-def _takes_a_cache(parameter: inspect.Parameter | None) -> bool:
-    """Whether a forward argument takes a transformers ``Cache`` (XLM's ``cache`` takes a dict of its own)."""
-    if parameter is None:
-        return False
-    annotation = parameter.annotation
-    return annotation is inspect.Parameter.empty or "dict" not in str(annotation)
-
-
-def _model_type(model: torch.nn.Module) -> str:
-    return f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r})"
-
-
-def _written_lengths(cache: DynamicCache) -> tuple[set[int], bool]:
-    """The lengths the attention layers the model wrote say they hold, and whether it wrote any layer at all
-    (recurrent state included). Layers it never writes (cross-attention without an image, shared KV) do not count."""
-    lengths, written = set(), False
-    for layer in cache.layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            written |= any(layer.is_conv_states_initialized.values()) or any(layer.is_recurrent_states_initialized.values())
-        if isinstance(layer, CacheLayerMixin) and layer.is_initialized:
-            lengths.add(layer.get_seq_length())
-            written = True
-    return lengths, written
-
-
-def _crop_is_stale(layer: object) -> bool:
-    """Whether ``layer``'s class replaced ``update()`` but kept a parent's ``crop()``, which cannot know what the new
-    ``update()`` keeps (DeepSeek-V4's layers trim to the window and fill compressor buffers that crop never rolls
-    back, yet inherit ``is_croppable``)."""
-    def owner(name: str) -> type | None:
-        return next((cls for cls in type(layer).__mro__ if name in vars(cls)), None)
-
-    updates, crops = owner("update"), owner("crop")
-    return updates is not None and crops is not None and updates is not crops and issubclass(updates, crops)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -243,24 +192,14 @@ class CachedModel:
         slots: int = 1,
         ragged: bool | None = None,
     ) -> None:
-        config = model.config
-        supports_dynamic_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
-        if getattr(config, "is_encoder_decoder", False) or not supports_dynamic_cache:
-            raise UnsupportedModelError(
-                f"{_model_type(model)} is not a decoder-only model with a standard KV cache; specula cannot verify "
-                "drafts with it. Use model.generate() for this model."
-            )
-        self.cache = DynamicCache(config=config.get_text_config(decoder=True))
+        check_standard_cache(model)
+        self.cache = DynamicCache(config=model.config.get_text_config(decoder=True))
         if rollback:
-            self._refuse_split_dependent(model)
+            check_split_independent(model, self.cache)
         parameters = inspect.signature(model.forward).parameters
-        self.cache_argument = next((name for name in _CACHE_ARGUMENTS if _takes_a_cache(parameters.get(name))), None)
-        if self.cache_argument is None:
-            raise UnsupportedModelError(
-                f"{_model_type(model)} takes no KV cache (its forward has no cache or past_key_values argument), so it cannot "
-                "decode step by step. Use model.generate() for this model."
-            )
+        self.cache_argument = cache_argument(model, parameters)
         self.model = model
+        self.device = model.get_input_embeddings().weight.device
         self.positions = positions if "position_ids" in parameters else None
         self.attention_mask = attention_mask
         self.accepts_logits_to_keep = "logits_to_keep" in parameters
@@ -291,30 +230,19 @@ class CachedModel:
         self.window = max(windows - {None}, default=None)  # (the cache gives every sliding layer the config's)
         self.mixed = len(windows) > 1  # full-attention and sliding-window layers: a mask for each (by layer type)
         other = sorted({type(layer).__name__ for layer in self.cache.layers if type(layer) is not PreallocatedLayer})
-        if other:
-            raise UnsupportedModelError(
-                f"{_model_type(model)} keeps {', '.join(other)} cache layers (sliding windows, recurrent state ...); "
-                "specula batches only models whose layers all cache full attention. Decode its requests one at a time."
-            )
+        check_batchable(model, other, parameters)
         self.attention = model.config._attn_implementation
-        if self.attention not in ("sdpa", "eager"):
-            raise UnsupportedModelError(
-                f"specula batches with the 'sdpa' or 'eager' attention implementation, not {self.attention!r}; load "
-                f"{_model_type(model)} with attn_implementation='sdpa', or decode one request at a time."
-            )
-        if "position_ids" not in parameters:
-            raise UnsupportedModelError(
-                f"{_model_type(model)} takes no position_ids, so rows of different lengths cannot share a pass; "
-                "decode its requests one at a time."
-            )
-        self.device = model.get_input_embeddings().weight.device
         self.starts = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # [slots]: each row's tokens
         self.dtype = next(model.parameters()).dtype
 
     def start_row(self, index: int, token_ids: torch.Tensor) -> torch.Tensor:
         """Make row ``index`` (at most the number of rows in use) a new request whose prompt is ``token_ids`` (1-D):
         its prompt is computed alone, as ``model.generate`` computes it, and its states become that row's cache.
-        Returns the logits of its last position (``[1, vocab]``)."""
+        Returns the logits of its last position (``[1, vocab]``). Held alone (not ragged): :meth:`forward` on an
+        emptied cache."""
+        if not self.ragged:
+            self.rollback(self.cached_tokens)
+            return self.forward(token_ids, 1)
         alone = DynamicCache(config=self.model.config.get_text_config(decoder=True))
         inputs = {"input_ids": token_ids[None], self.cache_argument: alone, "use_cache": True}
         if self.accepts_logits_to_keep:
@@ -328,7 +256,10 @@ class CachedModel:
         return logits
 
     def truncate_row(self, index: int, length: int) -> None:
-        """Row ``index`` forgets all but its first ``length`` tokens."""
+        """Row ``index`` forgets all but its first ``length`` tokens (held alone: :meth:`rollback`)."""
+        if not self.ragged:
+            self.rollback(self.cached_tokens - length)
+            return
         self.starts[index] = length
         if index < self.batch:
             self._set_rows()
@@ -350,21 +281,6 @@ class CachedModel:
         for layer in self.cache.layers:
             layer.rows, layer.row_starts, layer.length = self.batch, starts, self.cached_tokens
             layer._expose()
-
-    def _refuse_split_dependent(self, model: torch.nn.Module) -> None:
-        """Refuse models for which a pass over several tokens computes something else than one-token steps."""
-        reason = _SPLIT_DEPENDENT.get(model.config.model_type)
-        if any(isinstance(layer, DynamicIndexedLayer) for layer in self.cache.layers):
-            reason = (
-                "its sparse attention picks the top-k keys of each query with an indexer, and passes of other "
-                "shapes round its scores differently and break its ties otherwise"
-            )
-        if reason is not None:
-            raise UnsupportedModelError(
-                f"{_model_type(model)} gives other results for a pass over several tokens than for one-token steps "
-                f"({reason}), so drafts cannot be verified exactly. Use proposer=None or model.generate() for this "
-                "model."
-            )
 
     def forward(self, token_ids: torch.Tensor, num_logits: int, argmax_only: bool = False) -> torch.Tensor:
         """Append ``token_ids`` (1-D) to the cache; return the logits of its last ``num_logits`` positions
@@ -393,21 +309,11 @@ class CachedModel:
         except Exception as error:
             if start == 0 or token_ids.shape[0] == 1 or isinstance(error, torch.OutOfMemoryError):
                 raise
-            raise UnsupportedModelError(
-                f"{_model_type(self.model)} fails on a pass over {token_ids.shape[0]} tokens after a filled KV cache "
-                f"({type(error).__name__}: {error}), so drafts cannot be verified. Use proposer=None or "
-                "model.generate() for this model."
-            ) from error
+            raise multi_token_failure(self.model, token_ids.shape[0], error) from error
         self.cached_tokens = end
-        self._check_length("a forward pass")
+        check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")
         if start == 0 and self.can_roll_back:
-            stale = sorted({type(layer).__name__ for layer in self.cache.layers if _crop_is_stale(layer)})
-            if stale or not self.cache.is_croppable:
-                reason = f"its {', '.join(stale)} layers cannot crop what they keep" if stale else "it keeps recurrent state"
-                raise UnsupportedModelError(
-                    f"The KV cache of {_model_type(self.model)} cannot be rolled back ({reason}), so drafts cannot be "
-                    "verified. Use proposer=None or model.generate() for this model."
-                )
+            check_rollback(self.model, self.cache)
         return logits
 
     def forward_rows(
@@ -450,7 +356,7 @@ class CachedModel:
         with exact as finish:
             logits = finish(self.model(**inputs).logits)[:, -keep:]  # [B, keep, vocab]
         self.cached_tokens = len(keys)
-        self._check_length("a forward pass")
+        check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")
         return [logits[b, first[b] - (n - keep) : lengths[b] - (n - keep)] for b in range(self.batch)]
 
     def _block_mask(self, starts: torch.Tensor, keys: torch.Tensor, ancestry: torch.Tensor, depth: torch.Tensor,
@@ -503,16 +409,6 @@ class CachedModel:
         if rows:
             self._set_rows()
 
-    def _check_length(self, after: str) -> None:
-        lengths, written = _written_lengths(self.cache)
-        if not written or lengths - {self.cached_tokens}:
-            holds = "nothing" if not written else f"{', '.join(map(str, sorted(lengths)))} tokens"
-            raise UnsupportedModelError(
-                f"After {after}, the KV cache of {_model_type(self.model)} holds {holds} where specula expects "
-                f"{self.cached_tokens}: the model does not use the cache it is given as model.generate's loop does, "
-                "so specula cannot decode with it. Use model.generate() for this model."
-            )
-
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` cached tokens. Always called after a forward pass, even with 0, because
         that is when sliding-window layers drop the states past recording kept for a possible rollback."""
@@ -520,4 +416,4 @@ class CachedModel:
             self.cache.crop(-num_tokens)
         self.cached_tokens -= num_tokens
         if num_tokens:
-            self._check_length("a rollback")
+            check_cache_length(self.model, self.cache, self.cached_tokens, "a rollback")

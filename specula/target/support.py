@@ -1,8 +1,30 @@
-"""What a model can do, read from the model: the token ids it accepts, the longest sequence it supports."""
+"""What a model can do, read from the model and checked before and while specula decodes with it: the token ids it
+accepts, the longest sequence it supports, and whether its cache lets drafts be verified, rolled back and batched.
+Each check raises :class:`UnsupportedModelError` naming the model, what it lacks and what to use instead."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer, LinearAttentionCacheLayerMixin
+
+# Where a causal LM's forward takes its Cache: cache (transformers >= 5.24), past_key_values (earlier versions, and
+# models that keep the old name), or cache_params for Mamba-style models (as in model.generate). Models that keep
+# their state under another name (XLM's cache dict, RWKV, XLNet ...) are refused.
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
+
+# Models whose pass over several tokens after a filled cache does not compute what one-token steps compute, so that
+# even model.generate's own output depends on how the tokens are split into passes; found by the architecture sweep
+# (tests/test_architectures.py). They decode through specula without a proposer (one-token steps), not with one.
+_SPLIT_DEPENDENT = {
+    "moshi": "its attention mask has no sliding window while its KV cache keeps one",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or its cache) cannot be used for speculative decoding."""
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -18,3 +40,129 @@ def context_limit(model: torch.nn.Module) -> int | None:
         if isinstance(limit, int) and limit > 0:
             return limit
     return None
+
+
+def describe(model: torch.nn.Module) -> str:
+    return f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r})"
+
+
+def check_standard_cache(model: torch.nn.Module) -> None:
+    """A decoder-only model whose cache is transformers' ``DynamicCache``."""
+    supports_dynamic_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
+    if getattr(model.config, "is_encoder_decoder", False) or not supports_dynamic_cache:
+        raise UnsupportedModelError(
+            f"{describe(model)} is not a decoder-only model with a standard KV cache; specula cannot verify "
+            "drafts with it. Use model.generate() for this model."
+        )
+
+
+def cache_argument(model: torch.nn.Module, parameters) -> str:
+    """The name under which ``model.forward`` (whose ``parameters`` these are) takes its cache."""
+    name = next((name for name in _CACHE_ARGUMENTS if _takes_a_cache(parameters.get(name))), None)
+    if name is None:
+        raise UnsupportedModelError(
+            f"{describe(model)} takes no KV cache (its forward has no cache or past_key_values argument), so it "
+            "cannot decode step by step. Use model.generate() for this model."
+        )
+    return name
+
+
+def _takes_a_cache(parameter: inspect.Parameter | None) -> bool:
+    """Whether a forward argument takes a transformers ``Cache`` (XLM's ``cache`` takes a dict of its own)."""
+    if parameter is None:
+        return False
+    annotation = parameter.annotation
+    return annotation is inspect.Parameter.empty or "dict" not in str(annotation)
+
+
+def check_split_independent(model: torch.nn.Module, cache: DynamicCache) -> None:
+    """Refuse models for which a pass over several tokens computes something else than one-token steps."""
+    reason = _SPLIT_DEPENDENT.get(model.config.model_type)
+    if any(isinstance(layer, DynamicIndexedLayer) for layer in cache.layers):
+        reason = (
+            "its sparse attention picks the top-k keys of each query with an indexer, and passes of other "
+            "shapes round its scores differently and break its ties otherwise"
+        )
+    if reason is not None:
+        raise UnsupportedModelError(
+            f"{describe(model)} gives other results for a pass over several tokens than for one-token steps "
+            f"({reason}), so drafts cannot be verified exactly. Use proposer=None or model.generate() for this "
+            "model."
+        )
+
+
+def check_batchable(model: torch.nn.Module, other_layers: list[str], parameters) -> None:
+    """Rows of different lengths can share a pass: every cache layer full attention (``other_layers``: the kinds that
+    are not), an attention implementation that takes specula's masks, position ids."""
+    if other_layers:
+        raise UnsupportedModelError(
+            f"{describe(model)} keeps {', '.join(other_layers)} cache layers (sliding windows, recurrent state ...); "
+            "specula batches only models whose layers all cache full attention. Decode its requests one at a time."
+        )
+    attention = model.config._attn_implementation
+    if attention not in ("sdpa", "eager"):
+        raise UnsupportedModelError(
+            f"specula batches with the 'sdpa' or 'eager' attention implementation, not {attention!r}; load "
+            f"{describe(model)} with attn_implementation='sdpa', or decode one request at a time."
+        )
+    if "position_ids" not in parameters:
+        raise UnsupportedModelError(
+            f"{describe(model)} takes no position_ids, so rows of different lengths cannot share a pass; "
+            "decode its requests one at a time."
+        )
+
+
+def check_rollback(model: torch.nn.Module, cache: DynamicCache) -> None:
+    """After the prefill: the cache can be rolled back past rejected drafts."""
+    stale = sorted({type(layer).__name__ for layer in cache.layers if _crop_is_stale(layer)})
+    if stale or not cache.is_croppable:
+        reason = f"its {', '.join(stale)} layers cannot crop what they keep" if stale else "it keeps recurrent state"
+        raise UnsupportedModelError(
+            f"The KV cache of {describe(model)} cannot be rolled back ({reason}), so drafts cannot be "
+            "verified. Use proposer=None or model.generate() for this model."
+        )
+
+
+def _crop_is_stale(layer: object) -> bool:
+    """Whether ``layer``'s class replaced ``update()`` but kept a parent's ``crop()``, which cannot know what the new
+    ``update()`` keeps (DeepSeek-V4's layers trim to the window and fill compressor buffers that crop never rolls
+    back, yet inherit ``is_croppable``)."""
+    def owner(name: str) -> type | None:
+        return next((cls for cls in type(layer).__mro__ if name in vars(cls)), None)
+
+    updates, crops = owner("update"), owner("crop")
+    return updates is not None and crops is not None and updates is not crops and issubclass(updates, crops)
+
+
+def multi_token_failure(model: torch.nn.Module, tokens: int, error: Exception) -> UnsupportedModelError:
+    """What to raise when a pass over ``tokens`` tokens after a filled cache failed with ``error``."""
+    return UnsupportedModelError(
+        f"{describe(model)} fails on a pass over {tokens} tokens after a filled KV cache "
+        f"({type(error).__name__}: {error}), so drafts cannot be verified. Use proposer=None or "
+        "model.generate() for this model."
+    )
+
+
+def check_cache_length(model: torch.nn.Module, cache: DynamicCache, expected: int, after: str) -> None:
+    """The attention layers the model wrote hold ``expected`` tokens (the model uses the cache it is given)."""
+    lengths, written = _written_lengths(cache)
+    if not written or lengths - {expected}:
+        holds = "nothing" if not written else f"{', '.join(map(str, sorted(lengths)))} tokens"
+        raise UnsupportedModelError(
+            f"After {after}, the KV cache of {describe(model)} holds {holds} where specula expects {expected}: "
+            "the model does not use the cache it is given as model.generate's loop does, so specula cannot decode "
+            "with it. Use model.generate() for this model."
+        )
+
+
+def _written_lengths(cache: DynamicCache) -> tuple[set[int], bool]:
+    """The lengths the attention layers the model wrote say they hold, and whether it wrote any layer at all
+    (recurrent state included). Layers it never writes (cross-attention without an image, shared KV) do not count."""
+    lengths, written = set(), False
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            written |= any(layer.is_conv_states_initialized.values()) or any(layer.is_recurrent_states_initialized.values())
+        if isinstance(layer, CacheLayerMixin) and layer.is_initialized:
+            lengths.add(layer.get_seq_length())
+            written = True
+    return lengths, written
