@@ -17,7 +17,7 @@ _CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
 
 # Models whose pass over several tokens after a filled cache does not compute what one-token steps compute, so that
 # even model.generate's own output depends on how the tokens are split into passes; found by the architecture sweep
-# (tests/test_architectures.py). They decode through specula without a proposer (one-token steps), not with one.
+# (tests/e2e/test_architectures.py). They decode through specula without a proposer (one-token steps), not with one.
 _SPLIT_DEPENDENT = {
     "moshi": "its attention mask has no sliding window while its KV cache keeps one",
 }

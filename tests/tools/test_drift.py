@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
-from test_row_exact import NEW_TOKENS, model, prompt, reference
+from bf16_cases import NEW_TOKENS, model, prompt, reference
 from helpers import Oracle
 
 from specula import cli

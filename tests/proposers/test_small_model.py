@@ -10,7 +10,7 @@ import tokenizers
 import torch
 import transformers
 from helpers import chi_square_p_value, hf_greedy
-from test_sampling import TRUNCATED, VOCAB as SHARP_VOCAB, sample_first_two, sharp_model
+from sampling_cases import TRUNCATED, sample_first_two, sharp_model
 from tiny_models import CONFIGS, VOCAB, tiny_model
 
 import specula

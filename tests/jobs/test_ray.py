@@ -92,7 +92,7 @@ def test_ray_missing_is_a_clear_error(tmp_path, capsys, monkeypatch) -> None:
 @pytest.mark.slow
 def test_ray_on_the_default_model(tmp_path, capsys) -> None:
     source = tmp_path / "in.jsonl"
-    requests = Path(__file__).parents[1] / "examples" / "requests.jsonl"
+    requests = Path(__file__).parents[2] / "examples" / "requests.jsonl"
     source.write_text("".join(requests.read_text().splitlines(keepends=True)[:3]))
     common = ["--input", source, "--dtype", "fp32", "--max-new-tokens", 24]
     generate(*common, "--output", tmp_path / "local.jsonl")

@@ -1,220 +1,22 @@
-"""Speculative sampling is lossless: the acceptance rule analytically, then specula.generate statistically."""
+"""Speculative sampling is lossless end to end: specula.generate samples the target's exact joint distribution."""
 
 from __future__ import annotations
 
 import collections
-import functools
-import itertools
 import sys
 
 import pytest
 import torch
-import transformers
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import TopPLogitsWarper
 
 import specula
 from specula.core import acceptance
-from specula.core.acceptance import accept_draft, acceptance_probability, residual_distribution
 from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, TreeOracle, chi_square_p_value
 from tiny_models import VOCAB as TINY_VOCAB, tiny_model
-
-# ---------------------------------------------------------------------------------------------------------------
-# The acceptance rule, analytically: for any p and q, emitted tokens are distributed as p.
-
-
-def output_distribution(p: torch.Tensor, q: torch.Tensor, accept_probability=acceptance_probability) -> torch.Tensor:
-    """Exact distribution of the token emitted at one draft position: draw d ~ q, accept it with a(d), else draw
-    from the residual. sum_d q(d) a(d) [x = d] + (sum_d q(d) (1 - a(d))) residual(x)."""
-    tokens = torch.arange(len(p))
-    accept = accept_probability(p[tokens], q[tokens])
-    rejected_mass = (q * (1 - accept)).sum()
-    return q * accept + rejected_mass * residual_distribution(p[None], q[None])[0]
-
-
-def distributions(size: int):
-    """Probability vectors over ``size`` tokens, with exact zeros and tiny values."""
-    weight = st.one_of(st.just(0.0), st.floats(1e-12, 1.0), st.floats(1e-3, 1.0))
-    return st.lists(weight, min_size=size, max_size=size).filter(lambda w: sum(w) > 0).map(
-        lambda w: torch.tensor(w, dtype=torch.float64) / sum(w)
-    )
-
-
-@st.composite
-def p_and_q(draw):
-    size = draw(st.integers(2, 8))
-    p = draw(distributions(size))
-    kind = draw(st.sampled_from(["any", "one-hot", "near-tie", "equal"]))
-    if kind == "any":
-        q = draw(distributions(size))
-    elif kind == "one-hot":  # a deterministic proposer
-        q = torch.zeros(size, dtype=torch.float64)
-        q[draw(st.integers(0, size - 1))] = 1.0
-    elif kind == "near-tie":
-        noise = torch.tensor(draw(st.lists(st.floats(0, 1e-9), min_size=size, max_size=size)), dtype=torch.float64)
-        q = (p + noise) / (p + noise).sum()
-    else:
-        q = p.clone()
-    return p, q
-
-
-@settings(max_examples=500, deadline=None)
-@given(p_and_q())
-def test_acceptance_rule_emits_exactly_p(pq) -> None:
-    p, q = pq
-    assert torch.allclose(output_distribution(p, q), p, rtol=0, atol=1e-9)
-
-
-def test_the_analytic_check_catches_a_wrong_rule() -> None:
-    """The property above is not vacuous: accepting with min(1, q/p), or resampling from p, breaks it."""
-    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
-    q = torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)
-    inverted = output_distribution(p, q, accept_probability=lambda pd, qd: (qd / pd).clamp(max=1))
-    assert not torch.allclose(inverted, p, atol=1e-3)
-    one_hot = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
-    tokens = torch.arange(3)
-    accept = acceptance_probability(p[tokens], one_hot[tokens])
-    resample_from_p = one_hot * accept + (one_hot * (1 - accept)).sum() * p
-    assert not torch.allclose(resample_from_p, p, atol=1e-3)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# accept_draft itself, on logits: the same rule as implemented, vectorised, in float32.
-
-
-def test_greedy_is_the_temperature_zero_case() -> None:
-    logits = torch.randn(4, 10)
-    draft = specula.Draft(logits[:3].argmax(-1))
-    for sampling in (specula.Sampling(), specula.Sampling.from_settings(temperature=0.0, top_k=3)):
-        assert accept_draft(logits, draft, sampling) == logits.argmax(-1).tolist()
-
-
-def first_token_counts(logits, draft_for, sampling, samples) -> collections.Counter:
-    counts = collections.Counter()
-    for _ in range(samples):
-        counts[accept_draft(logits, draft_for(), sampling)[0]] += 1
-    return counts
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_accept_draft_emits_p_for_one_hot_and_stochastic_drafts(dtype) -> None:
-    torch.manual_seed(0)
-    sampling = specula.Sampling.from_settings(temperature=0.9, top_k=5, top_p=0.95)
-    logits = (torch.randn(3, 7) * 2).to(dtype)
-    p = sampling.probs(logits)[0].double()
-    expected = {token: float(p[token]) for token in range(7)}
-    q = torch.softmax(torch.randn(7) * 2, -1)
-
-    def stochastic():
-        d = int(torch.multinomial(q, 1))
-        return specula.Draft([d, 0], torch.stack([q, q]))
-
-    for draft_for in (lambda: specula.Draft([int(p.argmax()), 1]), lambda: specula.Draft([6, 1]), stochastic):
-        counts = first_token_counts(logits, draft_for, sampling, 3000)
-        assert chi_square_p_value(counts, expected) > 0.001
-
-
-def test_the_bonus_token_comes_from_the_last_row() -> None:
-    torch.manual_seed(0)
-    sampling = specula.Sampling.from_settings(temperature=1.0)
-    logits = torch.stack([torch.tensor([5.0, 0, 0, 0, 0]), torch.randn(5)])
-    expected = dict(enumerate(sampling.probs(logits)[1].tolist()))
-    counts = collections.Counter()
-    for _ in range(3000):
-        tokens = accept_draft(logits, specula.Draft([0]), sampling)
-        if len(tokens) == 2:
-            counts[tokens[1]] += 1
-    assert chi_square_p_value(counts, expected) > 0.001
-
-
-def test_zero_probability_corner_cases() -> None:
-    logits = torch.tensor([[4.0, 3.0, 2.0, -1.0, -2.0], [0.0] * 5])
-    top2 = specula.Sampling.from_settings(temperature=1.0, top_k=2)
-    # A draft token outside the target's top-k has p = 0: never accepted.
-    assert all(accept_draft(logits, specula.Draft([3]), top2)[0] in (0, 1) for _ in range(200))
-    # A drafter that gave its own token probability 0 (q(d) = 0) is accepted iff p(d) > 0, without dividing by 0.
-    q_zero = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0]])
-    assert all(accept_draft(logits, specula.Draft([1], q_zero), top2)[0] in (0, 1) for _ in range(200))
-    accepted = [accept_draft(logits, specula.Draft([0], q_zero), top2) for _ in range(200)]
-    assert all(len(tokens) == 2 for tokens in accepted)
-    # p == q: the residual is all zero, a rejection cannot happen and nothing is NaN.
-    p = top2.probs(logits[:1])
-    assert all(len(accept_draft(logits, specula.Draft([0], p), top2)) == 2 for _ in range(50))
-    assert all(accept_draft(logits, specula.Draft([1], p), top2)[:1] == [1] for _ in range(50))
-
+from sampling_cases import PLAIN, TRUNCATED, sharp_model, joint_of_two_tokens, copyable_prompt, sample_first_two
 
 # ---------------------------------------------------------------------------------------------------------------
 # End to end: specula.generate samples the target's exact joint distribution of the first tokens.
-
-VOCAB = 8
-PLAIN = dict(temperature=0.8)
-TRUNCATED = dict(temperature=0.7, top_k=4, top_p=0.9)
-
-
-@functools.cache
-def sharp_model() -> torch.nn.Module:
-    """A tiny Llama over 8 tokens whose next-token distributions are peaked, so top-k and top-p cut real mass."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=None, pad_token_id=0,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    return model
-
-
-def hf_warped_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The target's next-token distribution, built here from transformers' warpers directly (not specula's code)."""
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p))
-    return torch.softmax(warpers(None, logits.double()), dim=-1)
-
-
-@functools.cache
-def joint_of_two_tokens(prompt: tuple[int, ...], settings_items: tuple) -> dict[tuple[int, int], float]:
-    """Exact P(x1, x2 | prompt) of the target under the sampling settings."""
-    model, settings_ = sharp_model(), dict(settings_items)
-    with torch.no_grad():
-        first = hf_warped_probs(model(torch.tensor([prompt])).logits[0, -1:], **settings_)[0]
-        batch = torch.tensor([[*prompt, x] for x in range(VOCAB)])
-        second = hf_warped_probs(model(batch).logits[:, -1], **settings_)
-    return {(x1, x2): float(first[x1] * second[x1, x2]) for x1, x2 in itertools.product(range(VOCAB), repeat=2)}
-
-
-@functools.cache
-def copyable_prompt(settings_items: tuple) -> tuple[int, ...]:
-    """A prompt [a b c d a b]: PromptLookup drafts "c d", and the target accepts each with probability near 1/2,
-    so both the accept and the reject paths are sampled often."""
-    model, settings_ = sharp_model(), dict(settings_items)
-    candidates = torch.tensor([[a, b, c, d, a, b, c] for a, b, c, d in itertools.permutations(range(VOCAB), 4)])
-    with torch.no_grad():
-        probs = hf_warped_probs(model(candidates).logits[:, -2:].reshape(-1, VOCAB), **settings_).reshape(-1, 2, VOCAB)
-    p_c = probs[:, 0].gather(1, candidates[:, 2:3])[:, 0]
-    p_d = probs[:, 1].gather(1, candidates[:, 3:4])[:, 0]
-    balance = torch.minimum(p_c, 1 - p_c) + torch.minimum(p_d, 1 - p_d)
-    return tuple(candidates[int(balance.argmax()), :6].tolist())
-
-
-def sample_first_two(make_proposer, settings_: dict, samples: int, seed: int = 1234, adaptive: bool = False):
-    prompt = copyable_prompt(tuple(settings_.items()))
-    torch.manual_seed(seed)
-    counts, stats = collections.Counter(), specula.SpecStats()
-    for _ in range(samples):
-        out = specula.generate(
-            sharp_model(), torch.tensor([prompt]), make_proposer(), max_new_tokens=3, eos_token_id=[],
-            do_sample=True, adaptive_draft=adaptive, **settings_,
-        )
-        counts[tuple(out.sequences[0, len(prompt) : len(prompt) + 2].tolist())] += 1
-        stats.drafted += out.stats.drafted
-        stats.accepted += out.stats.accepted
-    return counts, joint_of_two_tokens(prompt, tuple(settings_.items())), stats
-
 
 @pytest.mark.parametrize(
     "settings_, num_draft",

@@ -14,7 +14,7 @@ import specula
 from specula.hf.loading import load_model
 from specula.jobs.requests import encode, left_padded, load_workloads
 
-WORKLOADS = Path(os.environ.get("SPECULA_WORKLOADS", Path(__file__).resolve().parents[2] / "shared" / "workloads"))
+WORKLOADS = Path(os.environ.get("SPECULA_WORKLOADS", Path(__file__).resolve().parents[3] / "shared" / "workloads"))
 pytestmark = pytest.mark.slow
 
 

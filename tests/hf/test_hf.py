@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from helpers import Oracle, chi_square_p_value
-from test_sampling import TRUNCATED, VOCAB as SHARP_VOCAB, copyable_prompt, hf_warped_probs, sharp_model
+from sampling_cases import TRUNCATED, VOCAB as SHARP_VOCAB, copyable_prompt, hf_warped_probs, sharp_model
 from tiny_models import tiny_model, tiny_tokenizer
 
 import specula

@@ -4,13 +4,13 @@ model.generate's in bf16 and fp16 too, whatever the drafts and draft lengths (sp
 from __future__ import annotations
 
 import copy
-import functools
 import time
 import warnings
 
 import pytest
 import torch
 import transformers
+from bf16_cases import VOCAB, CONFIGS, NEW_TOKENS, WIDE, model, prompt, reference
 from helpers import TreeOracle, AlwaysWrong, Oracle, hf_greedy
 
 import numpy as np
@@ -24,49 +24,10 @@ from specula.target.calibration import spread
 from specula.target.row_exact import head as head_module, linear as linear_module
 from specula.target.row_exact.attention import RowAttention, _PassAttention
 
-VOCAB = 512
-# Big enough for the kernels' blocking to depend on the number of rows (inner dimensions of 1536, heads of 64, a
-# few hundred keys), small enough to decode a few hundred tokens in seconds.
-_SHAPE = dict(hidden_size=256, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=2048)
-_COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**_COMMON, **_SHAPE),
-    "qwen2": lambda: transformers.Qwen2Config(**_COMMON, **_SHAPE),
-    "gpt2": lambda: transformers.GPT2Config(**_COMMON, n_embd=256, n_inner=1536, n_layer=2, n_head=4,
-                                            n_positions=2048),
-    # past its window: the prompt alone is longer than the sliding window
-    "gemma3": lambda: transformers.Gemma3TextConfig(**_COMMON, **_SHAPE, head_dim=64, sliding_window=96,
-                                                    layer_types=["sliding_attention", "full_attention"]),
-}
-PROMPT_LENGTH, NEW_TOKENS = 300, 48
-WIDE = 32  # passes this wide round differently on every model here (8 is often not enough)
-
-
 def forget_row_exact() -> None:
     """Row-exact kernels are built again for every model (after a test patched how they are built)."""
     for profile in _PROFILES.values():
         profile.row_exact = None
-
-
-@functools.cache
-def model(name: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=dtype).eval()
-
-
-@functools.cache
-def prompt() -> torch.Tensor:
-    """Random text with repeats in it, so that PromptLookup finds drafts."""
-    generator = torch.Generator().manual_seed(1)
-    words = torch.randint(3, VOCAB, (40,), generator=generator)
-    picks = torch.randint(0, 36, (PROMPT_LENGTH // 4,), generator=generator)
-    return torch.cat([words[i : i + 4] for i in picks.tolist()])[None]
-
-
-@functools.cache
-def reference(name: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return hf_greedy(model(name, dtype), prompt(), NEW_TOKENS, eos_token_id=[])
 
 
 def speculate(name: str, proposer, dtype: torch.dtype = torch.bfloat16, **kwargs) -> specula.GenerateOutput:
