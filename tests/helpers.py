@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 import specula
+from specula.tools.replay import Replay
 
 
 def hf_greedy(model, input_ids, max_new_tokens, eos_token_id=None, attention_mask=None, **kwargs) -> torch.Tensor:
@@ -21,19 +22,12 @@ def hf_greedy(model, input_ids, max_new_tokens, eos_token_id=None, attention_mas
     )
 
 
-class Oracle(specula.Proposer):
-    """Proposes the continuation of a reference run: every draft token is right. Given several references (a
-    batch's rows, each prompt + output without padding), it follows the one the context is a prefix of."""
+class Oracle(Replay):
+    """:class:`specula.tools.replay.Replay` of reference runs given as tensors (prompt + output, one per row)."""
 
     def __init__(self, reference: torch.Tensor | list[torch.Tensor], num_draft: int) -> None:
         references = reference if isinstance(reference, list) else [reference]
-        self.references = [r.reshape(-1).tolist() for r in references]
-        self.num_draft = num_draft
-
-    def propose(self, context_ids: np.ndarray, max_tokens: int) -> specula.Draft:
-        start, context = len(context_ids), context_ids.tolist()
-        reference = next((r for r in self.references if r[:start] == context), self.references[0])
-        return specula.Draft(reference[start : start + min(self.num_draft, max_tokens)])
+        super().__init__([r.reshape(-1).tolist() for r in references], num_draft)
 
 
 class AlwaysWrong(Oracle):

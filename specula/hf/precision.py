@@ -1,10 +1,8 @@
 """Which dtype to run a model in when the user does not say: ``dtype="auto"``.
 
 bf16 halves the memory a model takes and, where the hardware computes in bf16, the time of its passes. A CPU
-without BF16 instructions emulates it: on a 2-core Xeon (AVX-512, no AVX512_BF16) SmolLM2-135M read a 300-token
-prompt in 1.46 s in bf16 and 0.46 s in fp32, Qwen2.5-Coder-1.5B a 600-token one in 30.6 s and 15.2 s, and a one-token
-step of the 1.5B cost 378 ms in bf16, 316 ms in fp32. Multi-token verification passes are cheaper in fp32 there
-too (``specula.cpu_layout``), so speculation gains more. The rule:
+without BF16 instructions emulates it, several times slower than fp32 (measurements: ``docs/hardware.md``). The
+rule:
 
 - CUDA: bf16 where the GPU supports it, else fp16;
 - CPU with native BF16 (AVX512_BF16 or AMX): bf16;

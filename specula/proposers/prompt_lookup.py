@@ -15,26 +15,11 @@ class PromptLookup(RequestProposer):
     The longest suffix of prompt + output (``max_ngram`` tokens down to ``min_ngram``) that occurred earlier is
     looked up, and up to ``num_draft`` tokens that followed it are proposed (see :func:`specula.kernels.prompt_lookup`).
 
-    Which occurrence: the **most recent** one. HF's ``prompt_lookup_num_tokens`` takes the leftmost and vLLM the
-    earliest, but text being copied tends to continue the copy it is in the middle of, and the recent past (the
-    answer being written, the latest version of an edited line) predicts better than the first mention. Replaying
-    SmolLM2-135M-Instruct's greedy outputs (fp32, 12 prompts per public workload, 128 new tokens, K=10,
-    ``examples/prompt_lookup_occurrence.py``), tokens per target step, ngram 1-3:
-
-    ============  ====  ====  =========  ====  =========
-    occurrence    chat  code  code_edit  rag   summarize
-    ============  ====  ====  =========  ====  =========
-    most recent   3.14  1.50  2.43       1.84  1.95
-    earliest      3.04  1.51  2.36       1.80  1.89
-    ============  ====  ====  =========  ====  =========
-
-    Which n-grams: down to single tokens (``min_ngram=1``), and every draft carries its match length as
-    ``Draft.source``, so the loop learns how often drafts from 1-, 2- and 3-token matches are accepted and sends each
-    kind as far as it pays (:mod:`specula.policy.adaptive`). Single-token matches are right less often (acceptance 20%
-    vs 36% on code_edit) but cost nearly nothing to verify where a pass over several tokens costs what a one-token
-    pass does: replaying SmolLM2 bf16 outputs (12 prompts per workload, ``examples/draft_replay.py``) they raise
-    tokens per step from 2.06 to 2.18 on code_edit and from 1.66 to 1.83 on summarize. Where verification is dear
-    (fp32 on CPU) the learnt acceptance keeps weak matches from being sent.
+    Which occurrence: the **most recent** one (HF's ``prompt_lookup_num_tokens`` takes the leftmost, vLLM the
+    earliest): text being copied tends to continue the copy it is in the middle of. Which n-grams: down to single
+    tokens (``min_ngram=1``), and every draft carries its match length as ``Draft.source``, so the loop learns how
+    often drafts from 1-, 2- and 3-token matches are accepted and sends each kind as far as it pays
+    (:mod:`specula.policy.adaptive`). The replays behind both choices: ``docs/proposers.md``.
 
     Which occurrences: with ``branches > 1``, the continuations of several (the longest matches first, then the most
     recent) as a tree, merged where they agree, all verified in one pass (:class:`specula.Draft` ``parents``); the

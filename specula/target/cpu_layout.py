@@ -3,10 +3,9 @@
 ``nn.Linear`` keeps its weight as ``(out_features, in_features)``, row-major, and computes ``x @ weight.T``. For
 a few rows of ``x`` (a pass over the last token and a handful of draft tokens), MKL's kernel for that transposed
 operand can re-read the weight for every two or three rows. Stored the other way round (the same values with
-column-major strides, ``weight.t().contiguous().t()``) the weight is read once. Measured on a 2-core Xeon in fp32,
-SmolLM2-135M: a pass over 8 tokens costs 2.5x a one-token step as stored, 1.6x column-major; one-token steps cost
-the same. In bf16 on that CPU, and on other CPUs and BLAS builds, it can be the other way, so
-:func:`tune_cpu_layout` times the model in both layouts and keeps the faster.
+column-major strides, ``weight.t().contiguous().t()``) the weight is read once. Which layout is faster depends on
+the CPU, the dtype and the BLAS build (measurements: ``docs/hardware.md``), so :func:`tune_cpu_layout` times the
+model in both layouts and keeps the faster.
 """
 
 from __future__ import annotations

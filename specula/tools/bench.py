@@ -7,16 +7,14 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
-from ..hf.generate import generate
-from ..hf.generate import prepare_jobs
 from ..core.loop import Decoder
-from ..core.draft import Draft
-from ..proposers.base import Proposer
 from ..core.stats import TREE_COUNTERS, SpecStats
+from ..hf.generate import generate, prepare_jobs
 from ..jobs.requests import encode, left_padded
+from ..proposers.base import Proposer
+from .replay import Replay
 
 # A method turns a prompt into (new token ids, seconds, SpecStats or None).
 Method = Callable[[torch.Tensor, int], tuple[list[int], float, object]]
@@ -97,21 +95,6 @@ def specula_batch_method(
     return run
 
 
-class Replay(Proposer):
-    """The oracle: drafts the output of an earlier run on the same prompt, as long as the sequence follows it."""
-
-    def __init__(self, prompt_length: int, output: list[int], num_draft: int = 10) -> None:
-        self.prompt_length = prompt_length
-        self.output = np.asarray(output, dtype=np.int64)
-        self.num_draft = num_draft
-
-    def propose(self, context_ids: np.ndarray, max_tokens: int) -> Draft:
-        done = len(context_ids) - self.prompt_length
-        if not np.array_equal(context_ids[self.prompt_length :], self.output[:done]):
-            return Draft.empty()
-        return Draft(self.output[done : done + min(self.num_draft, max_tokens)])
-
-
 def oracle_method(
     model: torch.nn.Module, reference: Method, num_draft: int = 10, max_rounds: int = 8, **generate_kwargs
 ) -> Method:
@@ -126,7 +109,7 @@ def oracle_method(
     outputs: dict[tuple, list[int]] = {}
 
     def replay(prompt: torch.Tensor, output: list[int], max_new_tokens: int):
-        out = generate(model, prompt, Replay(prompt.shape[1], output, num_draft), max_new_tokens=max_new_tokens,
+        out = generate(model, prompt, Replay([prompt[0].tolist() + output], num_draft), max_new_tokens=max_new_tokens,
                        adaptive_draft=False, **generate_kwargs)
         return out.sequences[0, prompt.shape[1] :].tolist(), out.stats
 

@@ -13,9 +13,8 @@ without touching the model's own one-token path:
   of one is the one-token call.
 - linear layers (:mod:`.linear`): each ``nn.Linear`` (and GPT-2's ``Conv1D``) that gives a row other bits in a pass
   of several rows than alone computes its rows in chunks as wide as it stays exact for (:func:`.linear.exact_rows`),
-  as it is or by columns (:func:`.linear._by_columns`), whichever the clock finds cheaper. On a 2-core EPYC with
-  AVX512_BF16, oneDNN blocks an inner dimension of 1536 or more by the number of rows beyond 2: SmolLM2-135M's
-  ``down_proj`` (1536 -> 576) is the only layer of that model so affected.
+  as it is or by columns (:func:`.linear._by_columns`), whichever the clock finds cheaper (which layers each CPU
+  affects: ``docs/hardware.md``).
 - the LM head of a greedy pass (:mod:`.head`): computed again exactly only for the rows whose argmax the rounding
   may have changed.
 
