@@ -166,7 +166,8 @@ def _device(text: str) -> str:
     return text
 
 
-def _pad_token_id(tokenizer) -> int | None:
+def _prompt_padding_id(tokenizer) -> int | None:
+    """The id batched prompts are left-padded with: the tokenizer's pad token, else its EOS token."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
@@ -439,7 +440,7 @@ def _batch_rows(args: argparse.Namespace, model, tokenizer, device: str, samplin
     """Throughput rows of each --batch-sizes size: model.generate on left-padded batches, each proposer with
     continuous batching (``reference``: the outputs one at a time, to check identity against; None when sampled)."""
     rates = {row.workload: row.tokens_per_s for row in rows if row.method == baseline}
-    pad, batch_rows = _pad_token_id(tokenizer), []
+    pad, batch_rows = _prompt_padding_id(tokenizer), []
     for size in args.batch_sizes:
         batched = {f"{baseline}-b{size}": hf_batch_method(model, pad, **sampling)}
         for spec in args.proposers.split(","):
