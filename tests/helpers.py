@@ -44,6 +44,18 @@ class AlwaysWrong(Oracle):
 
 
 
+class PartlyRight(Oracle):
+    """The reference continuation with one token wrong, at a place that moves with the context length: blocks are
+    accepted up to 0, 1, ... ``num_draft - 1`` tokens (and now and then whole, where the draft is cut short)."""
+
+    def propose(self, context_ids: np.ndarray, max_tokens: int) -> specula.Draft:
+        tokens = super().propose(context_ids, max_tokens).tokens.clone()
+        wrong = len(context_ids) % self.num_draft
+        if wrong < len(tokens):
+            tokens[wrong] = tokens[wrong] - 1 if tokens[wrong] > 0 else 1
+        return specula.Draft(tokens)
+
+
 class TreeOracle(specula.Proposer):
     """Trees around the reference continuation (prompt + output, one per request) of known shapes:
 

@@ -13,10 +13,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from .recurrent import Snapshot, has_recurrent_state, restore, snapshot
 from .row_exact import row_exact_for
 from .support import (
     UnsupportedModelError, cache_argument, check_batchable, check_cache_length, check_rollback, check_split_independent,
-    check_standard_cache, multi_token_failure,
+    check_standard_cache, describe, multi_token_failure,
 )
 
 # Attention kernels for multi-token passes on a GPU: every backend but cuDNN's. cuDNN builds an execution plan for
@@ -193,23 +194,26 @@ class CachedModel:
         ragged: bool | None = None,
     ) -> None:
         check_standard_cache(model)
-        self.cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+        self.model, self.capacity, self.can_roll_back = model, capacity, rollback
+        self.cache = self._new_cache()
         if rollback:
             check_split_independent(model, self.cache)
         parameters = inspect.signature(model.forward).parameters
         self.cache_argument = cache_argument(model, parameters)
-        self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.positions = positions if "position_ids" in parameters else None
         self.attention_mask = attention_mask
         self.accepts_logits_to_keep = "logits_to_keep" in parameters
-        self.cache.layers = [
-            PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in self.cache.layers
-        ]
-        if rollback:
-            self.cache.activate_past_recording()
         self.cached_tokens = 0
-        self.can_roll_back = rollback
+        self.recurrent = rollback and has_recurrent_state(self.cache)
+        if self.recurrent and row_exact:
+            raise UnsupportedModelError(
+                f"{describe(model)} keeps recurrent state, whose scan over several tokens rounds otherwise than its "
+                "one-token steps in bf16/fp16, and row-exact verification does not cover it yet. Decode it in "
+                "float32 for model.generate's exact output, or pass row_exact=False (--no-row-exact) to verify the "
+                "ordinary way (greedy output may then leave model.generate's after a near-tie)."
+            )
+        self._undo: tuple[Snapshot, torch.Tensor] | None = None  # recurrent: the states before the last pass, its tokens
         self.row_exact = row_exact_for(model) if row_exact else None
         self.slots = slots
         self.ragged = slots > 1 if ragged is None else ragged  # rows keep their own lengths (also when rows leave)
@@ -217,6 +221,15 @@ class CachedModel:
         self._block_lengths: list[int] = []
         if self.ragged:
             self._begin_rows(model, parameters, capacity)
+
+    def _new_cache(self) -> DynamicCache:
+        """An empty cache as ``model.generate`` builds it, its full-attention layers preallocated, recording the past
+        where rollbacks will be asked for."""
+        cache = DynamicCache(config=self.model.config.get_text_config(decoder=True))
+        cache.layers = [PreallocatedLayer(self.capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        if self.can_roll_back:
+            cache.activate_past_recording()
+        return cache
 
     def _begin_rows(self, model: torch.nn.Module, parameters, capacity: int) -> None:
         """Set up a batch: every row keeps its own length (``starts``), and the verifier passes the model its own
@@ -241,7 +254,10 @@ class CachedModel:
         Returns the logits of its last position (``[1, vocab]``). Held alone (not ragged): :meth:`forward` on an
         emptied cache."""
         if not self.ragged:
-            self.rollback(self.cached_tokens)
+            if self.recurrent:  # (a recurrent state cannot be rolled back to nothing: a new one)
+                self.cache, self.cached_tokens, self._undo = self._new_cache(), 0, None
+            else:
+                self.rollback(self.cached_tokens)
             return self.forward(token_ids, 1)
         alone = DynamicCache(config=self.model.config.get_text_config(decoder=True))
         inputs = {"input_ids": token_ids[None], self.cache_argument: alone, "use_cache": True}
@@ -298,6 +314,8 @@ class CachedModel:
             inputs["attention_mask"] = self.attention_mask[:, :end]
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = num_logits
+        if self.recurrent and start > 0:
+            self._undo = (snapshot(self.cache), token_ids) if token_ids.shape[0] > 1 else None
         multi_token_on_gpu = token_ids.shape[0] > 1 and token_ids.device.type == "cuda"
         exact = self.row_exact is not None and start > 0 and token_ids.shape[0] > 1
         try:
@@ -411,9 +429,29 @@ class CachedModel:
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` cached tokens. Always called after a forward pass, even with 0, because
-        that is when sliding-window layers drop the states past recording kept for a possible rollback."""
+        that is when sliding-window layers drop the states past recording kept for a possible rollback. Recurrent
+        state is rolled back only within the last pass: to the states before it, the tokens kept fed again."""
+        if self.recurrent and num_tokens:
+            self._undo_last_pass(num_tokens)
+            return
         if self.can_roll_back and self.cached_tokens:  # (an empty sliding-window cache cannot be cropped)
             self.cache.crop(-num_tokens)
         self.cached_tokens -= num_tokens
         if num_tokens:
             check_cache_length(self.model, self.cache, self.cached_tokens, "a rollback")
+
+    def _undo_last_pass(self, num_tokens: int) -> None:
+        """Recurrent state: undo the last pass, then feed its first tokens again, all but the last ``num_tokens``."""
+        if self._undo is None or num_tokens > len(self._undo[1]):
+            raise UnsupportedModelError(
+                f"{describe(self.model)} keeps recurrent state, which specula rolls back only within the last pass "
+                f"(here {num_tokens} tokens back); use it as the target, one request at a time."
+            )
+        kept, fed = self._undo
+        self.cache.crop(-len(fed))  # (the attention layers; the recurrent ones are put back whole)
+        restore(self.cache, kept)
+        self.cached_tokens -= len(fed)
+        if len(fed) > num_tokens:
+            self.forward(fed[: len(fed) - num_tokens], 1)
+        self._undo = None
+        self.cache.crop(0)

@@ -11,7 +11,8 @@ from transformers import TopPLogitsWarper
 
 import specula
 from specula.core import acceptance
-from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, TreeOracle, chi_square_p_value
+from architectures import tiny_causal_lm
+from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, PartlyRight, TreeOracle, chi_square_p_value
 from tiny_models import VOCAB as TINY_VOCAB, tiny_model
 from sampling_cases import PLAIN, TRUNCATED, sharp_model, joint_of_two_tokens, copyable_prompt, sample_first_two
 
@@ -230,6 +231,22 @@ def test_seeded_sampling_draws_model_generates_tokens(name: str, settings_: dict
                 assert out.sequences.tolist() == ref.tolist(), (seed, type(proposer).__name__, adaptive)
                 if isinstance(proposer, Oracle) and not isinstance(proposer, AlwaysWrong) and not adaptive:
                     assert out.stats.accepted >= _SAMPLED_TOKENS // 2
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "falcon_h1"])
+def test_seeded_sampling_with_recurrent_state_draws_model_generates_tokens(model_type: str) -> None:
+    """Recurrent state rolled back after rejected drafts (specula.target.recurrent) leaves the draws model.generate's."""
+    model, prompt = tiny_causal_lm(model_type), torch.tensor([[5, 17, 33, 42, 8, 61, 29] * 3])
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(6.0)
+    for seed in (0, 1):
+        ref = hf_sampled(model, prompt, seed, **SEEDED["temperature"])
+        for proposer in (specula.PromptLookup(), Oracle(ref, 6), PartlyRight(ref, 6)):
+            out = specula_sampled(model, prompt, proposer, seed, adaptive_draft=False, pad_token_id=0,
+                                  **SEEDED["temperature"])
+            assert out.sequences.tolist() == ref.tolist(), (seed, type(proposer).__name__)
+            if isinstance(proposer, Oracle):
+                assert out.stats.accepted >= _SAMPLED_TOKENS // 3
 
 
 @pytest.mark.parametrize("shape", ["second", "detour", "late", "wrong"])
