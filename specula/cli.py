@@ -418,10 +418,12 @@ def _method_name(spec: str) -> str:
 
 
 def _bench_methods(args: argparse.Namespace, model, tokenizer, device: str, sampling: dict, baseline: str) -> dict:
-    """The methods bench runs one prompt at a time: model.generate, its prompt lookup, each proposer (and with
-    --also-ordinary, with ordinary verification), and (greedy) the oracle."""
-    methods = {baseline: hf_method(model, **sampling), "hf-prompt-lookup": hf_method(
-        model, prompt_lookup_num_tokens=10, **sampling)}
+    """The methods bench runs one prompt at a time: model.generate, its prompt lookup (not for models with recurrent
+    state, which HF's assisted generation refuses), each proposer (and with --also-ordinary, with ordinary
+    verification), and (greedy) the oracle."""
+    methods = {baseline: hf_method(model, **sampling)}
+    if not getattr(model, "_is_stateful", False):
+        methods["hf-prompt-lookup"] = hf_method(model, prompt_lookup_num_tokens=10, **sampling)
     specs = args.proposers.split(",")
     for spec in specs:
         methods[_method_name(spec)] = specula_method(
