@@ -5,24 +5,29 @@ updated, and transformers' cache layers for them (``LinearAttentionCacheLayerMix
 verification pass the states of those layers are kept (:func:`snapshot`: one state per layer, small next to a KV
 cache), and when drafts were rejected the pass is undone (:func:`restore`) and the accepted tokens fed again
 (:meth:`specula.target.runner.CachedModel.rollback`): the state is then the state after the last accepted token,
-computed from the same tokens as the pass computed it.
+computed from the same tokens as the pass computed it. Or the pass computes the recurrent layers one token at a
+time and keeps the state after each (:class:`Stepwise`): no second pass, and each token computed as a one-token step
+computes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 
 @dataclass
 class Snapshot:
-    """The recurrent states of a cache's layers at one point: ``states[(layer, state, kind)]``, kind ``"conv"`` or
-    ``"recurrent"``."""
+    """The recurrent states of a cache's layers at one point: ``states[layer]``, see :func:`_layer_states`."""
 
-    states: dict[tuple[int, int, str], torch.Tensor]
+    states: dict[int, dict[tuple[str, int], torch.Tensor]]
 
 
 def has_recurrent_state(cache: DynamicCache) -> bool:
@@ -31,23 +36,146 @@ def has_recurrent_state(cache: DynamicCache) -> bool:
 
 def snapshot(cache: DynamicCache) -> Snapshot:
     """Copies of every recurrent layer's conv and scan states, as they are now."""
-    states = {}
-    for index, layer in enumerate(cache.layers):
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            for state in range(layer.number_of_states):
-                for kind, held in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states)):
-                    if held[state] is not None:
-                        states[(index, state, kind)] = held[state].clone()
-    return Snapshot(states)
+    return Snapshot({index: _layer_states(layer) for index, layer in enumerate(cache.layers)
+                     if isinstance(layer, LinearAttentionCacheLayerMixin)})
 
 
 def restore(cache: DynamicCache, kept: Snapshot) -> None:
-    """Put back the states of :func:`snapshot` (in place where the shape is the same: the state tensors keep their
-    address, as transformers keeps it for CUDA graphs)."""
-    for (index, state, kind), tensor in kept.states.items():
-        layer = cache.layers[index]
+    """Put back the states of :func:`snapshot`."""
+    for index, states in kept.states.items():
+        _put_layer_states(cache.layers[index], states)
+
+
+def _layer_states(layer: LinearAttentionCacheLayerMixin) -> dict[tuple[str, int], torch.Tensor]:
+    """Copies of a recurrent cache layer's states: ``{("conv" or "recurrent", state index): tensor}``."""
+    return {(kind, state): held[state].clone()
+            for kind, held in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states))
+            for state in range(layer.number_of_states) if held[state] is not None}
+
+
+def _put_layer_states(layer: LinearAttentionCacheLayerMixin, states: dict[tuple[str, int], torch.Tensor]) -> None:
+    """Put back :func:`_layer_states` (in place where the shape is the same: the state tensors keep their address, as
+    transformers keeps it for CUDA graphs)."""
+    for (kind, state), tensor in states.items():
         held = layer.conv_states if kind == "conv" else layer.recurrent_states
         if held[state] is not None and held[state].shape == tensor.shape:
             held[state].copy_(tensor)
         else:
             held[state] = tensor.clone()
+
+
+# Models whose pass over several tokens after a filled cache computes their recurrent layers otherwise than one-token
+# steps do (found by the architecture sweep): their recurrent layers are always verified step by step (:class:`Stepwise`).
+STEP_BY_STEP = {
+    **dict.fromkeys(["mamba", "falcon_mamba", "jamba", "zamba"], "a Mamba-1 scan over several tokens starts from a zero state"),
+    **dict.fromkeys(["nemotron_h", "zamba2"], "a Mamba-2 scan over several tokens clamps the time step, a one-token step does not"),
+    "recurrent_gemma": "a pass over several tokens convolves without the cached conv state",
+}
+
+
+class Stepwise:
+    """The recurrent layers of a verification pass computed one token at a time, each token by the one-token step
+    ``model.generate`` takes, keeping every layer's state after every token; a rollback puts back the state after the
+    last token kept. Attention and everything else in the pass still sees all its tokens at once.
+
+    What it costs: the recurrent layers' own work (projections included) once per token instead of once per pass; no
+    second pass after a rejected draft. What it buys: passes exactly as one-token steps compute them where a layer's
+    multi-token form differs (:data:`STEP_BY_STEP`) or rounds otherwise (bf16/fp16).
+
+    The recurrent layers are the modules that take transformers' ``cache_params`` and own a ``layer_idx`` (Mamba,
+    Mamba-2, gated delta nets ...: their states live in the cache) and RecurrentGemma's recurrent blocks (theirs live
+    on the module).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        recurrent = [module for module in model.modules() if _cache_mixer(module) or _keeps_own_state(module)]
+        # the innermost (Mamba's blocks take cache_params too, to hand them to their mixer)
+        self.mixers = [module for module in recurrent if not any(inner in recurrent for inner in module.modules() if inner is not module)]
+        self.states: list[list] | None = None  # [mixer][t]: its states after the first t tokens of the last pass
+
+    def covers(self, cache: DynamicCache) -> bool:
+        """Whether it finds a recurrent layer for every recurrent layer of ``cache`` (Zaya's keeps its state in its
+        attention's projection, which it does not)."""
+        return len(self.mixers) == sum(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
+
+    @contextlib.contextmanager
+    def applied(self, cache: DynamicCache) -> Iterator[None]:
+        """Within the block, every call of a recurrent layer is split into one-token calls."""
+        self.states = [[] for _ in self.mixers]
+        for index, mixer in enumerate(self.mixers):
+            mixer.forward = functools.partial(self._steps, mixer.forward, mixer, cache, self.states[index])
+        try:
+            yield
+        finally:
+            for mixer in self.mixers:
+                del mixer.forward
+
+    @staticmethod
+    def _steps(forward, mixer: torch.nn.Module, cache: DynamicCache, states: list, *args, **kwargs):
+        """``forward`` over each token in turn; ``states[t]``: the layer's states after the first t tokens."""
+        hidden = next(value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
+        n = hidden.shape[1]  # hidden states: [batch, n, width]
+        one = lambda value, t: value[:, t : t + 1] if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] == n else value
+        states.append(_read(mixer, cache))
+        outputs = []
+        for t in range(n):
+            outputs.append(forward(*(one(value, t) for value in args), **{key: one(value, t) for key, value in kwargs.items()}))
+            states.append(_read(mixer, cache))
+        if isinstance(outputs[0], torch.Tensor):
+            return torch.cat(outputs, dim=1)
+        return (torch.cat([output[0] for output in outputs], dim=1), *outputs[-1][1:])  # (RecurrentGemma: (out, None))
+
+    def put_back(self, cache: DynamicCache, kept: int) -> None:
+        """Every recurrent layer's state after the first ``kept`` tokens of the last pass."""
+        for mixer, states in zip(self.mixers, self.states):
+            _write(mixer, cache, states[kept])
+        self.states = None
+
+    def tokens(self) -> int:
+        """How many tokens the last pass computed step by step (0: none since the last rollback)."""
+        return len(self.states[0]) - 1 if self.states and self.states[0] else 0
+
+    def forget(self) -> None:
+        self.states = None
+
+
+def _cache_mixer(module: torch.nn.Module) -> bool:
+    return isinstance(getattr(module, "layer_idx", None), int) and "cache_params" in inspect.signature(module.forward).parameters
+
+
+def _keeps_own_state(module: torch.nn.Module) -> bool:
+    return hasattr(module, "conv1d_state") and hasattr(module, "rg_lru")  # (RecurrentGemma's recurrent block)
+
+
+def _read(mixer: torch.nn.Module, cache: DynamicCache):
+    if _keeps_own_state(mixer):  # (reassigned by every call, never written in place)
+        return mixer.conv1d_state, mixer.rg_lru.recurrent_states
+    return _layer_states(cache.layers[mixer.layer_idx])
+
+
+def _write(mixer: torch.nn.Module, cache: DynamicCache, states) -> None:
+    if _keeps_own_state(mixer):
+        mixer.conv1d_state, mixer.rg_lru.recurrent_states = states
+    else:
+        _put_layer_states(cache.layers[mixer.layer_idx], states)
+
+
+def stop_recording(cache: DynamicCache) -> None:
+    """Let the recurrent layers of ``cache`` keep only their current state, so that a one-token call takes the
+    one-token path ``model.generate`` takes (recording the past makes it take the multi-token one)."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, DynamicSlidingWindowLayer):
+            layer.record_past = False
+
+
+def crop_attention(cache: DynamicCache, tokens: int) -> None:
+    """``cache.crop(-tokens)`` for the attention part of every layer; recurrent layers that record no past are put
+    back by :meth:`Stepwise.put_back` instead."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and not layer.record_past:
+            attention = next((cls for cls in type(layer).__mro__ if issubclass(cls, CacheLayerMixin)
+                              and not issubclass(cls, LinearAttentionCacheLayerMixin)), None)
+            if attention is not None:  # (a layer holding both: zamba's hybrid layers)
+                attention.crop(layer, -tokens)
+        else:
+            layer.crop(-tokens)

@@ -13,7 +13,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .recurrent import Snapshot, has_recurrent_state, restore, snapshot
+from .recurrent import (
+    STEP_BY_STEP, Snapshot, Stepwise, crop_attention, has_recurrent_state, restore, snapshot, stop_recording,
+)
 from .row_exact import row_exact_for
 from .support import (
     UnsupportedModelError, cache_argument, check_batchable, check_cache_length, check_rollback, check_split_independent,
@@ -195,7 +197,19 @@ class CachedModel:
     ) -> None:
         check_standard_cache(model)
         self.model, self.capacity, self.can_roll_back = model, capacity, rollback
+        self.stepwise: Stepwise | None = None  # recurrent layers computed one token at a time (else fed again)
         self.cache = self._new_cache()
+        self.recurrent = rollback and has_recurrent_state(self.cache)
+        if self.recurrent and (row_exact or model.config.model_type in STEP_BY_STEP):
+            self.stepwise = Stepwise(model)
+            if not self.stepwise.covers(self.cache):
+                raise UnsupportedModelError(
+                    f"{describe(model)} keeps recurrent state in layers specula cannot compute one token at a time, "
+                    "which row-exact verification (bf16/fp16) needs. Decode it in float32 for model.generate's exact "
+                    "output, or pass row_exact=False (--no-row-exact) to verify the ordinary way (greedy output may "
+                    "then leave model.generate's after a near-tie)."
+                )
+            stop_recording(self.cache)
         if rollback:
             check_split_independent(model, self.cache)
         parameters = inspect.signature(model.forward).parameters
@@ -205,14 +219,6 @@ class CachedModel:
         self.attention_mask = attention_mask
         self.accepts_logits_to_keep = "logits_to_keep" in parameters
         self.cached_tokens = 0
-        self.recurrent = rollback and has_recurrent_state(self.cache)
-        if self.recurrent and row_exact:
-            raise UnsupportedModelError(
-                f"{describe(model)} keeps recurrent state, whose scan over several tokens rounds otherwise than its "
-                "one-token steps in bf16/fp16, and row-exact verification does not cover it yet. Decode it in "
-                "float32 for model.generate's exact output, or pass row_exact=False (--no-row-exact) to verify the "
-                "ordinary way (greedy output may then leave model.generate's after a near-tie)."
-            )
         self._undo: tuple[Snapshot, torch.Tensor] | None = None  # recurrent: the states before the last pass, its tokens
         self.row_exact = row_exact_for(model) if row_exact else None
         self.slots = slots
@@ -229,6 +235,8 @@ class CachedModel:
         cache.layers = [PreallocatedLayer(self.capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
         if self.can_roll_back:
             cache.activate_past_recording()
+        if self.stepwise is not None:
+            stop_recording(cache)
         return cache
 
     def _begin_rows(self, model: torch.nn.Module, parameters, capacity: int) -> None:
@@ -314,7 +322,10 @@ class CachedModel:
             inputs["attention_mask"] = self.attention_mask[:, :end]
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = num_logits
-        if self.recurrent and start > 0:
+        stepwise = self.stepwise is not None and start > 0 and token_ids.shape[0] > 1
+        if self.stepwise is not None:
+            self.stepwise.forget()
+        elif self.recurrent and start > 0:
             self._undo = (snapshot(self.cache), token_ids) if token_ids.shape[0] > 1 else None
         multi_token_on_gpu = token_ids.shape[0] > 1 and token_ids.device.type == "cuda"
         exact = self.row_exact is not None and start > 0 and token_ids.shape[0] > 1
@@ -322,6 +333,7 @@ class CachedModel:
             with (
                 sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu and not exact else contextlib.nullcontext(),
                 self.row_exact.applied(self.cache, argmax_only=argmax_only) if exact else _as_they_are() as finish,
+                self.stepwise.applied(self.cache) if stepwise else contextlib.nullcontext(),
             ):
                 logits = finish(self.model(**inputs).logits)[0, -num_logits:]
         except Exception as error:
@@ -331,7 +343,7 @@ class CachedModel:
         self.cached_tokens = end
         check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")
         if start == 0 and self.can_roll_back:
-            check_rollback(self.model, self.cache)
+            check_rollback(self.model, self.cache, stepwise=self.stepwise is not None)
         return logits
 
     def forward_rows(
@@ -431,22 +443,30 @@ class CachedModel:
         """Forget the last ``num_tokens`` cached tokens. Always called after a forward pass, even with 0, because
         that is when sliding-window layers drop the states past recording kept for a possible rollback. Recurrent
         state is rolled back only within the last pass: to the states before it, the tokens kept fed again."""
-        if self.recurrent and num_tokens:
+        if self.stepwise is not None and num_tokens:
+            self.stepwise.put_back(self.cache, self._pass_length(num_tokens) - num_tokens)
+        elif self.recurrent and num_tokens:
             self._undo_last_pass(num_tokens)
             return
         if self.can_roll_back and self.cached_tokens:  # (an empty sliding-window cache cannot be cropped)
-            self.cache.crop(-num_tokens)
+            crop_attention(self.cache, num_tokens) if self.stepwise else self.cache.crop(-num_tokens)
         self.cached_tokens -= num_tokens
         if num_tokens:
             check_cache_length(self.model, self.cache, self.cached_tokens, "a rollback")
 
-    def _undo_last_pass(self, num_tokens: int) -> None:
-        """Recurrent state: undo the last pass, then feed its first tokens again, all but the last ``num_tokens``."""
-        if self._undo is None or num_tokens > len(self._undo[1]):
+    def _pass_length(self, num_tokens: int) -> int:
+        """Recurrent state: how many tokens the last pass fed, which a rollback of ``num_tokens`` must not exceed."""
+        fed = len(self._undo[1]) if self._undo is not None else self.stepwise.tokens() if self.stepwise else 0
+        if num_tokens > fed:
             raise UnsupportedModelError(
                 f"{describe(self.model)} keeps recurrent state, which specula rolls back only within the last pass "
                 f"(here {num_tokens} tokens back); use it as the target, one request at a time."
             )
+        return fed
+
+    def _undo_last_pass(self, num_tokens: int) -> None:
+        """Recurrent state: undo the last pass, then feed its first tokens again, all but the last ``num_tokens``."""
+        self._pass_length(num_tokens)
         kept, fed = self._undo
         self.cache.crop(-len(fed))  # (the attention layers; the recurrent ones are put back whole)
         restore(self.cache, kept)

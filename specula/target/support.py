@@ -18,15 +18,8 @@ _CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
 # Models whose pass over several tokens after a filled cache does not compute what one-token steps compute, so that
 # even model.generate's own output depends on how the tokens are split into passes; found by the architecture sweep
 # (tests/e2e/test_architectures.py). They decode through specula without a proposer (one-token steps), not with one.
-_MAMBA1 = ("transformers' Mamba-1 scan over several tokens starts from a zero state, not the cached one")
-_DT_CLAMP = ("its Mamba-2 scan over several tokens clamps the time step to time_step_min, its one-token step does "
-             "not")
-_SPLIT_DEPENDENT = {
-    "moshi": "its attention mask has no sliding window while its KV cache keeps one",
-    **dict.fromkeys(["mamba", "falcon_mamba", "jamba", "zamba"], _MAMBA1),
-    **dict.fromkeys(["nemotron_h", "zamba2"], _DT_CLAMP),
-    "recurrent_gemma": "its recurrent blocks convolve a pass over several tokens without the cached conv state",
-}
+# (Recurrent layers that differ so are verified step by step: specula.target.recurrent.STEP_BY_STEP.)
+_SPLIT_DEPENDENT = {"moshi": "its attention mask has no sliding window while its KV cache keeps one"}
 
 
 class UnsupportedModelError(ValueError):
@@ -118,12 +111,14 @@ def check_batchable(model: torch.nn.Module, other_layers: list[str], parameters)
         )
 
 
-def check_rollback(model: torch.nn.Module, cache: DynamicCache) -> None:
+def check_rollback(model: torch.nn.Module, cache: DynamicCache, stepwise: bool = False) -> None:
     """After the prefill: the cache can be rolled back past rejected drafts. Attention layers are cropped; recurrent
-    layers (:mod:`specula.target.recurrent`) are put back and fed again, so the model must have written them."""
+    layers (:mod:`specula.target.recurrent`) are put back, so the model must have written them, or (``stepwise``)
+    kept their states where :class:`specula.target.recurrent.Stepwise` finds them."""
     stale = sorted({type(layer).__name__ for layer in cache.layers if _crop_is_stale(layer)})
-    unwritten = any(isinstance(layer, LinearAttentionCacheLayerMixin) and not any(layer.has_previous_state.values())
-                    for layer in cache.layers)
+    unwritten = not stepwise and any(
+        isinstance(layer, LinearAttentionCacheLayerMixin) and not any(layer.has_previous_state.values())
+        for layer in cache.layers)
     croppable = all(layer.is_croppable for layer in cache.layers if not isinstance(layer, LinearAttentionCacheLayerMixin))
     if stale or unwritten or not croppable:
         reason = (f"its {', '.join(stale)} layers cannot crop what they keep" if stale

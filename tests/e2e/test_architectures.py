@@ -15,8 +15,6 @@ import specula
 
 NEW_TOKENS = 40
 
-_MAMBA1 = "Mamba-1 scan over several tokens starts from a zero state"
-_DT_CLAMP = "clamps the time step to time_step_min, its one-token step does not"
 _INDEXER = "sparse attention picks the top-k keys"
 _NOT_STANDARD = "not a decoder-only model with a standard KV cache"
 _NO_CACHE = "takes no KV cache"
@@ -24,9 +22,6 @@ _NO_CACHE = "takes no KV cache"
 # Refused with a proposer (model type -> what the error says); plain decoding (proposer=None) is identical to
 # model.generate for them unless they are in REFUSED_PLAIN too.
 REFUSED = {
-    **dict.fromkeys(["falcon_mamba", "jamba", "mamba", "zamba"], _MAMBA1),
-    **dict.fromkeys(["nemotron_h", "zamba2"], _DT_CLAMP),
-    "recurrent_gemma": "convolve a pass over several tokens without the cached conv state",
     **dict.fromkeys(
         ["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4", "qwen4_exp",
          "qwen4_exp_text"],
@@ -50,8 +45,9 @@ REFUSED_PLAIN = {
 # Their caches keep recurrent state (Mamba/SSM, linear attention, gated delta nets), rolled back by
 # specula.target.recurrent: drafts right up to every length must be accepted (the random models rarely repeat
 # themselves, so PromptLookup's drafts are mostly rejected).
-RECURRENT = ["bailing_hybrid", "bamba", "falcon_h1", "granitemoehybrid", "kimi_linear", "mamba2", "olmo_hybrid",
-             "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "zaya"]
+RECURRENT = ["bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear",
+             "mamba", "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text",
+             "qwen3_5_text", "qwen3_next", "recurrent_gemma", "zamba", "zamba2", "zaya"]
 # Cannot be built as a tiny text-only causal LM here (tests/architectures.py says why).
 NOT_TINY = {"blt", "gemma3n", "gemma4_assistant", "gemma4_unified_assistant", "musicgen", "musicgen_melody"}
 
