@@ -6,7 +6,7 @@ and SmolLM2-135M-Instruct's tokenizer, and saves it where ``specula bench --mode
 text nobody would read, so acceptance says little; what such a run measures is what a step costs with the state
 kept and fed again, and whether the cost model keeps specula at least as fast as ``model.generate``.
 
-Usage: python examples/recurrent_model.py OUT [--model-type qwen3_next|mamba2] [--hidden 512] [--layers 8]
+Usage: python examples/recurrent_model.py OUT [--model-type qwen3_next|mamba2|mamba] [--hidden 512] [--layers 8]
        specula bench --model OUT --dtype fp32 --workloads ../shared/workloads --proposers prompt-lookup --no-oracle
 """
 
@@ -31,6 +31,7 @@ def config(model_type: str, hidden: int, layers: int, vocab_size: int, eos: int)
                            moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden),
         "mamba2": dict(num_heads=2 * heads, head_dim=64, state_size=64, n_groups=1, time_step_rank=hidden // 16,
                        chunk_size=64),
+        "mamba": dict(state_size=16, expand=2, time_step_rank=hidden // 16),
     }[model_type]
     return AutoConfig.for_model(model_type, vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                                 bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=True,
@@ -40,7 +41,7 @@ def config(model_type: str, hidden: int, layers: int, vocab_size: int, eos: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--model-type", choices=["qwen3_next", "mamba2"], default="qwen3_next")
+    parser.add_argument("--model-type", choices=["qwen3_next", "mamba2", "mamba"], default="qwen3_next")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()

@@ -273,12 +273,12 @@ class Decoder:
                                            self._argmax_only)
         outcomes = [accept_draft(row_logits, draft, row.sampling, self._tokens(row, draft))
                     for row, draft, row_logits in zip(rows, sent, logits)]
-        seconds = time.perf_counter() - started
-        if calibration.shared().made != calibrations:  # it calibrated row-exact kernels: no measure of its cost
-            seconds = None
         self.passes += 1
         self._target.keep_rows([len(tokens) for tokens in outcomes],
                                [_path(draft, tokens) for draft, tokens in zip(sent, outcomes)])
+        seconds = time.perf_counter() - started  # (the rollback included: recurrent state may be fed again)
+        if calibration.shared().made != calibrations:  # it calibrated row-exact kernels: no measure of its cost
+            seconds = None
         width = max(map(len, blocks))  # (every row is computed this wide)
         self.policy.learn(Step([row.drafting for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds))
         self._made[len(rows)] = self._made.get(len(rows), 0) + sum(map(len, outcomes))

@@ -161,8 +161,9 @@ def _write(mixer: torch.nn.Module, cache: DynamicCache, states) -> None:
 
 
 def stop_recording(cache: DynamicCache) -> None:
-    """Let the recurrent layers of ``cache`` keep only their current state, so that a one-token call takes the
-    one-token path ``model.generate`` takes (recording the past makes it take the multi-token one)."""
+    """Let the recurrent layers of ``cache`` keep only their current state (specula puts them back whole), so that a
+    one-token call takes the one-token path ``model.generate`` takes: recording the past makes it take the multi-token
+    one, which is slower and may round otherwise."""
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, DynamicSlidingWindowLayer):
             layer.record_past = False

@@ -209,7 +209,6 @@ class CachedModel:
                     "output, or pass row_exact=False (--no-row-exact) to verify the ordinary way (greedy output may "
                     "then leave model.generate's after a near-tie)."
                 )
-            stop_recording(self.cache)
         if rollback:
             check_split_independent(model, self.cache)
         parameters = inspect.signature(model.forward).parameters
@@ -235,8 +234,7 @@ class CachedModel:
         cache.layers = [PreallocatedLayer(self.capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
         if self.can_roll_back:
             cache.activate_past_recording()
-        if self.stepwise is not None:
-            stop_recording(cache)
+            stop_recording(cache)  # (recurrent layers: put back whole, see rollback)
         return cache
 
     def _begin_rows(self, model: torch.nn.Module, parameters, capacity: int) -> None:
@@ -442,14 +440,15 @@ class CachedModel:
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` cached tokens. Always called after a forward pass, even with 0, because
         that is when sliding-window layers drop the states past recording kept for a possible rollback. Recurrent
-        state is rolled back only within the last pass: to the states before it, the tokens kept fed again."""
+        state is rolled back only within the last pass: to the state after the last token kept, which a step-by-step
+        pass kept, or else to the state before the pass, the tokens kept fed again."""
         if self.stepwise is not None and num_tokens:
             self.stepwise.put_back(self.cache, self._pass_length(num_tokens) - num_tokens)
         elif self.recurrent and num_tokens:
             self._undo_last_pass(num_tokens)
             return
         if self.can_roll_back and self.cached_tokens:  # (an empty sliding-window cache cannot be cropped)
-            crop_attention(self.cache, num_tokens) if self.stepwise else self.cache.crop(-num_tokens)
+            crop_attention(self.cache, num_tokens) if self.recurrent else self.cache.crop(-num_tokens)
         self.cached_tokens -= num_tokens
         if num_tokens:
             check_cache_length(self.model, self.cache, self.cached_tokens, "a rollback")
@@ -468,10 +467,9 @@ class CachedModel:
         """Recurrent state: undo the last pass, then feed its first tokens again, all but the last ``num_tokens``."""
         self._pass_length(num_tokens)
         kept, fed = self._undo
-        self.cache.crop(-len(fed))  # (the attention layers; the recurrent ones are put back whole)
+        crop_attention(self.cache, len(fed))
         restore(self.cache, kept)
         self.cached_tokens -= len(fed)
         if len(fed) > num_tokens:
             self.forward(fed[: len(fed) - num_tokens], 1)
         self._undo = None
-        self.cache.crop(0)
