@@ -257,7 +257,7 @@ class Decoder:
             seconds = [one_call if budget > 0 else None for budget in budgets]
             for row, asked in zip(rows, seconds):
                 row.stats.draft_time_s += asked or 0.0
-            if not self._target.ragged:  # (trees need their own masks)
+            if not self._target.takes_trees:  # (trees need their own masks, and no recurrent state)
                 proposed = [draft.chain() for draft in proposed]
         picks = self.policy.trim([row.drafting for row in rows], proposed, seconds)
         return proposed, [draft.select(tokens) for draft, tokens in zip(proposed, picks)]

@@ -44,10 +44,13 @@ def fastest_batch_size(
     target.start_row(0, text.to(device))  # the longest row, whose prefixes the others take
     while True:
         for index in range(target.batch, size):
-            target.copy_prefix(0, index, context + 16 * index)
-        kv_per_token = sum(t.nbytes for layer in target.cache.layers for t in (layer.keys, layer.values)) / (
-            size * target.cached_tokens
-        )
+            if target.rows_state is None:
+                target.copy_prefix(0, index, context + 16 * index)
+            else:  # (recurrent state holds no prefix of a row: computed)
+                target.start_row(index, text[: context + 16 * index].to(device))
+        kv_per_token = sum(t.nbytes for layer in target.cache.layers for t in (getattr(layer, "keys", None),
+                                                                                 getattr(layer, "values", None))
+                           if isinstance(t, torch.Tensor)) / (size * target.cached_tokens)  # (recurrent state: none)
         if spare is not None and size * kv_per_token * context_per_row > spare / 4:
             break
         rate = size / _pass_seconds(target, [text[:1].to(device)] * size)

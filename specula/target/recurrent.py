@@ -98,6 +98,14 @@ class Stepwise:
         attention's projection, which it does not)."""
         return len(self.mixers) == sum(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
+    def rows_of(self, cache: DynamicCache) -> str | None:
+        """Why its states cannot be held as batch rows (:class:`RecurrentRows`), or ``None`` where they can."""
+        if not self.covers(cache):
+            return "some of its recurrent layers cannot be computed one token at a time"
+        if any(_keeps_own_state(mixer) for mixer in self.mixers):
+            return "its recurrent layers keep their states on the modules, not in the cache"
+        return None
+
     @contextlib.contextmanager
     def applied(self, cache: DynamicCache) -> Iterator[None]:
         """Within the block, every call of a recurrent layer is split into one-token calls."""
@@ -125,10 +133,15 @@ class Stepwise:
             return torch.cat(outputs, dim=1)
         return (torch.cat([output[0] for output in outputs], dim=1), *outputs[-1][1:])  # (RecurrentGemma: (out, None))
 
-    def put_back(self, cache: DynamicCache, kept: int) -> None:
-        """Every recurrent layer's state after the first ``kept`` tokens of the last pass."""
+    def put_back(self, cache: DynamicCache, kept: int | list[int]) -> None:
+        """Every recurrent layer's state after the first ``kept`` tokens of the last pass; in a batch, row ``b``'s
+        after its first ``kept[b]`` (the tokens after a row's block, padding, are so forgotten too)."""
         for mixer, states in zip(self.mixers, self.states):
-            _write(mixer, cache, states[kept])
+            if isinstance(kept, int):
+                _write(mixer, cache, states[kept])
+            else:  # (cache states only: RecurrentGemma's are not batched)
+                _write(mixer, cache, {key: torch.stack([states[k][key][b] for b, k in enumerate(kept)])
+                                      for key in states[0]})
         self.states = None
 
     def tokens(self) -> int:
@@ -180,3 +193,39 @@ def crop_attention(cache: DynamicCache, tokens: int) -> None:
                 attention.crop(layer, -tokens)
         else:
             layer.crop(-tokens)
+
+
+class RecurrentRows:
+    """The recurrent states of a batch whose rows come and go: a buffer of ``slots`` rows for each state, whose rows
+    in use the cache layers hold as a view (the models update their states in place, so they write the buffer).
+    Each request's prompt is computed alone and its states put in its row (:meth:`put_row`)."""
+
+    def __init__(self, cache: DynamicCache, slots: int) -> None:
+        self.cache, self.slots = cache, slots
+        self.layers = [index for index, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.buffers: dict[tuple[int, str, int], torch.Tensor] = {}  # (layer, kind, state) -> [slots, ...]
+
+    def put_row(self, index: int, alone: DynamicCache) -> None:
+        """Make row ``index`` hold the states of ``alone``, a one-row cache of the same model."""
+        for layer in self.layers:
+            computed, held = alone.layers[layer], self.cache.layers[layer]
+            for (kind, state), tensor in _layer_states(computed).items():
+                buffer = self.buffers.get((layer, kind, state))
+                if buffer is None:
+                    buffer = self.buffers[(layer, kind, state)] = tensor.new_zeros((self.slots, *tensor.shape[1:]))
+                buffer[index] = tensor[0]
+            for name in ("conv_kernel_size", "has_previous_state", "is_conv_states_initialized",
+                         "is_recurrent_states_initialized"):
+                setattr(held, name, dict(getattr(computed, name)))
+            held.dtype, held.device = computed.dtype, computed.device
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these rows, moved to the front."""
+        for buffer in self.buffers.values():
+            buffer[: len(rows)] = buffer[rows]
+
+    def expose(self, rows: int) -> None:
+        """Let the cache layers hold the first ``rows`` rows."""
+        for (layer, kind, state), buffer in self.buffers.items():
+            held = self.cache.layers[layer]
+            (held.conv_states if kind == "conv" else held.recurrent_states)[state] = buffer[:rows]

@@ -11,15 +11,16 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from .recurrent import (
-    STEP_BY_STEP, Snapshot, Stepwise, crop_attention, has_recurrent_state, restore, snapshot, stop_recording,
+    STEP_BY_STEP, RecurrentRows, Snapshot, Stepwise, crop_attention, has_recurrent_state, restore, snapshot,
+    stop_recording,
 )
 from .row_exact import row_exact_for
 from .support import (
-    UnsupportedModelError, cache_argument, check_batchable, check_cache_length, check_rollback, check_split_independent,
-    check_standard_cache, describe, multi_token_failure,
+    UnsupportedModelError, cache_argument, check_batchable, check_cache_length, check_recurrent_rows, check_rollback,
+    check_split_independent, check_standard_cache, describe, multi_token_failure,
 )
 
 # Attention kernels for multi-token passes on a GPU: every backend but cuDNN's. cuDNN builds an execution plan for
@@ -222,6 +223,8 @@ class CachedModel:
         self.row_exact = row_exact_for(model) if row_exact else None
         self.slots = slots
         self.ragged = slots > 1 if ragged is None else ragged  # rows keep their own lengths (also when rows leave)
+        self.takes_trees = self.ragged and not has_recurrent_state(self.cache)  # (a tree needs each branch's state)
+        self.rows_state: RecurrentRows | None = None  # a batch's recurrent states
         self.batch = 0 if self.ragged else 1  # rows in use
         self._block_lengths: list[int] = []
         if self.ragged:
@@ -248,8 +251,14 @@ class CachedModel:
         windows = {layer.sliding_window for layer in self.cache.layers if type(layer) is PreallocatedLayer}
         self.window = max(windows - {None}, default=None)  # (the cache gives every sliding layer the config's)
         self.mixed = len(windows) > 1  # full-attention and sliding-window layers: a mask for each (by layer type)
-        other = sorted({type(layer).__name__ for layer in self.cache.layers if type(layer) is not PreallocatedLayer})
-        check_batchable(model, other, parameters)
+        self.attends = bool(windows)  # (a model of recurrent layers only takes no mask, no positions)
+        other = sorted({type(layer).__name__ for layer in self.cache.layers
+                        if type(layer) not in (PreallocatedLayer, LinearAttentionLayer, DummyLayer)})
+        check_batchable(model, other, parameters, self.attends)
+        if has_recurrent_state(self.cache):
+            self.stepwise = self.stepwise or Stepwise(model)
+            check_recurrent_rows(model, self.stepwise.rows_of(self.cache), self.slots)
+            self.rows_state = RecurrentRows(self.cache, self.slots)
         self.attention = model.config._attn_implementation
         self.starts = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # [slots]: each row's tokens
         self.dtype = next(model.parameters()).dtype
@@ -271,7 +280,10 @@ class CachedModel:
             inputs["logits_to_keep"] = 1
         logits = self.model(**inputs).logits[0, -1:]
         for layer, computed in zip(self.cache.layers, alone.layers):
-            layer.put_row(index, computed.keys, computed.values, self.slots, len(token_ids))
+            if type(layer) is PreallocatedLayer:
+                layer.put_row(index, computed.keys, computed.values, self.slots, len(token_ids))
+        if self.rows_state is not None:
+            self.rows_state.put_row(index, alone)
         self.starts[index] = len(token_ids)
         self.batch = max(self.batch, index + 1)
         self._set_rows()
@@ -289,9 +301,12 @@ class CachedModel:
     def copy_prefix(self, source: int, index: int, length: int) -> None:
         """Make row ``index`` hold the first ``length`` tokens of row ``source`` (their states do not depend on
         later tokens)."""
+        if self.rows_state is not None:
+            raise UnsupportedModelError(f"{describe(self.model)} keeps recurrent state, which holds no prefix of a row.")
         for layer in self.cache.layers:
-            for buffer in (layer._key_buffer, layer._value_buffer):
-                buffer[index, :, :length] = buffer[source, :, :length]
+            if type(layer) is PreallocatedLayer:
+                for buffer in (layer._key_buffer, layer._value_buffer):
+                    buffer[index, :, :length] = buffer[source, :, :length]
         self.starts[index] = length
         self.batch = max(self.batch, index + 1)
         self._set_rows()
@@ -301,8 +316,11 @@ class CachedModel:
         starts = self.starts[: self.batch]
         self.cached_tokens = int(starts.max())
         for layer in self.cache.layers:
-            layer.rows, layer.row_starts, layer.length = self.batch, starts, self.cached_tokens
-            layer._expose()
+            if type(layer) is PreallocatedLayer:
+                layer.rows, layer.row_starts, layer.length = self.batch, starts, self.cached_tokens
+                layer._expose()
+        if self.rows_state is not None:
+            self.rows_state.expose(self.batch)
 
     def forward(self, token_ids: torch.Tensor, num_logits: int, argmax_only: bool = False) -> torch.Tensor:
         """Append ``token_ids`` (1-D) to the cache; return the logits of its last ``num_logits`` positions
@@ -374,14 +392,19 @@ class CachedModel:
         # a single request's one-token step (a tree proposer sending nothing) is model.generate's own: the model
         # derives its mask (no sliding window to hide: every layer sees the whole row)
         one_token_step = len(blocks) == 1 and n == 1 and self.window is None
-        if one_token_step:
+        if one_token_step or not self.attends:
             del inputs["attention_mask"]
+        if not self.attends:
+            del inputs["position_ids"]
         # row-exact: every token as its row's one-token step computes it, whatever the other rows
         exact = _as_they_are()
         if self.row_exact and not one_token_step:
             ends = (positions + 1).tolist()  # [B][n]: the keys each token's one-token step sees
             exact = self.row_exact.applied(self.cache, ends, _paths(ancestry, trees) if trees else None, argmax_only)
-        with exact as finish:
+        stepwise = self.stepwise is not None and n > 1
+        if self.stepwise is not None:
+            self.stepwise.forget()
+        with exact as finish, self.stepwise.applied(self.cache) if stepwise else contextlib.nullcontext():
             logits = finish(self.model(**inputs).logits)[:, -keep:]  # [B, keep, vocab]
         self.cached_tokens = len(keys)
         check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")
@@ -420,8 +443,11 @@ class CachedModel:
                 start = int(self.starts[b])
                 source = start + torch.tensor(path, device=self.device)
                 for layer in self.cache.layers:
-                    for buffer in (layer._key_buffer, layer._value_buffer):
-                        buffer[b, :, start : start + len(path)] = buffer[b, :, source]
+                    if type(layer) is PreallocatedLayer:
+                        for buffer in (layer._key_buffer, layer._value_buffer):
+                            buffer[b, :, start : start + len(path)] = buffer[b, :, source]
+        if self.stepwise is not None and self.stepwise.tokens():
+            self.stepwise.put_back(self.cache, kept)
         self.starts[: self.batch] += torch.tensor(kept, device=self.device)
         self._set_rows()
 
@@ -432,7 +458,10 @@ class CachedModel:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.starts[: len(rows)] = self.starts[index]
         for layer in self.cache.layers:
-            layer.select_rows(index)
+            if type(layer) is PreallocatedLayer:
+                layer.select_rows(index)
+        if self.rows_state is not None:
+            self.rows_state.select_rows(index)
         self.batch = len(rows)
         if rows:
             self._set_rows()

@@ -90,14 +90,18 @@ def check_split_independent(model: torch.nn.Module, cache: DynamicCache) -> None
         )
 
 
-def check_batchable(model: torch.nn.Module, other_layers: list[str], parameters) -> None:
-    """Rows of different lengths can share a pass: every cache layer full attention (``other_layers``: the kinds that
-    are not), an attention implementation that takes specula's masks, position ids."""
+def check_batchable(model: torch.nn.Module, other_layers: list[str], parameters, attends: bool = True) -> None:
+    """Rows of different lengths can share a pass: every cache layer full attention or recurrent state alone
+    (``other_layers``: the kinds that are neither), and where it ``attends``, an attention implementation that takes
+    specula's masks, position ids."""
     if other_layers:
         raise UnsupportedModelError(
-            f"{describe(model)} keeps {', '.join(other_layers)} cache layers (sliding windows, recurrent state ...); "
-            "specula batches only models whose layers all cache full attention. Decode its requests one at a time."
+            f"{describe(model)} keeps {', '.join(other_layers)} cache layers (chunked or indexed attention, "
+            "attention and recurrent state in one layer ...); specula batches only models whose layers each cache "
+            "attention or recurrent state. Decode its requests one at a time."
         )
+    if not attends:
+        return
     attention = model.config._attn_implementation
     if attention not in ("sdpa", "eager"):
         raise UnsupportedModelError(
@@ -108,6 +112,18 @@ def check_batchable(model: torch.nn.Module, other_layers: list[str], parameters)
         raise UnsupportedModelError(
             f"{describe(model)} takes no position_ids, so rows of different lengths cannot share a pass; "
             "decode its requests one at a time."
+        )
+
+
+def check_recurrent_rows(model: torch.nn.Module, reason: str | None, slots: int) -> None:
+    """A model with recurrent state is held as batch rows: its states can be (``reason``: why not), and it is a
+    batch (a single row is held so only to verify trees, and a tree needs each branch's state)."""
+    if reason is None and slots == 1:
+        reason = "a tree of drafts needs the state of each branch"
+    if reason is not None:
+        raise UnsupportedModelError(
+            f"{describe(model)} keeps recurrent state, and {reason}; specula cannot verify its requests as rows of "
+            "a batch. Decode its requests one at a time, with chains of drafts."
         )
 
 

@@ -4,10 +4,12 @@ recurrent architecture: tests/e2e/test_architectures.py.)"""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from architectures import sweep_prompts, tiny_causal_lm
-from helpers import Oracle, PartlyRight
+from helpers import Oracle, PartlyRight, TreeOracle
 
 import specula
 from specula.target.runner import CachedModel
@@ -63,3 +65,59 @@ def test_half_precision_with_row_exact_verification_is_refused_where_layers_cann
         specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=8, pad_token_id=0)
     out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=8, pad_token_id=0, row_exact=False)
     assert out.sequences.shape[1] > prompt.shape[1]
+
+
+def _rows() -> list[torch.Tensor]:
+    prompts = [prompt[0] for prompt in sweep_prompts()]
+    return [*prompts, prompts[0][5:], torch.randint(3, 90, (17,), generator=torch.Generator().manual_seed(0))]
+
+
+def _left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row) :], mask[b, width - len(row) :] = row, 1
+    return ids, mask
+
+
+# Mamba-1 alone, Mamba-2 with attention (Bamba), gated delta nets with attention (Qwen3-Next), Mamba-1 with attention
+# (Jamba), Nemotron-H (layers that keep nothing); each row its own recurrent state, rows accepting different lengths
+@pytest.mark.parametrize("model_type", ["mamba", "bamba", "qwen3_next", "jamba", "nemotron_h"])
+def test_rows_of_a_batch_keep_their_own_state_and_each_is_model_generate_alone(model_type: str) -> None:
+    model, rows = tiny_causal_lm(model_type), _rows()
+    references = [model.generate(row[None], attention_mask=torch.ones_like(row[None]), do_sample=False,
+                                 max_new_tokens=24, eos_token_id=[], pad_token_id=0)[0] for row in rows]
+    ids, mask = _left_padded(rows)
+    for proposer in (Oracle(references, 6), PartlyRight(references, 6), specula.PromptLookup(), None):
+        out = specula.generate(model, ids, proposer, attention_mask=mask, max_new_tokens=24, eos_token_id=[],
+                               adaptive_draft=False, pad_token_id=0)
+        assert [row[ids.shape[1] :] for row in out.sequences.tolist()] == [
+            reference[len(row) :].tolist() for reference, row in zip(references, rows)]
+        if isinstance(proposer, PartlyRight):
+            assert len({row.accepted for row in out.stats.rows}) > 1  # (ragged acceptance)
+
+
+@pytest.mark.parametrize("model_type, why", [
+    ("falcon_h1", "LinearAttentionAndFullAttentionLayer"), ("zamba", "LinearAttentionAndFullAttentionLayer"),
+    ("recurrent_gemma", "keep their states on the modules")])
+def test_models_whose_states_cannot_be_batch_rows_are_refused_in_a_batch(model_type: str, why: str) -> None:
+    ids, mask = _left_padded(_rows())
+    with pytest.raises(specula.UnsupportedModelError, match=why):
+        specula.generate(tiny_causal_lm(model_type), ids, specula.PromptLookup(), attention_mask=mask,
+                         max_new_tokens=8, pad_token_id=0)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_trees_are_cut_to_their_first_branch(batch: bool) -> None:
+    model, rows = tiny_causal_lm("mamba"), _rows()[: 2 if batch else 1]
+    references = [model.generate(row[None], attention_mask=torch.ones_like(row[None]), do_sample=False,
+                                 max_new_tokens=24, eos_token_id=[], pad_token_id=0)[0] for row in rows]
+    ids, mask = _left_padded(rows)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = specula.generate(model, ids, TreeOracle(references, "late", 96), attention_mask=mask,
+                               max_new_tokens=24, eos_token_id=[], adaptive_draft=False, pad_token_id=0)
+    assert [row[ids.shape[1] :] for row in out.sequences.tolist()] == [
+        reference[len(row) :].tolist() for reference, row in zip(references, rows)]
+    assert out.stats.accepted > 0 and out.stats.tree_steps == 0
+    assert batch or any("cut to their first branch" in str(warning.message) for warning in caught)
