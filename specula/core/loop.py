@@ -274,9 +274,11 @@ class Decoder:
         outcomes = [accept_draft(row_logits, draft, row.sampling, self._tokens(row, draft))
                     for row, draft, row_logits in zip(rows, sent, logits)]
         self.passes += 1
+        verified = time.perf_counter()
         self._target.keep_rows([len(tokens) for tokens in outcomes],
                                [_path(draft, tokens) for draft, tokens in zip(sent, outcomes)])
-        seconds = time.perf_counter() - started  # (the rollback included: recurrent state may be fed again)
+        # (recurrent state fed again after a rejected draft: a second pass, part of what the step cost)
+        seconds = (time.perf_counter() if self._target.feeds_again else verified) - started
         if calibration.shared().made != calibrations:  # it calibrated row-exact kernels: no measure of its cost
             seconds = None
         width = max(map(len, blocks))  # (every row is computed this wide)

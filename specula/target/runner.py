@@ -482,6 +482,11 @@ class CachedModel:
         if num_tokens:
             check_cache_length(self.model, self.cache, self.cached_tokens, "a rollback")
 
+    @property
+    def feeds_again(self) -> bool:
+        """Whether a rollback may feed tokens again (recurrent state not computed step by step): a second pass."""
+        return self.recurrent and self.stepwise is None
+
     def _pass_length(self, num_tokens: int) -> int:
         """Recurrent state: how many tokens the last pass fed, which a rollback of ``num_tokens`` must not exceed."""
         fed = len(self._undo[1]) if self._undo is not None else self.stepwise.tokens() if self.stepwise else 0
