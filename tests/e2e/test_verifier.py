@@ -145,16 +145,17 @@ def test_third_party_proposer_with_plain_lists() -> None:
     assert out.sequences.tolist() == hf_greedy(model("gpt2"), torch.tensor([RANDOM]), 20).tolist()
 
 
-def test_unsupported_cache_is_refused_by_name() -> None:
+def test_a_mamba_model_decodes_with_drafts_as_model_generate() -> None:
+    """Its recurrent state is verified step by step (specula.target.recurrent); it used to be refused."""
     import transformers
 
     torch.manual_seed(0)
     mamba = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1))
-    with pytest.raises(specula.UnsupportedModelError, match="mamba"):
-        specula.generate(mamba.eval(), torch.tensor([REPETITIVE]), specula.PromptLookup(), max_new_tokens=5)
-    # Plain decoding needs no rollback, so it still works.
-    plain = specula.generate(mamba, torch.tensor([REPETITIVE]), None, max_new_tokens=5, eos_token_id=[])
-    assert plain.sequences.tolist() == hf_greedy(mamba, torch.tensor([REPETITIVE]), 5).tolist()
+    expected = hf_greedy(mamba.eval(), torch.tensor([REPETITIVE]), 5).tolist()
+    for proposer in (specula.PromptLookup(), None):
+        out = specula.generate(mamba, torch.tensor([REPETITIVE]), proposer, max_new_tokens=5, eos_token_id=[],
+                               adaptive_draft=False)
+        assert out.sequences.tolist() == expected
 
 
 class _IgnoresTheCache(transformers.LlamaForCausalLM):
