@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
+from .indexer import PerQueryIndexers
 from .recurrent import (
     STEP_BY_STEP, RecurrentRows, Snapshot, Stepwise, crop_attention, has_recurrent_state, restore, snapshot,
     stop_recording,
@@ -210,8 +211,10 @@ class CachedModel:
                     "output, or pass row_exact=False (--no-row-exact) to verify the ordinary way (greedy output may "
                     "then leave model.generate's after a near-tie)."
                 )
+        # sparse attention: the keys of each query picked as its one-token step picks them
+        self.indexers = PerQueryIndexers(model) if rollback and PerQueryIndexers.needed(self.cache) else None
         if rollback:
-            check_split_independent(model, self.cache)
+            check_split_independent(model, self.cache, self.indexers)
         parameters = inspect.signature(model.forward).parameters
         self.cache_argument = cache_argument(model, parameters)
         self.device = model.get_input_embeddings().weight.device
@@ -338,18 +341,19 @@ class CachedModel:
             inputs["attention_mask"] = self.attention_mask[:, :end]
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = num_logits
-        stepwise = self.stepwise is not None and start > 0 and token_ids.shape[0] > 1
+        verifies = start > 0 and token_ids.shape[0] > 1  # (a pass over several tokens after a filled cache)
         if self.stepwise is not None:
             self.stepwise.forget()
         elif self.recurrent and start > 0:
             self._undo = (snapshot(self.cache), token_ids) if token_ids.shape[0] > 1 else None
         multi_token_on_gpu = token_ids.shape[0] > 1 and token_ids.device.type == "cuda"
-        exact = self.row_exact is not None and start > 0 and token_ids.shape[0] > 1
+        exact = self.row_exact is not None and verifies
         try:
             with (
                 sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu and not exact else contextlib.nullcontext(),
                 self.row_exact.applied(self.cache, argmax_only=argmax_only) if exact else _as_they_are() as finish,
-                self.stepwise.applied(self.cache) if stepwise else contextlib.nullcontext(),
+                self.stepwise.applied(self.cache) if self.stepwise and verifies else contextlib.nullcontext(),
+                self.indexers.applied() if self.indexers and verifies else contextlib.nullcontext(),
             ):
                 logits = finish(self.model(**inputs).logits)[0, -num_logits:]
         except Exception as error:

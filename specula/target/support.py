@@ -8,7 +8,9 @@ import inspect
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin, DynamicIndexedLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+from .indexer import PerQueryIndexers
 
 # Where a causal LM's forward takes its Cache: cache (transformers >= 5.24), past_key_values (earlier versions, and
 # models that keep the old name), or cache_params for Mamba-style models (as in model.generate). Models that keep
@@ -74,13 +76,14 @@ def _takes_a_cache(parameter: inspect.Parameter | None) -> bool:
     return annotation is inspect.Parameter.empty or "dict" not in str(annotation)
 
 
-def check_split_independent(model: torch.nn.Module, cache: DynamicCache) -> None:
-    """Refuse models for which a pass over several tokens computes something else than one-token steps."""
+def check_split_independent(model: torch.nn.Module, cache: DynamicCache, indexers: PerQueryIndexers | None) -> None:
+    """Refuse models for which a pass over several tokens computes something else than one-token steps
+    (``indexers``: a sparse-attention model's, which must select the keys of each query alone)."""
     reason = _SPLIT_DEPENDENT.get(model.config.model_type)
-    if any(isinstance(layer, DynamicIndexedLayer) for layer in cache.layers):
+    if indexers is not None and not indexers.covers(model):
         reason = (
-            "its sparse attention picks the top-k keys of each query with an indexer, and passes of other "
-            "shapes round its scores differently and break its ties otherwise"
+            "its sparse attention picks the top-k keys of each query with an indexer specula cannot call one query "
+            "at a time, and passes of other shapes round its scores differently and break its ties otherwise"
         )
     if reason is not None:
         raise UnsupportedModelError(

@@ -15,18 +15,12 @@ import specula
 
 NEW_TOKENS = 40
 
-_INDEXER = "sparse attention picks the top-k keys"
 _NOT_STANDARD = "not a decoder-only model with a standard KV cache"
 _NO_CACHE = "takes no KV cache"
 
 # Refused with a proposer (model type -> what the error says); plain decoding (proposer=None) is identical to
 # model.generate for them unless they are in REFUSED_PLAIN too.
 REFUSED = {
-    **dict.fromkeys(
-        ["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4", "qwen4_exp",
-         "qwen4_exp_text"],
-        _INDEXER,
-    ),
     "deepseek_v4": "DeepseekV4CSACache, DeepseekV4HCACache layers cannot crop what they keep",
     "moshi": "attention mask has no sliding window while its KV cache keeps one",
     "prophetnet": "fails on a pass over .* tokens after a filled KV cache \\(AssertionError",
@@ -48,6 +42,8 @@ REFUSED_PLAIN = {
 RECURRENT = ["bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear",
              "mamba", "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text",
              "qwen3_5_text", "qwen3_next", "recurrent_gemma", "zamba", "zamba2", "zaya"]
+# Sparse attention: an indexer picks each query's keys, which specula.target.indexer picks per query in a pass.
+SPARSE = ["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4", "qwen4_exp", "qwen4_exp_text"]
 # Cannot be built as a tiny text-only causal LM here (tests/architectures.py says why).
 NOT_TINY = {"blt", "gemma3n", "gemma4_assistant", "gemma4_unified_assistant", "musicgen", "musicgen_melody"}
 
@@ -87,7 +83,7 @@ def test_identical_to_model_generate_or_refused(model_type: str) -> None:
         return
     model = tiny_causal_lm(model_type)
     _identical_or_refused(model, specula.PromptLookup, REFUSED.get(model_type, REFUSED_PLAIN.get(model_type)))
-    if model_type in RECURRENT:
+    if model_type in RECURRENT or model_type in SPARSE:
         _identical_or_refused(model, specula.PromptLookup, None, adaptive=True)
         _accepted_and_identical(model)
     if model_type in REFUSED or model_type in REFUSED_PLAIN:
@@ -97,4 +93,4 @@ def test_identical_to_model_generate_or_refused(model_type: str) -> None:
 def test_the_lists_name_only_known_architectures() -> None:
     assert {*REFUSED, *REFUSED_PLAIN, *NOT_TINY} <= set(CAUSAL_LM_TYPES)
     assert not set(REFUSED) & set(REFUSED_PLAIN) and not NOT_TINY & {*REFUSED, *REFUSED_PLAIN}
-    assert set(RECURRENT) <= set(CAUSAL_LM_TYPES) - {*REFUSED, *REFUSED_PLAIN}
+    assert {*RECURRENT, *SPARSE} <= set(CAUSAL_LM_TYPES) - {*REFUSED, *REFUSED_PLAIN}
