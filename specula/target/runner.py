@@ -11,7 +11,9 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+from transformers.cache_utils import (
+    DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer,
+)
 
 from .indexer import PerQueryIndexers
 from .recurrent import (
@@ -124,6 +126,23 @@ class PreallocatedLayer(DynamicLayer):
         if self.is_initialized:
             self.length = max(self.length - abs(tokens_to_remove), 0)
             self._expose()
+
+
+class PreallocatedHybridLayer(LinearAttentionLayer, PreallocatedLayer):
+    """A batch's layer holding attention and recurrent state at once (Falcon-H1, Zamba's hybrid layers), as
+    transformers' ``LinearAttentionAndFullAttentionLayer`` holds them: its attention a :class:`PreallocatedLayer`, its
+    recurrent states rows of :class:`specula.target.recurrent.RecurrentRows`."""
+
+    def __init__(self, capacity: int, number_of_states: int) -> None:
+        PreallocatedLayer.__init__(self, capacity)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # attention states come positionally (keys, values[, slots]), recurrent ones as keywords
+        if args:
+            PreallocatedLayer.lazy_initialization(self, *args, **kwargs)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
 
 def _ancestry(trees: list[list[int] | None], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,12 +270,14 @@ class CachedModel:
             if type(layer) is DynamicSlidingWindowLayer:
                 self.cache.layers[i] = PreallocatedLayer(capacity)
                 self.cache.layers[i].sliding_window = layer.sliding_window
-        windows = {layer.sliding_window for layer in self.cache.layers if type(layer) is PreallocatedLayer}
+            elif type(layer) is LinearAttentionAndFullAttentionLayer:
+                self.cache.layers[i] = PreallocatedHybridLayer(capacity, layer.number_of_states)
+        windows = {layer.sliding_window for layer in self.cache.layers if isinstance(layer, PreallocatedLayer)}
         self.window = max(windows - {None}, default=None)  # (the cache gives every sliding layer the config's)
         self.mixed = len(windows) > 1  # full-attention and sliding-window layers: a mask for each (by layer type)
         self.attends = bool(windows)  # (a model of recurrent layers only takes no mask, no positions)
         other = sorted({type(layer).__name__ for layer in self.cache.layers
-                        if type(layer) not in (PreallocatedLayer, LinearAttentionLayer, DummyLayer)})
+                        if type(layer) not in (PreallocatedLayer, PreallocatedHybridLayer, LinearAttentionLayer, DummyLayer)})
         check_batchable(model, other, parameters, self.attends)
         if has_recurrent_state(self.cache):
             self.stepwise = self.stepwise or Stepwise(model)
@@ -283,7 +304,7 @@ class CachedModel:
             inputs["logits_to_keep"] = 1
         logits = self.model(**inputs).logits[0, -1:]
         for layer, computed in zip(self.cache.layers, alone.layers):
-            if type(layer) is PreallocatedLayer:
+            if isinstance(layer, PreallocatedLayer):
                 layer.put_row(index, computed.keys, computed.values, self.slots, len(token_ids))
         if self.rows_state is not None:
             self.rows_state.put_row(index, alone)
@@ -307,7 +328,7 @@ class CachedModel:
         if self.rows_state is not None:
             raise UnsupportedModelError(f"{describe(self.model)} keeps recurrent state, which holds no prefix of a row.")
         for layer in self.cache.layers:
-            if type(layer) is PreallocatedLayer:
+            if isinstance(layer, PreallocatedLayer):
                 for buffer in (layer._key_buffer, layer._value_buffer):
                     buffer[index, :, :length] = buffer[source, :, :length]
         self.starts[index] = length
@@ -319,7 +340,7 @@ class CachedModel:
         starts = self.starts[: self.batch]
         self.cached_tokens = int(starts.max())
         for layer in self.cache.layers:
-            if type(layer) is PreallocatedLayer:
+            if isinstance(layer, PreallocatedLayer):
                 layer.rows, layer.row_starts, layer.length = self.batch, starts, self.cached_tokens
                 layer._expose()
         if self.rows_state is not None:
@@ -447,7 +468,7 @@ class CachedModel:
                 start = int(self.starts[b])
                 source = start + torch.tensor(path, device=self.device)
                 for layer in self.cache.layers:
-                    if type(layer) is PreallocatedLayer:
+                    if isinstance(layer, PreallocatedLayer):
                         for buffer in (layer._key_buffer, layer._value_buffer):
                             buffer[b, :, start : start + len(path)] = buffer[b, :, source]
         if self.stepwise is not None and self.stepwise.tokens():
@@ -462,7 +483,7 @@ class CachedModel:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.starts[: len(rows)] = self.starts[index]
         for layer in self.cache.layers:
-            if type(layer) is PreallocatedLayer:
+            if isinstance(layer, PreallocatedLayer):
                 layer.select_rows(index)
         if self.rows_state is not None:
             self.rows_state.select_rows(index)

@@ -81,8 +81,9 @@ def _left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Mamba-1 alone, Mamba-2 with attention (Bamba), gated delta nets with attention (Qwen3-Next), Mamba-1 with attention
-# (Jamba), Nemotron-H (layers that keep nothing); each row its own recurrent state, rows accepting different lengths
-@pytest.mark.parametrize("model_type", ["mamba", "bamba", "qwen3_next", "jamba", "nemotron_h"])
+# (Jamba), Nemotron-H (layers that keep nothing), attention and Mamba-2 in one cache layer (Falcon-H1), and Mamba-1 in
+# Zamba's hybrid layers; each row its own recurrent state, rows accepting different lengths
+@pytest.mark.parametrize("model_type", ["mamba", "bamba", "qwen3_next", "jamba", "nemotron_h", "falcon_h1", "zamba"])
 def test_rows_of_a_batch_keep_their_own_state_and_each_is_model_generate_alone(model_type: str) -> None:
     model, rows = tiny_causal_lm(model_type), _rows()
     references = [model.generate(row[None], attention_mask=torch.ones_like(row[None]), do_sample=False,
@@ -98,8 +99,7 @@ def test_rows_of_a_batch_keep_their_own_state_and_each_is_model_generate_alone(m
 
 
 @pytest.mark.parametrize("model_type, why", [
-    ("falcon_h1", "LinearAttentionAndFullAttentionLayer"), ("zamba", "LinearAttentionAndFullAttentionLayer"),
-    ("recurrent_gemma", "keep their states on the modules")])
+    ("zaya", "cannot be computed one token at a time"), ("recurrent_gemma", "keep their states on the modules")])
 def test_models_whose_states_cannot_be_batch_rows_are_refused_in_a_batch(model_type: str, why: str) -> None:
     ids, mask = _left_padded(_rows())
     with pytest.raises(specula.UnsupportedModelError, match=why):
