@@ -1,12 +1,15 @@
-"""A randomly initialised model with recurrent state, some millions of parameters, to time specula on.
+"""A randomly initialised model of an architecture no small real model ships for, some millions of parameters, to
+time specula on: recurrent state (Qwen3-Next, Mamba-2, Mamba) or sparse attention (DeepSeek-V3.2).
 
-No real small model with recurrent state ships inside a PyPI package (searched 2026-11-25: Mamba, Mamba-2, Falcon-H1,
-Granite-4, Qwen3.5, Zamba, LFM2 ...), so this builds one of these architectures at a chosen size with random weights
-and SmolLM2-135M-Instruct's tokenizer, and saves it where ``specula bench --model`` loads it. Random weights decode
-text nobody would read, so acceptance says little; what such a run measures is what a step costs with the state
-kept and fed again, and whether the cost model keeps specula at least as fast as ``model.generate``.
+No real small model with recurrent state or sparse attention ships inside a PyPI package (searched 2026-11-25: Mamba,
+Mamba-2, Falcon-H1, Granite-4, Qwen3.5, Zamba, LFM2, DeepSeek-V3.2 ...), so this builds one of these architectures at
+a chosen size with random weights and SmolLM2-135M-Instruct's tokenizer, and saves it where ``specula bench --model``
+loads it. Random weights decode text nobody would read, so acceptance says little; what such a run measures is what
+a step costs with the state kept (or the keys picked per query), and whether the cost model keeps specula at least as
+fast as ``model.generate``.
 
-Usage: python examples/recurrent_model.py OUT [--model-type qwen3_next|mamba2|mamba] [--hidden 512] [--layers 8]
+Usage: python examples/random_model.py OUT [--model-type qwen3_next|mamba2|mamba|deepseek_v32] [--hidden 512]
+       [--layers 8]
        specula bench --model OUT --dtype fp32 --workloads ../shared/workloads --proposers prompt-lookup --no-oracle
 """
 
@@ -32,6 +35,13 @@ def config(model_type: str, hidden: int, layers: int, vocab_size: int, eos: int)
         "mamba2": dict(num_heads=2 * heads, head_dim=64, state_size=64, n_groups=1, time_step_rank=hidden // 16,
                        chunk_size=64),
         "mamba": dict(state_size=16, expand=2, time_step_rank=hidden // 16),
+        # DeepSeek-V3.2 picks 2048 keys per query (of contexts up to 128K); 256 here, so that the picking matters on
+        # the public workloads' prompts of some hundred tokens
+        "deepseek_v32": dict(intermediate_size=4 * hidden, num_attention_heads=heads, num_key_value_heads=heads,
+                             q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_rope_head_dim=32, qk_nope_head_dim=32,
+                             v_head_dim=64, index_n_heads=heads, index_head_dim=64, index_topk=256,
+                             n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                             moe_intermediate_size=hidden, mlp_layer_types=["dense"] + ["sparse"] * (layers - 1)),
     }[model_type]
     return AutoConfig.for_model(model_type, vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                                 bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=True,
@@ -41,7 +51,7 @@ def config(model_type: str, hidden: int, layers: int, vocab_size: int, eos: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--model-type", choices=["qwen3_next", "mamba2", "mamba"], default="qwen3_next")
+    parser.add_argument("--model-type", choices=["qwen3_next", "mamba2", "mamba", "deepseek_v32"], default="qwen3_next")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
