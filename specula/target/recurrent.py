@@ -78,8 +78,8 @@ class Stepwise:
     ``model.generate`` takes, keeping every layer's state after every token; a rollback puts back the state after the
     last token kept. Attention and everything else in the pass still sees all its tokens at once.
 
-    What it costs: the recurrent layers' own work (projections included) once per token instead of once per pass; no
-    second pass after a rejected draft. What it buys: passes exactly as one-token steps compute them where a layer's
+    What it costs: the recurrent layers' own work once per token instead of once per pass (their input projections
+    excepted: :func:`_projected_once`); no second pass after a rejected draft. What it buys: passes exactly as one-token steps compute them where a layer's
     multi-token form differs (:data:`STEP_BY_STEP`) or rounds otherwise (bf16/fp16).
 
     The recurrent layers are the modules that take transformers' ``cache_params`` and own a ``layer_idx`` (Mamba,
@@ -126,9 +126,10 @@ class Stepwise:
         one = lambda value, t: value[:, t : t + 1] if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] == n else value
         states.append(_read(mixer, cache))
         outputs = []
-        for t in range(n):
-            outputs.append(forward(*(one(value, t) for value in args), **{key: one(value, t) for key, value in kwargs.items()}))
-            states.append(_read(mixer, cache))
+        with _projected_once(mixer, hidden):
+            for t in range(n):
+                outputs.append(forward(*(one(value, t) for value in args), **{key: one(value, t) for key, value in kwargs.items()}))
+                states.append(_read(mixer, cache))
         if isinstance(outputs[0], torch.Tensor):
             return torch.cat(outputs, dim=1)
         return (torch.cat([output[0] for output in outputs], dim=1), *outputs[-1][1:])  # (RecurrentGemma: (out, None))
@@ -150,6 +151,41 @@ class Stepwise:
 
     def forget(self) -> None:
         self.states = None
+
+
+@contextlib.contextmanager
+def _projected_once(mixer: torch.nn.Module, hidden: torch.Tensor) -> Iterator[None]:
+    """Within the block, the linear layers of ``mixer`` that a step feeds its own input (``hidden[:, t:t+1]`` of
+    ``hidden``: ``[B, n, width]``) compute all ``n`` rows at the first step and serve each step its row: one pass over
+    their weights instead of one per token (what the pass's other linear layers do; row-exact verification makes those
+    rows exact where it is on). A layer fed anything else (the input masked, normed ...) computes as it is."""
+    linears = [module for module in mixer.modules() if isinstance(module, torch.nn.Linear)
+               and module.in_features == hidden.shape[-1]]
+    before = [linear.__dict__.get("forward") for linear in linears]  # (row-exact verification's, where installed)
+    for linear in linears:
+        linear.forward = functools.partial(_row_served, linear.forward, hidden, [])
+    try:
+        yield
+    finally:
+        for linear, forward in zip(linears, before):
+            if forward is None:
+                del linear.forward
+            else:
+                linear.forward = forward
+
+
+def _row_served(forward, hidden: torch.Tensor, computed: list, x: torch.Tensor) -> torch.Tensor:
+    """``forward(x)``, taken from ``forward(hidden)`` (computed once, kept in ``computed``) where ``x`` is a row of
+    ``hidden`` (the same memory: a slice ``hidden[:, t:t+1]``)."""
+    offset = x.data_ptr() - hidden.data_ptr()
+    step = hidden.stride(1) * hidden.element_size()
+    if x.shape != (hidden.shape[0], 1, hidden.shape[2]) or x.stride() != hidden.stride() or offset % step \
+            or not 0 <= offset // step < hidden.shape[1]:
+        return forward(x)
+    if not computed:
+        computed.append(forward(hidden))
+    t = offset // step
+    return computed[0][:, t : t + 1]
 
 
 def _cache_mixer(module: torch.nn.Module) -> bool:
