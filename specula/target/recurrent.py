@@ -107,11 +107,13 @@ class Stepwise:
         return None
 
     @contextlib.contextmanager
-    def applied(self, cache: DynamicCache) -> Iterator[None]:
-        """Within the block, every call of a recurrent layer is split into one-token calls."""
+    def applied(self, cache: DynamicCache, parents: list[list[int]] | None = None) -> Iterator[None]:
+        """Within the block, every call of a recurrent layer is split into one-token calls. ``parents[b][t]``, where
+        given (trees of drafts), is the token of row ``b``'s block whose state token ``t`` follows (-1: the state
+        before the pass); else each token follows the one before."""
         self.states = [[] for _ in self.mixers]
         for index, mixer in enumerate(self.mixers):
-            mixer.forward = functools.partial(self._steps, mixer.forward, mixer, cache, self.states[index])
+            mixer.forward = functools.partial(self._steps, mixer.forward, mixer, cache, self.states[index], parents)
         try:
             yield
         finally:
@@ -119,8 +121,10 @@ class Stepwise:
                 del mixer.forward
 
     @staticmethod
-    def _steps(forward, mixer: torch.nn.Module, cache: DynamicCache, states: list, *args, **kwargs):
-        """``forward`` over each token in turn; ``states[t]``: the layer's states after the first t tokens."""
+    def _steps(forward, mixer: torch.nn.Module, cache: DynamicCache, states: list, parents: list[list[int]] | None,
+               *args, **kwargs):
+        """``forward`` over each token in turn, each from its parent's state; ``states[t + 1]``: the layer's states
+        after token t (``states[0]``: before the pass)."""
         hidden = next(value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
         n = hidden.shape[1]  # hidden states: [batch, n, width]
         one = lambda value, t: value[:, t : t + 1] if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] == n else value
@@ -128,6 +132,9 @@ class Stepwise:
         outputs = []
         with _projected_once(mixer, hidden):
             for t in range(n):
+                follows = [row[t] for row in parents] if parents is not None else None  # [B]
+                if follows is not None and any(parent != t - 1 for parent in follows):  # (a branch starts)
+                    _write(mixer, cache, _of_rows(states, [parent + 1 for parent in follows]))
                 outputs.append(forward(*(one(value, t) for value in args), **{key: one(value, t) for key, value in kwargs.items()}))
                 states.append(_read(mixer, cache))
         if isinstance(outputs[0], torch.Tensor):
@@ -136,13 +143,10 @@ class Stepwise:
 
     def put_back(self, cache: DynamicCache, kept: int | list[int]) -> None:
         """Every recurrent layer's state after the first ``kept`` tokens of the last pass; in a batch, row ``b``'s
-        after its first ``kept[b]`` (the tokens after a row's block, padding, are so forgotten too)."""
+        after its first ``kept[b]`` (the tokens after a row's block, padding, are so forgotten too; of a tree, the
+        state after its last accepted token is the state after as many tokens as it is the block's)."""
         for mixer, states in zip(self.mixers, self.states):
-            if isinstance(kept, int):
-                _write(mixer, cache, states[kept])
-            else:  # (cache states only: RecurrentGemma's are not batched)
-                _write(mixer, cache, {key: torch.stack([states[k][key][b] for b, k in enumerate(kept)])
-                                      for key in states[0]})
+            _write(mixer, cache, states[kept] if isinstance(kept, int) else _of_rows(states, kept))
         self.states = None
 
     def tokens(self) -> int:
@@ -186,6 +190,12 @@ def _row_served(forward, hidden: torch.Tensor, computed: list, x: torch.Tensor) 
         computed.append(forward(hidden))
     t = offset // step
     return computed[0][:, t : t + 1]
+
+
+def _of_rows(states: list[dict], after: list[int]) -> dict:
+    """Each row ``b``'s states after ``after[b]`` tokens, as one batch (cache states only: RecurrentGemma's are not
+    held as rows)."""
+    return {key: torch.stack([states[t][key][b] for b, t in enumerate(after)]) for key in states[0]}
 
 
 def _cache_mixer(module: torch.nn.Module) -> bool:

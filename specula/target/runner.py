@@ -159,10 +159,16 @@ def _ancestry(trees: list[list[int] | None], n: int, device: torch.device) -> tu
     for b, tree in enumerate(trees):
         if tree is None:
             continue
-        parents = tree + list(range(len(tree) - 1, n - 1))  # (padding after a tree: a chain from its last token)
+        parents = _parents([tree], n)[0]
         for i in range(1, n):  # (only the first token has no parent: -1)
             ancestry[b, i, :i], depth[b, i] = ancestry[b, parents[i], :i], depth[b, parents[i]] + 1
     return torch.from_numpy(ancestry).to(device), torch.from_numpy(depth).to(device)
+
+
+def _parents(trees: list[list[int] | None], n: int) -> list[list[int]]:
+    """Each row's parents (see :func:`_ancestry`) for all ``n`` tokens of the block: a chain's the token before,
+    padding after a tree follows its last token."""
+    return [list(range(-1, n - 1)) if tree is None else tree + list(range(len(tree) - 1, n - 1)) for tree in trees]
 
 
 def _paths(ancestry: torch.Tensor, trees: list[list[int] | None]) -> list[list[list[int] | None] | None]:
@@ -245,7 +251,7 @@ class CachedModel:
         self.row_exact = row_exact_for(model) if row_exact else None
         self.slots = slots
         self.ragged = slots > 1 if ragged is None else ragged  # rows keep their own lengths (also when rows leave)
-        self.takes_trees = self.ragged and not has_recurrent_state(self.cache)  # (a tree needs each branch's state)
+        self.takes_trees = self.ragged  # (recurrent layers: stepped, each token from its parent's state)
         self.rows_state: RecurrentRows | None = None  # a batch's recurrent states
         self.batch = 0 if self.ragged else 1  # rows in use
         self._block_lengths: list[int] = []
@@ -281,7 +287,7 @@ class CachedModel:
         check_batchable(model, other, parameters, self.attends)
         if has_recurrent_state(self.cache):
             self.stepwise = self.stepwise or Stepwise(model)
-            check_recurrent_rows(model, self.stepwise.rows_of(self.cache), self.slots)
+            check_recurrent_rows(model, self.stepwise.rows_of(self.cache))
             self.rows_state = RecurrentRows(self.cache, self.slots)
         self.attention = model.config._attn_implementation
         self.starts = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # [slots]: each row's tokens
@@ -429,7 +435,8 @@ class CachedModel:
         stepwise = self.stepwise is not None and n > 1
         if self.stepwise is not None:
             self.stepwise.forget()
-        with exact as finish, self.stepwise.applied(self.cache) if stepwise else contextlib.nullcontext():
+        parents = _parents(trees, n) if trees and any(tree is not None for tree in trees) else None  # [B][n]
+        with exact as finish, self.stepwise.applied(self.cache, parents) if stepwise else contextlib.nullcontext():
             logits = finish(self.model(**inputs).logits)[:, -keep:]  # [B, keep, vocab]
         self.cached_tokens = len(keys)
         check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")
@@ -471,8 +478,8 @@ class CachedModel:
                     if isinstance(layer, PreallocatedLayer):
                         for buffer in (layer._key_buffer, layer._value_buffer):
                             buffer[b, :, start : start + len(path)] = buffer[b, :, source]
-        if self.stepwise is not None and self.stepwise.tokens():
-            self.stepwise.put_back(self.cache, kept)
+        if self.stepwise is not None and self.stepwise.tokens():  # (a tree's path: the state after its last token)
+            self.stepwise.put_back(self.cache, [path[-1] + 1 if path else k for path, k in zip(paths or [None] * len(kept), kept)])
         self.starts[: self.batch] += torch.tensor(kept, device=self.device)
         self._set_rows()
 

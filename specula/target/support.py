@@ -94,14 +94,14 @@ def check_split_independent(model: torch.nn.Module, cache: DynamicCache, indexer
 
 
 def check_batchable(model: torch.nn.Module, other_layers: list[str], parameters, attends: bool = True) -> None:
-    """Rows of different lengths can share a pass: every cache layer full attention or recurrent state alone
-    (``other_layers``: the kinds that are neither), and where it ``attends``, an attention implementation that takes
-    specula's masks, position ids."""
+    """Rows of different lengths can share a pass: every cache layer full attention, recurrent state or both
+    (``other_layers``: the kinds that are none of these), and where it ``attends``, an attention implementation that
+    takes specula's masks, position ids."""
     if other_layers:
         raise UnsupportedModelError(
-            f"{describe(model)} keeps {', '.join(other_layers)} cache layers (chunked or indexed attention, "
-            "attention and recurrent state in one layer ...); specula batches only models whose layers each cache "
-            "attention or recurrent state. Decode its requests one at a time."
+            f"{describe(model)} keeps {', '.join(other_layers)} cache layers (chunked attention, sparse attention's "
+            "indexer keys ...); specula batches only models whose layers cache attention or recurrent state. Decode "
+            "its requests one at a time."
         )
     if not attends:
         return
@@ -118,15 +118,13 @@ def check_batchable(model: torch.nn.Module, other_layers: list[str], parameters,
         )
 
 
-def check_recurrent_rows(model: torch.nn.Module, reason: str | None, slots: int) -> None:
-    """A model with recurrent state is held as batch rows: its states can be (``reason``: why not), and it is a
-    batch (a single row is held so only to verify trees, and a tree needs each branch's state)."""
-    if reason is None and slots == 1:
-        reason = "a tree of drafts needs the state of each branch"
+def check_recurrent_rows(model: torch.nn.Module, reason: str | None) -> None:
+    """A model with recurrent state is held as batch rows (a batch, or a single request verifying trees of drafts):
+    its states can be (``reason``: why not)."""
     if reason is not None:
         raise UnsupportedModelError(
             f"{describe(model)} keeps recurrent state, and {reason}; specula cannot verify its requests as rows of "
-            "a batch. Decode its requests one at a time, with chains of drafts."
+            "a batch or trees of drafts. Decode its requests one at a time, with chains of drafts."
         )
 
 

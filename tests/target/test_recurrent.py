@@ -107,17 +107,32 @@ def test_models_whose_states_cannot_be_batch_rows_are_refused_in_a_batch(model_t
                          max_new_tokens=8, pad_token_id=0)
 
 
+# Mamba-1 alone; gated delta nets with attention; attention and Mamba-2 in one cache layer
+@pytest.mark.parametrize("model_type", ["mamba", "qwen3_next", "falcon_h1"])
 @pytest.mark.parametrize("batch", [False, True])
-def test_trees_are_cut_to_their_first_branch(batch: bool) -> None:
-    model, rows = tiny_causal_lm("mamba"), _rows()[: 2 if batch else 1]
+def test_trees_verify_each_branch_from_its_own_state(model_type: str, batch: bool) -> None:
+    """Trees whose right tokens lie off their first branch ("second", "detour"): accepted there only if each branch
+    was computed from the state after its own parent."""
+    model, rows = tiny_causal_lm(model_type), _rows()[: 3 if batch else 1]
     references = [model.generate(row[None], attention_mask=torch.ones_like(row[None]), do_sample=False,
                                  max_new_tokens=24, eos_token_id=[], pad_token_id=0)[0] for row in rows]
     ids, mask = _left_padded(rows)
+    for shape in ("second", "detour", "late"):
+        out = specula.generate(model, ids, TreeOracle(references, shape, 96), attention_mask=mask,
+                               max_new_tokens=24, eos_token_id=[], adaptive_draft=False, pad_token_id=0)
+        assert [row[ids.shape[1] :] for row in out.sequences.tolist()] == [
+            reference[len(row) :].tolist() for reference, row in zip(references, rows)]
+        assert out.stats.tree_steps > 0 and (shape == "late" or out.stats.tree_gain > 0)
+
+
+def test_trees_are_cut_to_their_first_branch_where_states_cannot_be_rows() -> None:
+    model, prompt = tiny_causal_lm("recurrent_gemma"), sweep_prompts()[0]
+    reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=24,
+                               eos_token_id=[], pad_token_id=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = specula.generate(model, ids, TreeOracle(references, "late", 96), attention_mask=mask,
-                               max_new_tokens=24, eos_token_id=[], adaptive_draft=False, pad_token_id=0)
-    assert [row[ids.shape[1] :] for row in out.sequences.tolist()] == [
-        reference[len(row) :].tolist() for reference, row in zip(references, rows)]
+        out = specula.generate(model, prompt, TreeOracle([reference[0]], "late", 96), max_new_tokens=24,
+                               eos_token_id=[], adaptive_draft=False, pad_token_id=0)
+    assert out.sequences.tolist() == reference.tolist()
     assert out.stats.accepted > 0 and out.stats.tree_steps == 0
-    assert batch or any("cut to their first branch" in str(warning.message) for warning in caught)
+    assert any("cut to their first branch" in str(warning.message) for warning in caught)
