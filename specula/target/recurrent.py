@@ -78,9 +78,10 @@ class Stepwise:
     ``model.generate`` takes, keeping every layer's state after every token; a rollback puts back the state after the
     last token kept. Attention and everything else in the pass still sees all its tokens at once.
 
-    What it costs: the recurrent layers' own work once per token instead of once per pass (their input projections
-    excepted: :func:`_projected_once`); no second pass after a rejected draft. What it buys: passes exactly as one-token steps compute them where a layer's
-    multi-token form differs (:data:`STEP_BY_STEP`) or rounds otherwise (bf16/fp16).
+    What it costs: the recurrent layers' own work once per token instead of once per pass (their input and output
+    projections excepted: :func:`_projected_once`, :class:`_OutputOnce`); no second pass after a rejected draft. What
+    it buys: passes exactly as one-token steps compute them where a layer's multi-token form differs
+    (:data:`STEP_BY_STEP`) or rounds otherwise (bf16/fp16).
 
     The recurrent layers are the modules that take transformers' ``cache_params`` and own a ``layer_idx`` (Mamba,
     Mamba-2, gated delta nets ...: their states live in the cache) and RecurrentGemma's recurrent blocks (theirs live
@@ -129,14 +130,17 @@ class Stepwise:
         n = hidden.shape[1]  # hidden states: [batch, n, width]
         one = lambda value, t: value[:, t : t + 1] if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] == n else value
         states.append(_read(mixer, cache))
-        outputs = []
-        with _projected_once(mixer, hidden):
+        outputs, projection = [], _OutputOnce(mixer, hidden.shape[-1])
+        with projection.installed(), _projected_once(mixer, hidden):
             for t in range(n):
                 follows = [row[t] for row in parents] if parents is not None else None  # [B]
                 if follows is not None and any(parent != t - 1 for parent in follows):  # (a branch starts)
                     _write(mixer, cache, _of_rows(states, [parent + 1 for parent in follows]))
                 outputs.append(forward(*(one(value, t) for value in args), **{key: one(value, t) for key, value in kwargs.items()}))
                 states.append(_read(mixer, cache))
+                if t == 0:
+                    projection.find(outputs[0])
+        outputs = projection.filled(outputs)
         if isinstance(outputs[0], torch.Tensor):
             return torch.cat(outputs, dim=1)
         return (torch.cat([output[0] for output in outputs], dim=1), *outputs[-1][1:])  # (RecurrentGemma: (out, None))
@@ -190,6 +194,59 @@ def _row_served(forward, hidden: torch.Tensor, computed: list, x: torch.Tensor) 
         computed.append(forward(hidden))
     t = offset // step
     return computed[0][:, t : t + 1]
+
+
+class _OutputOnce:
+    """A recurrent layer's output projection (the linear layer whose output, unchanged, the layer returns) computed
+    for all of a pass's tokens at once after its last step, instead of once per token. The first step finds it (a
+    linear layer of the layer, mapping to its ``width``, called once, whose output is what the step returned); later
+    steps get a placeholder from it, which the layer only returns, and :meth:`filled` puts the computed rows there."""
+
+    def __init__(self, mixer: torch.nn.Module, width: int) -> None:
+        self.linears = [module for module in mixer.modules() if isinstance(module, torch.nn.Linear)
+                        and module.out_features == width]
+        self.first: dict[torch.nn.Module, list] = {}  # the first step's calls: layer -> [output, its copy, forward, calls]
+        self.found: torch.nn.Module | bool | None = None  # (None: not looked for yet; False: none)
+        self.inputs: list[torch.Tensor] = []  # its inputs in the later steps: [B, 1, in_features] each
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        before = [linear.__dict__.get("forward") for linear in self.linears]  # (row-exact verification's, where installed)
+        for linear in self.linears:
+            linear.forward = functools.partial(self._call, linear, linear.forward)
+        try:
+            yield
+        finally:
+            for linear, forward in zip(self.linears, before):
+                if forward is None:
+                    del linear.forward
+                else:
+                    linear.forward = forward
+
+    def _call(self, linear: torch.nn.Module, forward, x: torch.Tensor) -> torch.Tensor:
+        if self.found is None:  # the first step
+            output = forward(x)
+            calls = self.first[linear][3] + 1 if linear in self.first else 1
+            self.first[linear] = [output, output.clone(), forward, calls]
+            return output
+        if linear is not self.found:
+            return forward(x)
+        self.inputs.append(x)
+        return x.new_empty((*x.shape[:-1], linear.out_features))
+
+    def find(self, returned) -> None:
+        """After the first step, which ``returned`` this."""
+        returned = returned if isinstance(returned, torch.Tensor) else returned[0]
+        self.found = next((linear for linear, (output, copy, _, calls) in self.first.items()
+                           if output is returned and calls == 1 and torch.equal(output, copy)), False)
+
+    def filled(self, outputs: list) -> list:
+        """The steps' ``outputs`` with the placeholders replaced by the projection's rows."""
+        if not self.found or not self.inputs:
+            return outputs
+        rows = self.first[self.found][2](torch.cat(self.inputs, dim=1))  # [B, n - 1, width]
+        return [outputs[0]] + [rows[:, t : t + 1] if isinstance(output, torch.Tensor) else (rows[:, t : t + 1], *output[1:])
+                               for t, output in enumerate(outputs[1:])]
 
 
 def _of_rows(states: list[dict], after: list[int]) -> dict:
