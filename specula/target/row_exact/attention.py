@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import calibration
@@ -98,6 +99,12 @@ class RowAttention:
                 "leave model.generate's after a near-tie.", stacklevel=2)
 
 
+def _attending(cache) -> int:
+    """How many of ``cache``'s layers attend: all but those holding recurrent state alone (Mamba, gated delta nets)."""
+    return sum(not isinstance(layer, LinearAttentionCacheLayerMixin) or isinstance(layer, CacheLayerMixin)
+               for layer in cache.layers)
+
+
 class _PassAttention:
     """The attention function of one row-exact pass over ``cache``: each query row as ``inner_of(module)``, the
     module's own attention function, computes a one-token step at its position (``ends`` and ``paths`` as
@@ -142,7 +149,7 @@ class _PassAttention:
         calls = self._one_token_calls(self._window_of(module), query.shape[2], key.shape[2], attention_mask)
         if query.shape[0] == 1 and all(mask is None and start == 0 for start, _, mask in calls):
             width = self.attention._group_width(module, query, key, kwargs, inner)
-            self.attention._note_cost(len(self.cache.layers))
+            self.attention._note_cost(_attending(self.cache))
             if width > 1:
                 ends_one = [[end for _, end, _ in calls]]
                 return _grouped_sdpa(module, query, key, value, ends_one, width, plan=self._plan(ends_one, width, query.device),
@@ -158,7 +165,7 @@ class _PassAttention:
         dim]``."""
         window = self._window_of(module)
         width = 1 if window is not None else self.attention._group_width(module, query, key, kwargs, inner)
-        self.attention._note_cost(len(self.cache.layers))
+        self.attention._note_cost(_attending(self.cache))
         if width > 1:
             out = _grouped_sdpa(module, query, key, value, self.ends, width,
                                 plan=self._plan(self.ends, width, query.device, self.off_path), **kwargs)[0]
