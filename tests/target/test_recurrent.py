@@ -107,6 +107,29 @@ def test_models_whose_states_cannot_be_batch_rows_are_refused_in_a_batch(model_t
                          max_new_tokens=8, pad_token_id=0)
 
 
+# qwen3_next: fed again alone; mamba: step by step
+@pytest.mark.parametrize("model_type", ["qwen3_next", "mamba"])
+def test_eos_inside_an_accepted_block_stops_each_row_where_model_generate_does(model_type: str) -> None:
+    """EOS is a token the first row makes mid-block: alone, and in a batch whose other rows go on."""
+    model, rows = tiny_causal_lm(model_type), _rows()
+    first = model.generate(rows[0][None], attention_mask=torch.ones_like(rows[0][None]), do_sample=False,
+                           max_new_tokens=24, eos_token_id=[], pad_token_id=0)[0, len(rows[0]) :].tolist()
+    eos = next(token for i, token in enumerate(first) if first.index(token) == i and i >= 3 and i % 7 != 0)
+    references = [model.generate(row[None], attention_mask=torch.ones_like(row[None]), do_sample=False,
+                                 max_new_tokens=24, eos_token_id=eos, pad_token_id=0)[0] for row in rows]
+    assert len(references[0]) < len(rows[0]) + 24 and max(map(len, references)) > len(references[0])
+    alone = specula.generate(model, rows[0][None], Oracle(references[:1], 6), max_new_tokens=24, eos_token_id=eos,
+                             adaptive_draft=False, pad_token_id=0)
+    assert alone.sequences[0].tolist() == references[0].tolist() and alone.stats.accepted > 0
+    ids, mask = _left_padded(rows)
+    out = specula.generate(model, ids, Oracle(references, 6), attention_mask=mask, max_new_tokens=24,
+                           eos_token_id=eos, adaptive_draft=False, pad_token_id=0)
+    for row, reference, prompt in zip(out.sequences.tolist(), references, rows):
+        made = row[ids.shape[1] :]
+        assert made[: len(reference) - len(prompt)] == reference[len(prompt) :].tolist()
+        assert set(made[len(reference) - len(prompt) :]) <= {0}  # (padded after its end)
+
+
 # Mamba-1 alone; gated delta nets with attention; attention and Mamba-2 in one cache layer
 @pytest.mark.parametrize("model_type", ["mamba", "qwen3_next", "falcon_h1"])
 @pytest.mark.parametrize("batch", [False, True])
