@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicIndexedLayer
+
+from .patching import forwards_replaced
 
 # Models whose indexer already selects each query's keys on its own, as a one-token step does (by model_type).
 PER_QUERY_ALREADY = dict.fromkeys(
@@ -40,16 +41,10 @@ class PerQueryIndexers:
         """Whether every indexer of the model selects keys per query with it (or on its own)."""
         return bool(self.indexers) or model.config.model_type in PER_QUERY_ALREADY
 
-    @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
+    def applied(self) -> contextlib.AbstractContextManager:
         """Within the block, every indexer call over several queries is split into one-query calls."""
-        for indexer in self.indexers:
-            indexer.forward = functools.partial(_per_query, indexer.forward, indexer.index_topk)
-        try:
-            yield
-        finally:
-            for indexer in self.indexers:
-                del indexer.forward
+        return forwards_replaced(
+            self.indexers, lambda indexer, forward: functools.partial(_per_query, forward, indexer.index_topk))
 
 
 def _picks_top_k(module: torch.nn.Module) -> bool:

@@ -22,6 +22,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
+from .patching import forwards_replaced
+
 
 @dataclass
 class Snapshot:
@@ -113,13 +115,10 @@ class Stepwise:
         given (trees of drafts), is the token of row ``b``'s block whose state token ``t`` follows (-1: the state
         before the pass); else each token follows the one before."""
         self.states = [[] for _ in self.mixers]
-        for index, mixer in enumerate(self.mixers):
-            mixer.forward = functools.partial(self._steps, mixer.forward, mixer, cache, self.states[index], parents)
-        try:
+        states = dict(zip(self.mixers, self.states))
+        with forwards_replaced(self.mixers, lambda mixer, forward: functools.partial(
+                self._steps, forward, mixer, cache, states[mixer], parents)):
             yield
-        finally:
-            for mixer in self.mixers:
-                del mixer.forward
 
     @staticmethod
     def _steps(forward, mixer: torch.nn.Module, cache: DynamicCache, states: list, parents: list[list[int]] | None,
@@ -161,25 +160,14 @@ class Stepwise:
         self.states = None
 
 
-@contextlib.contextmanager
-def _projected_once(mixer: torch.nn.Module, hidden: torch.Tensor) -> Iterator[None]:
+def _projected_once(mixer: torch.nn.Module, hidden: torch.Tensor) -> contextlib.AbstractContextManager:
     """Within the block, the linear layers of ``mixer`` that a step feeds its own input (``hidden[:, t:t+1]`` of
     ``hidden``: ``[B, n, width]``) compute all ``n`` rows at the first step and serve each step its row: one pass over
     their weights instead of one per token (what the pass's other linear layers do; row-exact verification makes those
     rows exact where it is on). A layer fed anything else (the input masked, normed ...) computes as it is."""
     linears = [module for module in mixer.modules() if isinstance(module, torch.nn.Linear)
                and module.in_features == hidden.shape[-1]]
-    before = [linear.__dict__.get("forward") for linear in linears]  # (row-exact verification's, where installed)
-    for linear in linears:
-        linear.forward = functools.partial(_row_served, linear.forward, hidden, [])
-    try:
-        yield
-    finally:
-        for linear, forward in zip(linears, before):
-            if forward is None:
-                del linear.forward
-            else:
-                linear.forward = forward
+    return forwards_replaced(linears, lambda linear, forward: functools.partial(_row_served, forward, hidden, []))
 
 
 def _row_served(forward, hidden: torch.Tensor, computed: list, x: torch.Tensor) -> torch.Tensor:
@@ -209,19 +197,8 @@ class _OutputOnce:
         self.found: torch.nn.Module | bool | None = None  # (None: not looked for yet; False: none)
         self.inputs: list[torch.Tensor] = []  # its inputs in the later steps: [B, 1, in_features] each
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        before = [linear.__dict__.get("forward") for linear in self.linears]  # (row-exact verification's, where installed)
-        for linear in self.linears:
-            linear.forward = functools.partial(self._call, linear, linear.forward)
-        try:
-            yield
-        finally:
-            for linear, forward in zip(self.linears, before):
-                if forward is None:
-                    del linear.forward
-                else:
-                    linear.forward = forward
+    def installed(self) -> contextlib.AbstractContextManager:
+        return forwards_replaced(self.linears, lambda linear, forward: functools.partial(self._call, linear, forward))
 
     def _call(self, linear: torch.nn.Module, forward, x: torch.Tensor) -> torch.Tensor:
         if self.found is None:  # the first step
