@@ -252,7 +252,7 @@ def test_no_timed_pass_computes_the_head_norms(monkeypatch) -> None:
 def test_the_lm_head_bound_holds_between_a_real_multi_row_product_and_one_row_ones(dtype) -> None:
     """The bound the head shortcut certifies with (row_exact.head._Head) against this machine's kernels: logits of a
     wide head with an inner dimension of 1536, 33 rows in one product against each alone, never differ by more than
-    the bound (and do differ, else this checks nothing)."""
+    the bound. Where the kernels give identical products the test skips: it would check nothing there."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(1536, 4096, bias=False).to(dtype)
     head = head_module._Head(linear_module._ExactLinear(layer, 1, False))
@@ -263,7 +263,9 @@ def test_the_lm_head_bound_holds_between_a_real_multi_row_product_and_one_row_on
     h = torch.linalg.vector_norm(x.float(), dim=-1, keepdim=True)
     bound = 2 * head.gamma * h * norms + head._ulp(torch.maximum(together.abs(), alone.abs()))
     assert ((together - alone).abs() <= bound).all()
-    assert not torch.equal(together, alone) or dtype == torch.float16
+    if torch.equal(together, alone):
+        pytest.skip(f"this machine's {dtype} kernels compute the 33-row product bit for bit as one-row products "
+                    "(e.g. bf16 emulated in fp32 on a CPU without AVX512_BF16): the bound held, but bounds no difference")
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
