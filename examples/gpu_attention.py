@@ -1,7 +1,7 @@
 """On a GPU: what a verification step costs with and without cuDNN's attention kernel, against one-token steps.
 
 specula runs its multi-token passes on CUDA with every scaled-dot-product-attention backend except cuDNN's
-(``specula/target/runner.py``): cuDNN prepares an execution plan for each new query/key shape, and a verification pass
+(``specula/verifier/runner.py``): cuDNN prepares an execution plan for each new query/key shape, and a verification pass
 has a new shape every step. This script times, per prompt, plain decoding through specula's loop and PromptLookup
 with that choice (``no-cudnn``, the default) and with cuDNN allowed again (``cudnn``), as milliseconds per target
 step and per new token, median of ``--repeats``.

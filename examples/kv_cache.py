@@ -2,7 +2,7 @@
 
 Both caches hold the same random prompt; steps alternate between them in rounds (10 steps each, the order flipped
 every round) so that a noisy machine affects both alike, and the medians per step are printed. The two give the
-same logits (``tests/target/test_cached_model.py``); this measures only what ``DynamicCache``'s per-step ``torch.cat``
+same logits (``tests/verifier/test_cached_model.py``); this measures only what ``DynamicCache``'s per-step ``torch.cat``
 of the whole cache costs.
 
 Usage: python examples/kv_cache.py [--model PATH] [--dtype fp32] [--contexts 600,2000] [--rounds 12]
@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from specula.target.runner import CachedModel
+from specula.verifier.runner import CachedModel
 from specula.hf.loading import load_model
 
 

@@ -3,31 +3,51 @@
     import specula
     out = specula.generate(model, input_ids, proposer=specula.PromptLookup(), max_new_tokens=128)
     out.sequences, out.stats
+
+Names are imported on first use, so ``import specula`` (and the ``specula`` command's argument checks) need neither
+torch nor transformers until something is used.
 """
 
-from . import _modules
-from .hf.generate import SpeculaGenerateOutput, custom_generate, generate, prepare_jobs
-from .core.loop import Decoder, Job
-from .proposers.ngram import NGramPredictor
-from .proposers.prompt_lookup import PromptLookup
-from .core.draft import Draft
-from .proposers.base import Proposer, RequestProposer
-from .core.sampling import Sampling
-from .proposers.small_model import SmallModelDrafter
-from .core.stats import GenerateOutput, SpecStats
-from .target.support import UnsupportedModelError
-from .target.cpu_layout import tune_cpu_layout
+from __future__ import annotations
 
-__all__ = [
-    "Decoder", "Draft", "GenerateOutput", "Job", "SpeculaGenerateOutput", "custom_generate", "NGramPredictor",
-    "PromptLookup", "Proposer", "RequestProposer", "Sampling", "SmallModelDrafter", "SpecStats", "UnsupportedModelError", "generate",
-    "prepare_jobs", "tune_cpu_layout",
-]
+import importlib
+from typing import TYPE_CHECKING
+
+from ._lazy import submodules
+
+if TYPE_CHECKING:  # (for type checkers and editors: each re-exported as itself)
+    from .core.draft import Draft as Draft
+    from .core.loop import Decoder as Decoder, Job as Job
+    from .core.sampling import Sampling as Sampling
+    from .core.stats import GenerateOutput as GenerateOutput, SpecStats as SpecStats
+    from .hf.generate import custom_generate as custom_generate, generate as generate, prepare_jobs as prepare_jobs
+    from .proposers.base import Proposer as Proposer, RequestProposer as RequestProposer
+    from .proposers.ngram import NGramPredictor as NGramPredictor
+    from .proposers.prompt_lookup import PromptLookup as PromptLookup
+    from .proposers.small_model import SmallModelDrafter as SmallModelDrafter
+    from .verifier.cpu_layout import tune_cpu_layout as tune_cpu_layout
+    from .verifier.support import UnsupportedModelError as UnsupportedModelError
+
+_HOMES = {  # each public name -> the module that defines it
+    "Decoder": "core.loop", "Draft": "core.draft", "GenerateOutput": "core.stats", "Job": "core.loop",
+    "NGramPredictor": "proposers.ngram", "PromptLookup": "proposers.prompt_lookup", "Proposer": "proposers.base",
+    "RequestProposer": "proposers.base", "Sampling": "core.sampling", "SmallModelDrafter": "proposers.small_model",
+    "SpecStats": "core.stats", "UnsupportedModelError": "verifier.support", "custom_generate": "hf.generate",
+    "generate": "hf.generate", "prepare_jobs": "hf.generate", "tune_cpu_layout": "verifier.cpu_layout",
+}
+__all__ = sorted(_HOMES)
 __version__ = "0.1.0"
-_modules.install()
+_submodule = submodules(__name__)
 
 
 def __getattr__(name: str):
-    """specula's packages and modules as attributes, imported on first use (``specula.jobs.ray`` needs the ``ray``
-    extra), under their names from before 0.2 too."""
-    return _modules.attribute(__name__, name)
+    """A public name (imported from its module on first use), or one of specula's packages."""
+    if name in _HOMES:
+        value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+        globals()[name] = value
+        return value
+    return _submodule(name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# row-exact calibrations of this test run, not the user's (specula.target.calibration)
+# row-exact calibrations of this test run, not the user's (specula.verifier.calibration)
 os.environ["SPECULA_CALIBRATIONS"] = str(Path(tempfile.mkdtemp(prefix="specula-calibrations-")) / "row_exact.json")
 
 from tiny_models import CHAT_TEMPLATE, tiny_model, tiny_tokenizer  # noqa: E402

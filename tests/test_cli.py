@@ -15,11 +15,12 @@ from helpers import hf_greedy
 from tiny_models import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 import specula
-import specula.jobs.answers
-import specula.target.runner
+import specula.jobs.answerer
+import specula.verifier.runner
 import specula.core.loop
 from specula.tools import bench
 from specula import cli
+from specula.cli import commands
 from specula.hf import loading
 from specula.hf import precision
 
@@ -166,24 +167,26 @@ def test_every_module_the_readme_names_works_after_import_specula() -> None:
     subprocess.run([sys.executable, "-c", check], check=True, capture_output=True, text=True)
 
 
-def test_module_names_from_before_the_packages_still_work() -> None:
-    """Code written against specula 0.1's flat modules (``from specula.proposer import Proposer``,
-    ``specula.models.load_model``, ``specula.hf.custom_generate``) runs unchanged: each old name is the module at its
-    new place, one object (in a fresh interpreter, so that nothing is imported yet)."""
-    from specula._modules import FORWARDED, RENAMED
+PRE_PACKAGE_NAMES = (  # flat modules from before the packages, and the verifier's old package name
+    "acceptance", "answers", "batch_size", "bench", "cached_model", "calibration", "cpu_layout", "draft_length",
+    "drift", "inputs", "invariance", "kernels", "loop", "models", "ngram", "precision", "prompt_lookup", "proposer",
+    "ray_job", "row_exact", "sampling", "small_model", "stats", "workloads", "target",
+)
 
-    check = "import importlib, specula\n"
-    for old, new in RENAMED.items():
-        check += (f"assert importlib.import_module('specula.{old}') is importlib.import_module('specula.{new}')\n"
-                  f"assert specula.{old} is importlib.import_module('specula.{new}')\n")
-    for package, (module, names) in FORWARDED.items():
-        for name in names:
-            check += f"assert specula.{package}.{name} is specula.{package}.{module}.{name}\n"
-    check += ("from specula.proposer import Proposer, Draft, merged, check_int\nassert Proposer is specula.Proposer and Draft is specula.Draft\n"
-              "from specula.loop import Decoder\nassert Decoder is specula.Decoder\n"
-              "assert specula.models.__spec__.name == 'specula.hf.loading'\n")
+
+def test_no_module_lives_under_a_name_from_before_the_packages() -> None:
+    """specula was never released under its old flat names nor with a ``target`` package: importing any of them fails
+    (nothing half-moved, no alias), as do the old forwarded names (in a fresh interpreter: nothing imported yet)."""
+    check = "import importlib, specula\nfailed = []\n"
+    for old in PRE_PACKAGE_NAMES:
+        check += (f"try:\n    importlib.import_module('specula.{old}')\nexcept ModuleNotFoundError:\n    pass\n"
+                  f"else:\n    failed.append('specula.{old}')\n")
+    for name in ("specula.SpeculaGenerateOutput", "specula.hf.custom_generate", "specula.proposers.proposer_factory"):
+        check += f"try:\n    {name}\nexcept AttributeError:\n    pass\nelse:\n    failed.append('{name}')\n"
+    check += "assert not failed, failed\n"
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+    assert not (Path(specula.__file__).parent / "target").exists()
 
 
 def test_missing_default_model_says_how_to_install_it(monkeypatch) -> None:
@@ -210,6 +213,39 @@ def test_help_of_the_installed_command() -> None:
         "written; an existing --output is left as it was)" in generate_help
 
 
+HEAVY = ("torch", "transformers", "numba", "ray")
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["generate", "--input", "{tmp}/missing.jsonl", "--output", "{tmp}/out.jsonl"], 2),
+    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/out.jsonl", "--proposer", "nonsense"], 2),
+    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/notes.txt", "--resume"], 2),
+    (["generate", "--prompt", "hi", "--model", "{tmp}/nowhere"], 2),
+    (["bench", "--workloads", "{tmp}/nowhere"], 2),
+    (["bench", "--workloads", "{tmp}/bad"], 1),  # a bad workload line (every line is read before the model loads)
+    (["drift", "--input", "{tmp}/missing.jsonl"], 2),
+    (["probe", "--text", "{tmp}/nowhere.txt"], 2),
+    (["generate", "--temperature", "-1"], 2),
+    (["--help"], 0),
+    (["generate", "--help"], 0),
+    (["proposers"], None),
+])
+def test_usage_and_file_errors_import_nothing_heavy(argv, code, tmp_path) -> None:
+    """The command line, its files and its proposers are checked before torch, transformers or numba are imported, so
+    an error (or --help, or the list of proposers) comes back at once rather than after seconds of imports."""
+    (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
+    (tmp_path / "notes.txt").write_text("some notes\nmore notes\n")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "w.jsonl").write_text("this line is not JSON\n")
+    check = ("import json, sys\nfrom specula.cli import main\ncode = None\ntry:\n    main(sys.argv[1:])\n"
+             "except SystemExit as stop:\n    code = stop.code if stop.code is None or isinstance(stop.code, int) else 1\n"
+             f"print(json.dumps([code, sorted(name for name in {HEAVY!r} if name in sys.modules)]))\n")
+    result = subprocess.run([sys.executable, "-c", check, *[arg.format(tmp=tmp_path) for arg in argv]],
+                            capture_output=True, text=True)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == [code, []], result.stderr
+
+
 @pytest.mark.slow
 def test_default_model_generate_and_bench(tmp_path, capsys) -> None:
     (tmp_path / "in.jsonl").write_text(
@@ -234,7 +270,7 @@ def test_auto_dtype_is_resolved_and_reported(model_folder, tmp_path, capsys) -> 
     run_cli("bench", "--workloads", workloads, "--model", model_folder, "--limit", 1, "--repeats", 1,
             "--max-new-tokens", 4, "--proposers", "none", "--no-oracle", "--device", "cpu", "--json",
             tmp_path / "rows.json")
-    expected = cli.DTYPE_NAMES[precision.auto_dtype("cpu", loading._num_parameters(model_folder))]
+    expected = commands.DTYPE_NAMES[precision.auto_dtype("cpu", loading._num_parameters(model_folder))]
     assert {row["dtype"] for row in json.loads((tmp_path / "rows.json").read_text())} == {expected}
     assert f", {expected}, cpu," in capsys.readouterr().out
 
@@ -286,8 +322,8 @@ def test_generate_passes_the_row_exact_choice(model_folder, tmp_path, monkeypatc
             seen.append(kwargs["row_exact"])
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(cli, "generate", recording)
-    monkeypatch.setattr(specula.jobs.answers, "Decoder", Recording)
+    monkeypatch.setattr(commands, "generate", recording)
+    monkeypatch.setattr(specula.jobs.answerer, "Decoder", Recording)
     (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
     run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--model", model_folder,
             "--dtype", "bf16", "--max-new-tokens", 8, *flag)
@@ -302,7 +338,7 @@ def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_
     is answered once with its id, with the text it gets alone; when a request ends, the next takes its slot while
     the others go on (continuous batching); the bad lines are reported."""
     starts, widths = [], []
-    start_row, forward_rows = specula.target.runner.CachedModel.start_row, specula.target.runner.CachedModel.forward_rows
+    start_row, forward_rows = specula.verifier.runner.CachedModel.start_row, specula.verifier.runner.CachedModel.forward_rows
 
     def recording_start(self, index, token_ids):
         if self.ragged:  # (a batch's rows; --batch-size 1 holds each request alone)
@@ -313,8 +349,8 @@ def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_
         widths.append(len(blocks))
         return forward_rows(self, blocks, num_logits, trees, argmax_only)
 
-    monkeypatch.setattr(specula.target.runner.CachedModel, "start_row", recording_start)
-    monkeypatch.setattr(specula.target.runner.CachedModel, "forward_rows", recording_forward)
+    monkeypatch.setattr(specula.verifier.runner.CachedModel, "start_row", recording_start)
+    monkeypatch.setattr(specula.verifier.runner.CachedModel, "forward_rows", recording_forward)
     lines = REQUESTS + ['{"id": "long", "prompt": "' + "alpha beta gamma delta " * 6 + '"}', '{"id": 7, "prompt": "hi"}']
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     answers = {}
@@ -359,7 +395,7 @@ def no_model_loading(monkeypatch):
     """Any attempt to load a model fails the test loudly."""
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the files were checked")
-    monkeypatch.setattr(cli, "load_model", refuse)
+    monkeypatch.setattr(commands, "load_model", refuse)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -406,7 +442,7 @@ def test_bench_checks_every_workload_line_before_loading_the_model(tmp_path, mon
     workloads.mkdir()
     (workloads / "good.jsonl").write_text(REQUESTS[0] + "\n")
     (workloads / "bad.jsonl").write_text("\n".join([REQUESTS[0], REQUESTS[2], REQUESTS[3]]) + "\n")
-    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(commands, "_load", lambda args: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit, match=r"bad.jsonl:3: .*\"messages\" \(chat\) or \"prompt\""):
         run_cli("bench", "--workloads", workloads, "--limit", 1)
 

@@ -1,7 +1,5 @@
 """The decoding core: drafts, the acceptance rule, the speculation loop and what it counts."""
 
-from .._modules import attribute
+from .._lazy import submodules
 
-
-def __getattr__(name: str):
-    return attribute(__name__, name)
+__getattr__ = submodules(__name__)

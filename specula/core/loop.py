@@ -13,17 +13,17 @@ import numpy as np
 import torch
 from transformers import StoppingCriteriaList
 
-from ..target import calibration
+from ..verifier import calibration
 from .acceptance import accept_draft
-from ..target.runner import CachedModel
+from ..verifier.runner import CachedModel
 from ..policy.adaptive import AdaptiveDrafts, FixedDrafts
 from ..policy.costs import shared_step_seconds
 from ..policy.protocol import DraftPolicy, Step
-from ..target.support import UnsupportedModelError, vocab_size
+from ..verifier.support import UnsupportedModelError, vocab_size
 from .draft import Draft
 from .sequence import Sequence
 from ..proposers.base import Proposer, RequestFailed, RequestProposer, for_requests
-from ..target.row_exact import is_half_precision, wanted
+from ..verifier.row_exact import is_half_precision, wanted
 from .sampling import Sampling
 from .stats import SpecStats
 

@@ -1,8 +1,6 @@
 """The HuggingFace integration: ``specula.generate``, ``custom_generate`` for ``model.generate``, input checks, and
 loading models offline."""
 
-from .._modules import attribute
+from .._lazy import submodules
 
-
-def __getattr__(name: str):
-    return attribute(__name__, name)
+__getattr__ = submodules(__name__)

@@ -23,8 +23,6 @@ from ..proposers.base import Proposer
 from .bridge import decode, jobs_of, prepared
 from .inputs import check_max_new_tokens, check_prompt, eos_ids
 
-SpeculaGenerateOutput = GenerateOutput  # custom_generate's output type before 0.2: one type now
-
 
 @torch.inference_mode()
 def generate(
@@ -52,7 +50,7 @@ def generate(
     Each step asks ``proposer`` for draft tokens, verifies ``[last token, d1..dK]`` in one forward pass of the
     target, keeps the draft prefix the target accepts plus one token of the target's own, and rolls the KV cache
     back past the rejected drafts. Greedy output is token for token ``model.generate``'s; sampled output has exactly
-    its distribution (speculative sampling, see :mod:`specula.acceptance`). ``proposer=None`` decodes one token per
+    its distribution (speculative sampling, see :mod:`specula.core.acceptance`). ``proposer=None`` decodes one token per
     pass through the same loop.
 
     Settings are resolved exactly as ``model.generate`` resolves them, by ``model.generate`` itself (this is
@@ -82,7 +80,7 @@ def generate(
         adaptive_draft: choose each step's draft length from measured step costs and running acceptance, and stop
             sending drafts that do not pay (:mod:`specula.policy.adaptive`); ``False`` verifies every draft as proposed.
         row_exact: compute every position of a verification pass bit for bit as a one-token step computes it
-            (:mod:`specula.row_exact`), so that greedy output is ``model.generate``'s in bf16 and fp16 too. ``None``
+            (:mod:`specula.verifier.row_exact`), so that greedy output is ``model.generate``'s in bf16 and fp16 too. ``None``
             (the default) turns it on in bf16 and fp16, where passes of other shapes round differently, and off in
             fp32, where they do too but far below the gaps between logits. ``False`` makes passes cheaper on some
             devices; greedy output then stays reproducible but may differ from ``model.generate``'s at near-ties
@@ -180,7 +178,7 @@ _jobs_only.__signature__ = inspect.signature(custom_generate)
 def prepare_jobs(model: torch.nn.Module, input_ids: torch.Tensor, **generate_kwargs) -> tuple[list[Job], Sampling]:
     """The requests (one per row of ``input_ids``) and sampling that ``specula.generate(model, input_ids,
     **generate_kwargs)`` would decode, prepared by ``model.generate`` itself (generation config, logits processors,
-    stopping criteria), for a :class:`specula.loop.Decoder` that takes requests as they come."""
+    stopping criteria), for a :class:`specula.core.loop.Decoder` that takes requests as they come."""
     mask = generate_kwargs.pop("attention_mask", None)
     return model.generate(input_ids, attention_mask=torch.ones_like(input_ids) if mask is None else mask,
                           custom_generate=_jobs_only, **generate_kwargs)

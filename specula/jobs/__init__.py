@@ -1,7 +1,5 @@
 """JSONL jobs: the one reader of request files, the answers file that survives a stop, and Ray Data jobs."""
 
-from .._modules import attribute
+from .._lazy import submodules
 
-
-def __getattr__(name: str):
-    return attribute(__name__, name)
+__getattr__ = submodules(__name__)

@@ -1,118 +1,26 @@
-"""A JSONL file of requests answered into a JSONL file of answers, as ``specula generate`` does it, on this machine or
-in Ray workers: the decoding (:class:`Answerer`), the answers file that survives a stopped run (:class:`AnswerFile`)
-and a clean stop on Ctrl-C (:class:`StopOnInterrupt`)."""
+"""The answers file of a job, which survives a stopped run (:class:`AnswerFile`), the run's summary (:class:`Tally`)
+and a clean stop on Ctrl-C (:class:`StopOnInterrupt`). Nothing here needs torch: the command line reads an answers
+file (``--resume``) before it imports anything heavy."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from ..policy.batch_size import fastest_batch_size
-from ..hf.generate import prepare_jobs
-from ..core.loop import Decoder, Job
-from .requests import BadRequest, encode, read_requests
-
-
-@dataclass
-class Settings:
-    """How every request of a file is decoded (the same for all, wherever they run)."""
-
-    max_new_tokens: int = 256
-    sampling: dict = field(default_factory=dict)  # temperature / top_k / top_p, as generate() takes them
-    seed: int | None = None  # request on line n draws from its own generator seeded ``seed + n``
-    row_exact: bool | None = None
-    batch_size: int | None = None  # None: the size measured fastest on this machine
-
-
-def answer_key(request_id: object) -> str:
-    """The id of a request or answer as a comparable string (``1`` and ``"1"`` differ, as in the files)."""
-    return json.dumps(request_id, sort_keys=True)
-
-
-def unique_requests(path: Path) -> Iterator[tuple[int, dict | BadRequest]]:
-    """:func:`specula.workloads.read_requests`, where a request whose id is an earlier line's comes as a
-    :class:`BadRequest` (answers are matched to requests by id: in the output, and by ``--resume``)."""
-    first: dict[str, int] = {}  # id -> the line that has it
-    for number, request in read_requests(path):
-        if not isinstance(request, BadRequest):
-            key = answer_key(request.get("id", number))
-            if key in first:
-                request = BadRequest(f"{path}:{number}: its id {key} is line {first[key]}'s too; give each request "
-                                     "its own \"id\" (a line without one is known by its line number)")
-            first.setdefault(key, number)
-        yield number, request
+from .requests import answer_key
 
 
 def report_skipped(where: str) -> None:
     """Say on stderr that a request is skipped (``where``: ``path:line: reason``), on a line of its own: through
     tqdm, which lifts a progress bar drawn on that stream out of the way and draws it again below."""
     tqdm.write(f"skipped {where}", file=sys.stderr)
-
-
-def _stats(stats) -> dict:
-    return {
-        "new_tokens": stats.new_tokens, "steps": stats.steps, "accepted": stats.accepted,
-        "drafted": stats.drafted, "seconds": round(stats.wall_time_s, 4),
-    }
-
-
-class Answerer:
-    """Decodes numbered requests (line number, request) into answer records ``{"id", "text", "stats"}``, up to
-    ``settings.batch_size`` at a time in the same passes, each as ``specula.generate`` would alone; a request that
-    cannot be decoded (e.g. a prompt longer than the model's context) is passed to ``on_skip`` with its reason.
-    Kept across calls, it keeps its proposer (an n-gram predictor keeps learning) and its batch size."""
-
-    def __init__(self, model, tokenizer, proposer, settings: Settings, on_skip: Callable[[int, str], None]) -> None:
-        self.model, self.tokenizer, self.proposer = model, tokenizer, proposer
-        self.settings, self.on_skip = settings, on_skip
-        self.device = model.get_input_embeddings().weight.device
-        self.slots = settings.batch_size
-        self.passes, self.plain_speedups = 0, []  # over every call, for the summary
-
-    def _job(self, number: int, request: dict) -> tuple[Job, object] | None:
-        seed = self.settings.seed
-        # each request its own random stream, so its answer does not depend on its batch-mates
-        generator = None if seed is None else [torch.Generator(self.device).manual_seed(seed + number)]
-        try:
-            (job,), sampling = prepare_jobs(self.model, encode(self.tokenizer, request).to(self.device),
-                                            generator=generator, max_new_tokens=self.settings.max_new_tokens,
-                                            **self.settings.sampling)
-        except ValueError as error:
-            self.on_skip(number, str(error))
-            return None
-        job.key = request.get("id", number)
-        return job, sampling
-
-    def __call__(self, requests: Iterable[tuple[int, dict]], largest: int = 32, eager: bool = False) -> Iterator[dict]:
-        """Answer records as requests finish (not in input order). ``largest`` bounds the measured batch size;
-        ``eager`` prepares every request before decoding any."""
-        prepared = filter(None, itertools.starmap(self._job, requests))
-        if eager:
-            prepared = iter(list(prepared))
-        first = next(prepared, None)
-        if first is None:
-            return
-        if self.slots is None:
-            self.slots = fastest_batch_size(self.model, largest=largest)
-        decoder = Decoder(self.model, self.proposer, first[1], self.slots, row_exact=self.settings.row_exact)
-        try:
-            for row, _ in decoder.run(itertools.chain([first[0]], (job for job, _ in prepared))):
-                if row.finished:
-                    text = self.tokenizer.decode(row.sequence.ids[len(row.job.prompt) :], skip_special_tokens=True)
-                    yield {"id": row.job.key, "text": text, "stats": _stats(row.stats)}
-        finally:
-            self.passes += decoder.passes
-            self.plain_speedups.append(decoder.plain_speedup())
 
 
 class AnswerFile:

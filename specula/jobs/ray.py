@@ -5,8 +5,9 @@ back to this process and are written as they arrive, with the local run's fields
 
 Python::
 
-    from specula.answers import AnswerFile, Settings
-    from specula.ray_job import generate_with_ray
+    from specula.jobs.answerer import Settings
+    from specula.jobs.answers import AnswerFile
+    from specula.jobs.ray import generate_with_ray
 
     with AnswerFile("answers.jsonl", resume=True) as output:
         generate_with_ray("requests.jsonl", output, model="/models/qwen", workers=4, gpus_per_worker=1,
@@ -32,14 +33,13 @@ try:
     import ray
     import ray.data
 except ImportError as error:  # (the optional extra)
-    raise ImportError("specula.ray_job needs Ray: pip install 'specula[ray]'") from error
+    raise ImportError("specula.jobs.ray needs Ray: pip install 'specula[ray]'") from error
 
-from .answers import (
-    AnswerFile, Answerer, Settings, StopOnInterrupt, Tally, answer_key, report_skipped, unique_requests,
-)
+from .answerer import Answerer, Settings
+from .answers import AnswerFile, StopOnInterrupt, Tally, report_skipped
 from ..hf.loading import load_model, resolve_model
 from ..proposers.registry import proposer_factory
-from .requests import BadRequest
+from .requests import BadRequest, answer_key, unique_requests
 
 RAY_BATCH = 64  # requests a worker takes at once, decoded up to settings.batch_size at a time (continuous batching)
 

@@ -1,12 +1,15 @@
-"""Benchmark workloads: JSONL files, one request a line, with ``messages`` (chat) or ``prompt`` (raw text)."""
+"""The one reader of request files (``generate``'s input, benchmark workloads): JSONL, one request a line, with
+``messages`` (chat) or ``prompt`` (raw text), and optionally ``id``."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class BadRequest(ValueError):
@@ -40,6 +43,25 @@ def _request_problem(request: object) -> str | None:
     return None
 
 
+def answer_key(request_id: object) -> str:
+    """The id of a request or answer as a comparable string (``1`` and ``"1"`` differ, as in the files)."""
+    return json.dumps(request_id, sort_keys=True)
+
+
+def unique_requests(path: Path) -> Iterator[tuple[int, dict | BadRequest]]:
+    """:func:`read_requests`, where a request whose id is an earlier line's comes as a
+    :class:`BadRequest` (answers are matched to requests by id: in the output, and by ``--resume``)."""
+    first: dict[str, int] = {}  # id -> the line that has it
+    for number, request in read_requests(path):
+        if not isinstance(request, BadRequest):
+            key = answer_key(request.get("id", number))
+            if key in first:
+                request = BadRequest(f"{path}:{number}: its id {key} is line {first[key]}'s too; give each request "
+                                     "its own \"id\" (a line without one is known by its line number)")
+            first.setdefault(key, number)
+        yield number, request
+
+
 def load_workloads(directory: Path, limit: int, names: list[str] | None = None) -> dict[str, list[dict]]:
     """The first ``limit`` rows of every ``*.jsonl`` in ``directory`` (or only ``names``), by workload name; every
     line of those files is checked first (:class:`BadRequest` names the first bad one)."""
@@ -65,15 +87,3 @@ def encode(tokenizer, row: dict) -> torch.Tensor:
             row["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
     return tokenizer(row["prompt"], return_tensors="pt")["input_ids"]
-
-
-def left_padded(prompts: list[torch.Tensor], pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, L]`` token ids of 1-D ``prompts`` padded on the left (as ``model.generate`` wants a batch), and the
-    attention mask that marks the padding."""
-    width = max(len(prompt) for prompt in prompts)
-    pad = 0 if pad_token_id is None else pad_token_id
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=prompts[0].device)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
-    return ids, mask

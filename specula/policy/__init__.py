@@ -1,7 +1,5 @@
 """How much to speculate: draft lengths from measured pass costs and acceptance, and the batch size."""
 
-from .._modules import attribute
+from .._lazy import submodules
 
-
-def __getattr__(name: str):
-    return attribute(__name__, name)
+__getattr__ = submodules(__name__)

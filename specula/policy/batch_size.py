@@ -8,12 +8,12 @@ import time
 
 import torch
 
-from ..target.runner import CachedModel
-from ..target.support import UnsupportedModelError
-from ..target.profile import profile_of
-from ..target.support import vocab_size
-from ..target.row_exact import wanted
-from ..target.row_exact.linear import _spare_bytes
+from ..verifier.runner import CachedModel
+from ..verifier.support import UnsupportedModelError
+from ..verifier.profile import profile_of
+from ..verifier.support import vocab_size
+from ..verifier.row_exact import wanted
+from ..verifier.row_exact.linear import _spare_bytes
 
 @torch.inference_mode()
 def fastest_batch_size(

@@ -9,7 +9,7 @@ from typing import Hashable
 import numpy as np
 import torch
 
-from ..target.profile import profile_of
+from ..verifier.profile import profile_of
 
 
 def shared_step_seconds(owner: torch.nn.Module, setting: Hashable, max_draft: int, rows: int = 1) -> np.ndarray:

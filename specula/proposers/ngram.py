@@ -80,7 +80,7 @@ class NGramPredictor(RequestProposer):
         slots = 1 << (capacity - 1).bit_length()
         # Records are padded to a power-of-two width so that none straddles two cache lines.
         width = 1 << (kernels.PAIR_KEYS + rows).bit_length()
-        self.tables = {  # record layouts: see specula.kernels
+        self.tables = {  # record layouts: see specula.proposers.kernels
             "contexts": np.zeros((rows, slots, width), np.int32),
             "pairs": np.zeros((rows, slots, width), np.int32),
             "n_pairs": np.zeros(rows, np.int64),

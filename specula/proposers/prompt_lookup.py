@@ -13,7 +13,7 @@ class PromptLookup(RequestProposer):
     """Propose the tokens that followed the latest n-gram of the sequence where it occurred before.
 
     The longest suffix of prompt + output (``max_ngram`` tokens down to ``min_ngram``) that occurred earlier is
-    looked up, and up to ``num_draft`` tokens that followed it are proposed (see :func:`specula.kernels.prompt_lookup`).
+    looked up, and up to ``num_draft`` tokens that followed it are proposed (see :func:`specula.proposers.kernels.prompt_lookup`).
 
     Which occurrence: the **most recent** one (HF's ``prompt_lookup_num_tokens`` takes the leftmost, vLLM the
     earliest): text being copied tends to continue the copy it is in the middle of. Which n-grams: down to single

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:  # (naming and checking proposers import neither torch nor transformers: the CLI checks at once)
+    import torch
 
-from ..hf.loading import load_model
-from .ngram import NGramPredictor
-from .prompt_lookup import PromptLookup
-from .base import Proposer
-from .small_model import SmallModelDrafter
+    from .base import Proposer
 
 ENTRY_POINT_GROUP = "specula.proposers"
 BUILT_IN = {
@@ -98,6 +95,8 @@ def _plugin_factory(name: str, argument: str | None) -> Callable[[], Proposer]:
     make = _load_plugin(entry)
 
     def fresh() -> Proposer:
+        from .base import Proposer
+
         try:
             proposer = make() if argument is None else make(argument)
         except Exception as error:
@@ -117,8 +116,25 @@ def _plugin_factory(name: str, argument: str | None) -> Callable[[], Proposer]:
     return fresh
 
 
+def _parse(spec: str) -> tuple[str, str | None]:
+    """(name, argument) of a proposer spec; a malformed built-in one raises ``ValueError``."""
+    name, colon, argument = spec.partition(":")
+    if spec in ("prompt-lookup", "ngram", "ngram-tree", "none"):
+        return spec, None
+    if name == "prompt-lookup-tree":
+        branches = argument or str(TREE_BRANCHES)
+        if not branches.isdigit() or int(branches) < 2:
+            raise ValueError(f"prompt-lookup-tree:N takes a number of branches >= 2, got {branches!r}.")
+        return name, branches
+    if name == "draft" and argument:
+        return name, argument
+    if name in _BUILT_IN_NAMES:
+        raise ValueError(f"Proposer {spec!r} is malformed; the built-in ones are: {', '.join(BUILT_IN)}.")
+    return name, argument if colon else None
+
+
 def proposer_factory(
-    spec: str, target_tokenizer=None, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+    spec: str, target_tokenizer=None, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"
 ) -> Callable[[], Proposer | None]:
     """A function that makes a fresh proposer for each request, from its name (see ``PROPOSER_NAMES``).
 
@@ -126,31 +142,27 @@ def proposer_factory(
     ``draft:PATH`` loads the draft model (an HF folder or ``.gguf`` file) once, here, with ``dtype`` on ``device``.
     Any other ``NAME[:ARG]`` is looked up among the proposers other packages register (``specula.proposers``).
     """
-    name, colon, argument = spec.partition(":")
-    if spec == "prompt-lookup":
-        return PromptLookup
-    if name == "prompt-lookup-tree":
-        branches = argument or str(TREE_BRANCHES)
-        if not branches.isdigit() or int(branches) < 2:
-            raise ValueError(f"prompt-lookup-tree:N takes a number of branches >= 2, got {branches!r}.")
-        return lambda: PromptLookup(branches=int(branches))
-    if spec == "ngram":
-        return NGramPredictor
-    if spec == "ngram-tree":
-        return lambda: NGramPredictor(tree=True)
-    if spec == "none":
-        return lambda: None
-    if name == "draft" and argument:
+    name, argument = _parse(spec)
+    if name not in _BUILT_IN_NAMES:
+        return _plugin_factory(name, argument)
+    from ..hf.loading import load_model
+    from .ngram import NGramPredictor
+    from .prompt_lookup import PromptLookup
+    from .small_model import SmallModelDrafter
+
+    if name == "draft":
         draft_model, draft_tokenizer = load_model(argument, dtype=dtype, device=device)
         return lambda: SmallModelDrafter(draft_model, tokenizer=draft_tokenizer, target_tokenizer=target_tokenizer)
-    if name in _BUILT_IN_NAMES:
-        raise ValueError(f"Proposer {spec!r} is malformed; the built-in ones are: {', '.join(BUILT_IN)}.")
-    return _plugin_factory(name, argument if colon else None)
+    if name == "prompt-lookup-tree":
+        return lambda: PromptLookup(branches=int(argument))
+    if name == "ngram-tree":
+        return lambda: NGramPredictor(tree=True)
+    return {"prompt-lookup": PromptLookup, "ngram": NGramPredictor, "none": lambda: None}[name]
 
 
 def check_proposer(spec: str) -> None:
     """Raise ``ValueError`` if ``spec`` names no proposer, before any model is loaded (a draft model's path is
-    checked when it loads)."""
-    name = spec.partition(":")[0]
-    if name != "draft":
-        proposer_factory(spec)
+    checked when it loads; a registered proposer is made once, to see that it can be)."""
+    name, argument = _parse(spec)
+    if name not in _BUILT_IN_NAMES:
+        _plugin_factory(name, argument)

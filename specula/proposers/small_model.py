@@ -8,8 +8,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from ..target.runner import CachedModel
-from ..target.support import UnsupportedModelError, vocab_size
+from ..verifier.runner import CachedModel
+from ..verifier.support import UnsupportedModelError, vocab_size
 from ..core.draft import Draft, check_int
 from .base import RequestProposer
 from ..core.sampling import Sampling

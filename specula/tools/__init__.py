@@ -1,7 +1,5 @@
 """Measuring and diagnosing: the benchmark, the drift report and the invariance probe."""
 
-from .._modules import attribute
+from .._lazy import submodules
 
-
-def __getattr__(name: str):
-    return attribute(__name__, name)
+__getattr__ = submodules(__name__)

@@ -12,7 +12,8 @@ import torch
 from ..core.loop import Decoder
 from ..core.stats import TREE_COUNTERS, SpecStats
 from ..hf.generate import generate, prepare_jobs
-from ..jobs.requests import encode, left_padded
+from ..hf.inputs import left_padded
+from ..jobs.requests import encode
 from ..proposers.base import Proposer
 from .replay import Replay
 

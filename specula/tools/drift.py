@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..target.support import _CACHE_ARGUMENTS
+from ..verifier.support import _CACHE_ARGUMENTS
 from ..hf.generate import generate
 from ..proposers.base import Proposer
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..target.runner import CachedModel
+from ..verifier.runner import CachedModel
 
 
 @dataclass
@@ -95,7 +95,7 @@ def probe(model: torch.nn.Module, input_ids: torch.Tensor, width: int = 8, row_e
         model: the target model, on its device and in its dtype.
         input_ids: ``[1, length]`` real text; the first ``length - width`` tokens are the prompt.
         width: tokens in the pass (the last token and ``width - 1`` drafts).
-        row_exact: verify as specula does by default in bf16/fp16 (:mod:`specula.target.row_exact`), or the ordinary way.
+        row_exact: verify as specula does by default in bf16/fp16 (:mod:`specula.verifier.row_exact`), or the ordinary way.
     """
     ids = input_ids.reshape(-1).to(model.device)
     if not 2 <= width < len(ids):

@@ -37,12 +37,12 @@ REFUSED_PLAIN = {
     "xlstm": _NOT_STANDARD,
 }
 # Their caches keep recurrent state (Mamba/SSM, linear attention, gated delta nets), rolled back by
-# specula.target.recurrent: drafts right up to every length must be accepted (the random models rarely repeat
+# specula.verifier.recurrent: drafts right up to every length must be accepted (the random models rarely repeat
 # themselves, so PromptLookup's drafts are mostly rejected).
 RECURRENT = ["bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear",
              "mamba", "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text",
              "qwen3_5_text", "qwen3_next", "recurrent_gemma", "zamba", "zamba2", "zaya"]
-# Sparse attention: an indexer picks each query's keys, which specula.target.indexer picks per query in a pass.
+# Sparse attention: an indexer picks each query's keys, which specula.verifier.indexer picks per query in a pass.
 SPARSE = ["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4", "qwen4_exp", "qwen4_exp_text"]
 # Cannot be built as a tiny text-only causal LM here (tests/architectures.py says why).
 NOT_TINY = {"blt", "gemma3n", "gemma4_assistant", "gemma4_unified_assistant", "musicgen", "musicgen_melody"}

@@ -14,7 +14,7 @@ from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, chi_square_p_value, 
 from tiny_models import VOCAB, tiny_model
 
 import specula
-from specula.target.runner import UnsupportedModelError
+from specula.verifier.runner import UnsupportedModelError
 from specula.core.loop import MAX_DRAFT
 
 NEW_TOKENS = 24

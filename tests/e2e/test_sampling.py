@@ -236,8 +236,8 @@ def test_seeded_sampling_draws_model_generates_tokens(name: str, settings_: dict
 @pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "falcon_h1", "mamba", "recurrent_gemma", "deepseek_v32",
                                         "glm_moe_dsa"])
 def test_seeded_sampling_with_recurrent_state_or_sparse_attention_draws_model_generates_tokens(model_type: str) -> None:
-    """Recurrent state rolled back after rejected drafts (specula.target.recurrent: fed again, or step by step for mamba
-    and recurrent_gemma), and sparse attention's keys picked per query (specula.target.indexer), leave the draws
+    """Recurrent state rolled back after rejected drafts (specula.verifier.recurrent: fed again, or step by step for mamba
+    and recurrent_gemma), and sparse attention's keys picked per query (specula.verifier.indexer), leave the draws
     model.generate's."""
     model, prompt = tiny_causal_lm(model_type), torch.tensor([[5, 17, 33, 42, 8, 61, 29] * 3])
     with torch.no_grad():

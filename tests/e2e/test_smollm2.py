@@ -12,7 +12,8 @@ from helpers import Oracle, hf_greedy
 
 import specula
 from specula.hf.loading import load_model
-from specula.jobs.requests import encode, left_padded, load_workloads
+from specula.hf.inputs import left_padded
+from specula.jobs.requests import encode, load_workloads
 
 WORKLOADS = Path(os.environ.get("SPECULA_WORKLOADS", Path(__file__).resolve().parents[3] / "shared" / "workloads"))
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from tiny_models import VOCAB, tiny_model
 import specula
 from specula.core import acceptance
 from specula.core.acceptance import accept_draft
-from specula.jobs.requests import left_padded
+from specula.hf.inputs import left_padded
 
 NEW_TOKENS = 24
 # gpt2: absolute positions; mistral: every layer a sliding window; gemma3: sliding-window and full layers (windows

@@ -146,7 +146,7 @@ def test_third_party_proposer_with_plain_lists() -> None:
 
 
 def test_a_mamba_model_decodes_with_drafts_as_model_generate() -> None:
-    """Its recurrent state is verified step by step (specula.target.recurrent); it used to be refused."""
+    """Its recurrent state is verified step by step (specula.verifier.recurrent); it used to be refused."""
     import transformers
 
     torch.manual_seed(0)
@@ -176,5 +176,5 @@ def test_a_model_that_ignores_the_cache_is_refused(monkeypatch) -> None:
         with pytest.raises(specula.UnsupportedModelError, match="holds nothing where specula expects 16"):
             specula.generate(ignoring, prompt, proposer, max_new_tokens=20)
     # Without the check the output is silently wrong.
-    monkeypatch.setattr(specula.target.runner, "check_cache_length", lambda model, cache, expected, after: None)
+    monkeypatch.setattr(specula.verifier.runner, "check_cache_length", lambda model, cache, expected, after: None)
     assert specula.generate(ignoring, prompt, None, max_new_tokens=20).sequences.tolist() != expected.tolist()

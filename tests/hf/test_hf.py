@@ -45,7 +45,7 @@ def test_custom_generate_greedy_is_identical(name, make_proposer) -> None:
 def test_return_dict_in_generate_carries_the_stats() -> None:
     out = specula_hf_generate(model(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS, return_dict_in_generate=True,
                               adaptive_draft=False)
-    assert isinstance(out, specula.SpeculaGenerateOutput)
+    assert isinstance(out, specula.GenerateOutput)
     assert out.sequences.shape == (1, PROMPT.shape[1] + NEW_TOKENS)
     assert out.stats.new_tokens == NEW_TOKENS and out.stats.accepted > 0
 

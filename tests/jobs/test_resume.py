@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from specula import cli
-from specula.jobs.answers import AnswerFile, answer_key
+from specula.cli import commands
+from specula.jobs.answers import AnswerFile
+from specula.jobs.requests import answer_key
 
 WORDS = "the quick brown fox jumps over the lazy dog and def foo bar baz return print hello world".split()
 
@@ -149,7 +151,7 @@ def test_resume_argument_errors(argv, message, tmp_path, capsys) -> None:
 def test_resume_refuses_a_file_that_is_not_answers(model_folder, tmp_path, capsys, monkeypatch) -> None:
     source = requests_file(tmp_path / "in.jsonl", 2)
     (tmp_path / "out.jsonl").write_text("some notes\nmore notes\n")
-    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(commands, "_load", lambda args: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as stopped:  # a usage error (the wrong --output), as the other file checks
         cli.main(["generate", "--input", str(source), "--output", str(tmp_path / "out.jsonl"), "--resume"])
     err = capsys.readouterr().err

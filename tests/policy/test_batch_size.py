@@ -9,8 +9,8 @@ from architectures import tiny_causal_lm
 from tiny_models import tiny_model
 
 from specula.policy import batch_size
-from specula.target.profile import profile_of
-from specula.target.runner import CachedModel
+from specula.verifier.profile import profile_of
+from specula.verifier.runner import CachedModel
 
 
 @pytest.mark.parametrize("cost, expected", [

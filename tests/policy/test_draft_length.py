@@ -19,7 +19,7 @@ from specula.policy.acceptance import RANKS, RequestAcceptance
 from specula.policy.adaptive import AdaptiveDrafts, budgets, choose_lengths
 from specula.policy.costs import shared_step_seconds
 from specula.policy.protocol import Step
-from specula.jobs.requests import left_padded
+from specula.hf.inputs import left_padded
 
 PROMPT = [1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]
 

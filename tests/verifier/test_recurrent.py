@@ -12,7 +12,7 @@ from architectures import sweep_prompts, tiny_causal_lm
 from helpers import Oracle, PartlyRight, TreeOracle
 
 import specula
-from specula.target.runner import CachedModel
+from specula.verifier.runner import CachedModel
 
 
 # qwen3_next: fed again; mamba and recurrent_gemma (states on its modules): step by step

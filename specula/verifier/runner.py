@@ -131,7 +131,7 @@ class PreallocatedLayer(DynamicLayer):
 class PreallocatedHybridLayer(LinearAttentionLayer, PreallocatedLayer):
     """A batch's layer holding attention and recurrent state at once (Falcon-H1, Zamba's hybrid layers), as
     transformers' ``LinearAttentionAndFullAttentionLayer`` holds them: its attention a :class:`PreallocatedLayer`, its
-    recurrent states rows of :class:`specula.target.recurrent.RecurrentRows`."""
+    recurrent states rows of :class:`specula.verifier.recurrent.RecurrentRows`."""
 
     def __init__(self, capacity: int, number_of_states: int) -> None:
         PreallocatedLayer.__init__(self, capacity)
@@ -204,7 +204,7 @@ class CachedModel:
         rollback: whether the caller will roll the cache back; a model whose cache cannot be rolled back is then
             refused after the prefill instead of silently producing wrong tokens.
         row_exact: compute every position of a pass over several tokens after a filled cache bit for bit as a
-            one-token step computes it (:class:`specula.row_exact.RowExact`).
+            one-token step computes it (:class:`specula.verifier.row_exact.RowExact`).
         slots: how many requests it holds at once. With more than one, each request's prompt is prefilled alone
             (:meth:`start_row`) and every row keeps its own length; ``positions`` and ``attention_mask`` are unused.
         ragged: hold the rows so (own masks and position ids), also with one slot: what verifying a tree of drafts
@@ -354,7 +354,7 @@ class CachedModel:
 
     def forward(self, token_ids: torch.Tensor, num_logits: int, argmax_only: bool = False) -> torch.Tensor:
         """Append ``token_ids`` (1-D) to the cache; return the logits of its last ``num_logits`` positions
-        (``argmax_only``: only their argmax is used, see :meth:`specula.row_exact.RowExact.applied`).
+        (``argmax_only``: only their argmax is used, see :meth:`specula.verifier.row_exact.RowExact.applied`).
 
         Checks what the loop relies on, and raises :class:`UnsupportedModelError` naming the model otherwise: the
         cache holds exactly the tokens fed (a model that ignores the cache or adds tokens of its own is refused), a

@@ -42,7 +42,7 @@ class RowAttention:
     @contextlib.contextmanager
     def installed(self, cache, ends: list[list[int]] | None, paths: list | None) -> Iterator[None]:
         """Within the block, the model's attention function is the row-exact one of a pass over ``cache``
-        (:class:`_PassAttention`; ``ends`` and ``paths`` as :meth:`specula.target.row_exact.RowExact.applied` takes
+        (:class:`_PassAttention`; ``ends`` and ``paths`` as :meth:`specula.verifier.row_exact.RowExact.applied` takes
         them)."""
         mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
         saved = mapping.get(self.implementation)
@@ -67,7 +67,7 @@ class RowAttention:
         """The grouping :func:`.grouping._grouped_sdpa` uses for this attention geometry on this device (1: one call
         per row): the cheapest of those that give every row the bits of its own one-token call
         (:func:`.grouping._exact_widths`), timed on a pass of ``TIMED_ROWS`` queries; calibrated once per machine
-        (:mod:`specula.target.calibration`)."""
+        (:mod:`specula.verifier.calibration`)."""
         if self.implementation != "sdpa" or any(kwargs.get(name) is not None for name in _SDPA_EXTRAS):
             return 1
         kwargs = {name: kwargs[name] for name in ("dropout", "scaling") if name in kwargs}
@@ -108,7 +108,7 @@ def _attending(cache) -> int:
 class _PassAttention:
     """The attention function of one row-exact pass over ``cache``: each query row as ``inner_of(module)``, the
     module's own attention function, computes a one-token step at its position (``ends`` and ``paths`` as
-    :meth:`specula.target.row_exact.RowExact.applied` takes them)."""
+    :meth:`specula.verifier.row_exact.RowExact.applied` takes them)."""
 
     def __init__(self, attention: RowAttention, inner_of: Callable, cache, ends: list[list[int]] | None,
                  paths: list | None) -> None:

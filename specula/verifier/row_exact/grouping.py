@@ -71,7 +71,7 @@ def _attention_inputs(heads: int, kv_heads: int, dim: int, dtype, device, rows: 
                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random ``query`` ``[rows, heads, queries, dim]`` and ``key``, ``value`` ``[rows, kv_heads, keys, dim]``, laid
     out as a model's projections, with scores spread as widely as a trained model's (a few keys dominate) and values
-    of magnitudes spread over 12 octaves (:func:`specula.target.calibration.spread`), so that a changed summation
+    of magnitudes spread over 12 octaves (:func:`specula.verifier.calibration.spread`), so that a changed summation
     order shows."""
     def projected(heads: int, length: int, values: torch.Tensor) -> torch.Tensor:
         return values.reshape(rows, length, heads, dim).to(device, dtype).transpose(1, 2)

@@ -2,7 +2,7 @@
 
 Each operation a row-exact pass computes (attention of one geometry, a linear layer of one weight shape) has
 several ways to give every row the bits of its one-token step. Which of them are exact, and which is cheapest,
-differs between CPUs, GPUs and torch builds, so :mod:`specula.target.row_exact` finds the exact ones by testing them on
+differs between CPUs, GPUs and torch builds, so :mod:`specula.verifier.row_exact` finds the exact ones by testing them on
 data chosen to expose a changed summation order, times those, and keeps the cheapest. The choices are kept in a
 JSON file (``$SPECULA_CALIBRATIONS``, else ``row_exact.json`` in specula's cache folder), keyed by what they depend
 on: the device's model name and threads, torch's version and CPU capability, and the operation's shape and dtype.

@@ -20,7 +20,7 @@ _CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
 # Models whose pass over several tokens after a filled cache does not compute what one-token steps compute, so that
 # even model.generate's own output depends on how the tokens are split into passes; found by the architecture sweep
 # (tests/e2e/test_architectures.py). They decode through specula without a proposer (one-token steps), not with one.
-# (Recurrent layers that differ so are verified step by step: specula.target.recurrent.STEP_BY_STEP.)
+# (Recurrent layers that differ so are verified step by step: specula.verifier.recurrent.STEP_BY_STEP.)
 _SPLIT_DEPENDENT = {"moshi": "its attention mask has no sliding window while its KV cache keeps one"}
 
 
@@ -130,8 +130,8 @@ def check_recurrent_rows(model: torch.nn.Module, reason: str | None) -> None:
 
 def check_rollback(model: torch.nn.Module, cache: DynamicCache, stepwise: bool = False) -> None:
     """After the prefill: the cache can be rolled back past rejected drafts. Attention layers are cropped; recurrent
-    layers (:mod:`specula.target.recurrent`) are put back, so the model must have written them, or (``stepwise``)
-    kept their states where :class:`specula.target.recurrent.Stepwise` finds them."""
+    layers (:mod:`specula.verifier.recurrent`) are put back, so the model must have written them, or (``stepwise``)
+    kept their states where :class:`specula.verifier.recurrent.Stepwise` finds them."""
     stale = sorted({type(layer).__name__ for layer in cache.layers if _crop_is_stale(layer)})
     unwritten = not stepwise and any(
         isinstance(layer, LinearAttentionCacheLayerMixin) and not any(layer.has_previous_state.values())

@@ -3,7 +3,7 @@
 Each ``nn.Linear`` (and GPT-2's ``Conv1D``) that gives a row other bits in a pass of several rows than alone computes
 its rows in chunks as wide as it stays exact for (:func:`exact_rows`), as it is or by columns (:func:`_by_columns`),
 whichever the clock finds cheaper: found once per machine, torch build and weight shape
-(:mod:`specula.target.calibration`).
+(:mod:`specula.verifier.calibration`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def exact_rows(layer: torch.nn.Module, compute: Callable | None = None, max_rows
     A kernel that sums in another order for another number of rows changes a bf16 output only where the fp32 sums
     straddle a rounding boundary: ~1 output in 5000 for an inner dimension of 1536 and Gaussian rows. So each width
     is tried on enough rows for 2**17 outputs, of magnitudes spread over 6 octaves
-    (:func:`specula.target.calibration.spread`).
+    (:func:`specula.verifier.calibration.spread`).
     """
     ordinary = functools.partial(type(layer).forward, layer)
     compute = compute or ordinary
@@ -94,7 +94,7 @@ def _calibrate(layer: torch.nn.Module) -> dict:
 
 def _linear_calibration(layer: torch.nn.Module) -> dict:
     """:func:`_calibrate` for ``layer``'s weight shape on this machine, made once and kept
-    (:mod:`specula.target.calibration`)."""
+    (:mod:`specula.verifier.calibration`)."""
     weight = layer.weight
     key = calibration_key(weight.device, "linear", type(layer).__name__, tuple(weight.shape), weight.stride(),
                           weight.dtype, layer.bias is not None)

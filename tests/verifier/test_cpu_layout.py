@@ -10,7 +10,7 @@ from helpers import Oracle, hf_greedy
 from tiny_models import ARCHITECTURES, tiny_model
 
 import specula
-from specula.target import cpu_layout
+from specula.verifier import cpu_layout
 
 PROMPT = torch.tensor([[1, 40, 3, 77, 12, 55, 23, 9, 60, 14]])
 

@@ -1,5 +1,5 @@
 """Row-exact strategies: only exact ones are ever chosen, the cheapest of them by the clock, and calibrations are
-kept on disk per machine, torch, shape and dtype (specula.target.calibration, specula.target.row_exact)."""
+kept on disk per machine, torch, shape and dtype (specula.verifier.calibration, specula.verifier.row_exact)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import specula
-from specula.target.row_exact import attention, grouping, linear
-from specula.target import calibration
+from specula.verifier.row_exact import attention, grouping, linear
+from specula.verifier import calibration
 from specula.policy.costs import shared_step_seconds
 from specula.core.loop import MAX_DRAFT
 

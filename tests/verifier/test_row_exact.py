@@ -1,5 +1,5 @@
 """Half precision: verification passes compute every position as a one-token step does, so greedy output is
-model.generate's in bf16 and fp16 too, whatever the drafts and draft lengths (specula.target.row_exact)."""
+model.generate's in bf16 and fp16 too, whatever the drafts and draft lengths (specula.verifier.row_exact)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from helpers import TreeOracle, AlwaysWrong, Oracle, hf_greedy
 
 import numpy as np
 import specula
-from specula.target.profile import _PROFILES
-import specula.target.row_exact as row_exact_module
+from specula.verifier.profile import _PROFILES
+import specula.verifier.row_exact as row_exact_module
 from specula.policy.costs import shared_step_seconds
 from specula.tools.probe import probe
 from specula.core.loop import MAX_DRAFT
-from specula.target.calibration import spread
-from specula.target.row_exact import head as head_module, linear as linear_module
-from specula.target.row_exact.attention import RowAttention, _PassAttention
+from specula.verifier.calibration import spread
+from specula.verifier.row_exact import head as head_module, linear as linear_module
+from specula.verifier.row_exact.attention import RowAttention, _PassAttention
 
 def forget_row_exact() -> None:
     """Row-exact kernels are built again for every model (after a test patched how they are built)."""

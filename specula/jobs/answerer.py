@@ -1,0 +1,82 @@
+"""Requests decoded into answer records, as ``specula generate`` does it, on this machine or in Ray workers: up to a
+batch of them at a time in the same passes (continuous batching), each as ``specula.generate`` would alone."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.loop import Decoder, Job
+from ..hf.generate import prepare_jobs
+from ..policy.batch_size import fastest_batch_size
+from .requests import encode
+
+
+@dataclass
+class Settings:
+    """How every request of a file is decoded (the same for all, wherever they run)."""
+
+    max_new_tokens: int = 256
+    sampling: dict = field(default_factory=dict)  # temperature / top_k / top_p, as generate() takes them
+    seed: int | None = None  # request on line n draws from its own generator seeded ``seed + n``
+    row_exact: bool | None = None
+    batch_size: int | None = None  # None: the size measured fastest on this machine
+
+
+def _stats(stats) -> dict:
+    return {
+        "new_tokens": stats.new_tokens, "steps": stats.steps, "accepted": stats.accepted,
+        "drafted": stats.drafted, "seconds": round(stats.wall_time_s, 4),
+    }
+
+
+class Answerer:
+    """Decodes numbered requests (line number, request) into answer records ``{"id", "text", "stats"}``, up to
+    ``settings.batch_size`` at a time in the same passes, each as ``specula.generate`` would alone; a request that
+    cannot be decoded (e.g. a prompt longer than the model's context) is passed to ``on_skip`` with its reason.
+    Kept across calls, it keeps its proposer (an n-gram predictor keeps learning) and its batch size."""
+
+    def __init__(self, model, tokenizer, proposer, settings: Settings, on_skip: Callable[[int, str], None]) -> None:
+        self.model, self.tokenizer, self.proposer = model, tokenizer, proposer
+        self.settings, self.on_skip = settings, on_skip
+        self.device = model.get_input_embeddings().weight.device
+        self.slots = settings.batch_size
+        self.passes, self.plain_speedups = 0, []  # over every call, for the summary
+
+    def _job(self, number: int, request: dict) -> tuple[Job, object] | None:
+        seed = self.settings.seed
+        # each request its own random stream, so its answer does not depend on its batch-mates
+        generator = None if seed is None else [torch.Generator(self.device).manual_seed(seed + number)]
+        try:
+            (job,), sampling = prepare_jobs(self.model, encode(self.tokenizer, request).to(self.device),
+                                            generator=generator, max_new_tokens=self.settings.max_new_tokens,
+                                            **self.settings.sampling)
+        except ValueError as error:
+            self.on_skip(number, str(error))
+            return None
+        job.key = request.get("id", number)
+        return job, sampling
+
+    def __call__(self, requests: Iterable[tuple[int, dict]], largest: int = 32, eager: bool = False) -> Iterator[dict]:
+        """Answer records as requests finish (not in input order). ``largest`` bounds the measured batch size;
+        ``eager`` prepares every request before decoding any."""
+        prepared = filter(None, itertools.starmap(self._job, requests))
+        if eager:
+            prepared = iter(list(prepared))
+        first = next(prepared, None)
+        if first is None:
+            return
+        if self.slots is None:
+            self.slots = fastest_batch_size(self.model, largest=largest)
+        decoder = Decoder(self.model, self.proposer, first[1], self.slots, row_exact=self.settings.row_exact)
+        try:
+            for row, _ in decoder.run(itertools.chain([first[0]], (job for job, _ in prepared))):
+                if row.finished:
+                    text = self.tokenizer.decode(row.sequence.ids[len(row.job.prompt) :], skip_special_tokens=True)
+                    yield {"id": row.job.key, "text": text, "stats": _stats(row.stats)}
+        finally:
+            self.passes += decoder.passes
+            self.plain_speedups.append(decoder.plain_speedup())
