@@ -71,7 +71,7 @@ class RequestAcceptance:
         position before it (the first toward ``prior``): a position not tried yet is expected to do as well as the
         one before it. While drafts are not sent only the first position is checked (against the token generated
         anyway); were later positions pinned at ``prior``, known costs would keep a right proposer from ever being
-        sent again (on the Xeon in bf16 a pass over 4 tokens costs 2.8x one)."""
+        sent again (on some CPUs a pass over 4 tokens costs several one-token steps: ``docs/hardware.md``)."""
         return np.cumprod(self._rates(source)[:, 0])
 
     def node_chances(self, draft: "Draft", calibrated: bool = True) -> np.ndarray:

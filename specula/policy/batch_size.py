@@ -25,8 +25,8 @@ def fastest_batch_size(
     Rows of ``context + 16 * largest``, ``context + 16``, ``context + 32`` ... tokens of cache (different lengths, as
     real requests have) get one token each; each size is timed on 3 such passes (median). Doubling goes on while it
     gains at least ``gain`` in tokens per second and that many rows of ``context_per_row`` tokens of KV cache fit in
-    a quarter of the free memory. 1 for models that cannot be batched. Measured once per model (a few seconds for
-    SmolLM2-135M on a 2-core CPU)."""
+    a quarter of the free memory. 1 for models that cannot be batched. Measured once per model (what it takes:
+    ``docs/hardware.md``)."""
     if largest < 2:
         return 1
     profile = profile_of(model)

@@ -28,18 +28,16 @@ from .support import (
 
 # Attention kernels for multi-token passes on a GPU: every backend but cuDNN's. cuDNN builds an execution plan for
 # each new (query, key) shape, and a verification pass has a new one every step (the cache grows, the draft length
-# varies): on an H100 with SmolLM2-135M that made a PromptLookup step cost 1.6-2.8x a one-token step; without it,
-# 0.8-1.35x (examples/gpu_attention.py). One-token steps keep torch's own choice, as model.generate has it.
+# varies), which made steps dearer than they need be (docs/hardware.md, GPUs). One-token steps keep torch's own
+# choice, as model.generate has it.
 _VERIFY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class PreallocatedLayer(DynamicLayer):
     """A full-attention cache layer that writes new states into a buffer allocated once, instead of concatenating.
 
-    ``DynamicLayer`` copies its whole cache every step (``torch.cat``): with SmolLM2-135M in fp32 on a 2-core Xeon a
-    one-token step took 60.0 ms after 600 tokens of context and 76.8 ms after 2000; with this layer 54.8 and 66.0 ms
-    (``examples/kv_cache.py``).
-    Here a step writes only its own states, and
+    ``DynamicLayer`` copies its whole cache every step (``torch.cat``), a cost that grows with the context
+    (``docs/hardware.md``, KV cache; ``examples/kv_cache.py`` measures it). Here a step writes only its own states, and
     attention reads a view of the filled prefix: the same values, shapes and layout on the last two dimensions, so
     the same logits. A rollback only moves the end. The buffer doubles if ``capacity`` turns out too small.
     """
@@ -95,7 +93,7 @@ class PreallocatedLayer(DynamicLayer):
         else:
             slots = starts[:, None] + torch.arange(n, device=starts.device)  # [B, n]
             rows = torch.arange(len(starts), device=starts.device)[:, None]  # [B, 1]
-            # (an index_put: ~30x faster than scatter_ into the whole buffer)
+            # (an index_put of these slots only: scatter_ into the whole buffer was far slower, docs/hardware.md)
             self._key_buffer[rows, :, slots] = key_states.transpose(1, 2)  # [B, n, heads, dim]
             self._value_buffer[rows, :, slots] = value_states.transpose(1, 2)
         self.length = end

@@ -51,7 +51,7 @@ def _grouped_sdpa(module, query, key, value, ends: list[list[int]], width: int, 
     vectors of 16 floats plus a scalar tail whose exponentials round otherwise than the vectors': a query over 300
     keys has keys 288..299 in the tail; padded to 303 keys they still are, and the masked keys add exact zeros;
     padded to 304 they would not be. Where its bf16 products go to a BLAS that sums a block's last ``K % 4`` keys
-    apart (MKL on the EPYC: ``docs/hardware.md``), only groups of ``end // 4`` keep every query's order.
+    apart (MKL on some CPUs: ``docs/hardware.md``), only groups of ``end // 4`` keep every query's order.
     """
     del kwargs
     # query: [B, heads, n, dim]; key, value: [B, kv_heads, keys, dim]; ends: B lists of n key counts
@@ -112,7 +112,7 @@ def _exact_widths(module, sdpa: Callable, heads: int, kv_heads: int, dim: int, d
 
     Grouping pads a query's keys to its group's longest and masks the rest, which is exact only if the kernel sums
     the query's keys in the same order whatever the padding. A kernel that sums a query's last keys apart once
-    padded past a multiple of 4 (as on the EPYC: ``docs/hardware.md``) changes a query's bits only where its last
+    padded past a multiple of 4 (as MKL does on some CPUs: ``docs/hardware.md``) changes a query's bits only where its last
     keys weigh much, which Gaussian data almost never shows and real text does. So each width is checked on rows
     built to show it (:func:`_cancelling_rows`), 32 per width, and on Gaussian
     rows with widely spread scores (:func:`_attention_inputs`) over key counts either side of the kernel's blocks.

@@ -60,8 +60,8 @@ def _in_chunks(compute: Callable, rows: int, x: torch.Tensor) -> torch.Tensor:
 
 def _by_columns(weight_t: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """``x @ weight_t + bias`` computed as ``(weight_t.T @ x.T).T``: with ``weight_t`` ([in, out]) contiguous, the
-    number of rows of ``x`` is the product's last dimension, which oneDNN does not block the inner sum by (found
-    exact where :func:`exact_rows` says so: on an Emerald Rapids Xeon, bf16, for every shape tried)."""
+    number of rows of ``x`` is the product's last dimension, which oneDNN does not block the inner sum by (used only
+    where :func:`exact_rows` finds it exact on this machine; where it was found so: ``docs/hardware.md``)."""
     rows = x.reshape(-1, x.shape[-1]).t()  # [in, n]
     out = weight_t.t() @ rows if bias is None else torch.addmm(bias[:, None], weight_t.t(), rows)  # [out, n]
     return out.t().reshape(*x.shape[:-1], -1).contiguous()
