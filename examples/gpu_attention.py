@@ -20,14 +20,14 @@ import torch
 from torch.nn.attention import SDPBackend
 
 import specula
-from specula import cached_model
+from specula.verifier import runner
 from specula.hf.loading import load_model
 from specula.jobs.requests import encode, load_workloads
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 BACKENDS = {
-    "no-cudnn": cached_model._VERIFY_BACKENDS,
-    "cudnn": cached_model._VERIFY_BACKENDS + [SDPBackend.CUDNN_ATTENTION],
+    "no-cudnn": runner._VERIFY_BACKENDS,
+    "cudnn": runner._VERIFY_BACKENDS + [SDPBackend.CUDNN_ATTENTION],
 }
 
 
@@ -59,14 +59,14 @@ def main() -> None:
         for row in rows:
             prompt = encode(tokenizer, row).cuda()
             for label, backends in BACKENDS.items():
-                cached_model._VERIFY_BACKENDS = backends
+                runner._VERIFY_BACKENDS = backends
                 cells = []
                 for name, proposer in (("none", None), ("prompt-lookup", specula.PromptLookup)):
                     seconds, stats = timed(model, prompt, proposer, args.max_new_tokens, args.repeats)
                     cells.append(f"{name} {1000 * seconds / stats.steps:5.1f} ms/step "
                                  f"{1000 * seconds / stats.new_tokens:5.1f} ms/token")
                 print(f"{workload:<10} {prompt.shape[1]:>5} prompt tokens  {label:<9} " + " | ".join(cells))
-    cached_model._VERIFY_BACKENDS = BACKENDS["no-cudnn"]
+    runner._VERIFY_BACKENDS = BACKENDS["no-cudnn"]
 
 
 if __name__ == "__main__":
