@@ -144,6 +144,10 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     # Hybrid layers share one transformer block whose weights the later ones tie to the first: keep two of them.
     "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    # A looped model: input, recurrent and output layers must add up to the layers kept (one each, the recurrent one
+    # run twice), layer kinds given one per layer (its released configs interleave "mlp" blocks, which it halves).
+    "dory": {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+             "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
     # Axial position embeddings: the dims must add up to hidden_size, the shape multiply to max_position_embeddings.
     "reformer": {"axial_pos_embds_dim": (_HIDDEN // 4, 3 * _HIDDEN // 4), "axial_pos_shape": (16, 32)},
 }

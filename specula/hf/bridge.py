@@ -8,6 +8,7 @@ import time
 import numpy as np
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
+from transformers.cache_utils import CacheLayerMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.streamers import BaseStreamer
 
@@ -15,6 +16,7 @@ from ..core.loop import Decoder, Job
 from ..core.sampling import Sampling
 from ..core.stats import GenerateOutput, SpecStats
 from ..proposers.base import Proposer
+from .cache_names import cache_in
 from .inputs import Request, prepare_request
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -23,7 +25,7 @@ _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "
 def prepared(model, input_ids, logits_processor, generation_config, generator, model_kwargs):
     """The checked request, its sampling and per-row generators (``None``: one stream) from what ``generate``
     prepared."""
-    _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator, _given_cache(model_kwargs))
+    _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator, cache_in(model_kwargs))
     request = prepare_request(
         model,
         input_ids,
@@ -36,11 +38,6 @@ def prepared(model, input_ids, logits_processor, generation_config, generator, m
     sampling = Sampling(do_sample=bool(generation_config.do_sample), processors=logits_processor,
                         generator=None if per_row else generator)
     return request, sampling, list(generator) if per_row else None
-
-
-def _given_cache(model_kwargs: dict):
-    """The cache the caller handed ``generate`` (``cache`` from transformers 5.24, ``past_key_values`` before)."""
-    return next((model_kwargs[name] for name in ("cache", "past_key_values") if model_kwargs.get(name) is not None), None)
 
 
 def jobs_of(
@@ -124,8 +121,8 @@ def _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator,
             f"specula returns one sequence per prompt, got num_return_sequences="
             f"{generation_config.num_return_sequences}; repeat the prompt in the batch instead."
         )
-    if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("specula starts from the prompt; it cannot continue a filled cache (past_key_values).")
+    if cache is not None and _filled(cache):
+        raise ValueError("specula starts from the prompt; it cannot continue a filled cache (cache, past_key_values).")
     generators = generator if isinstance(generator, (list, tuple)) else [] if generator is None else [generator]
     if isinstance(generator, (list, tuple)) and len(generator) != input_ids.shape[0]:
         raise ValueError(
@@ -142,3 +139,10 @@ def _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator,
                 f"generator is on {one.device} but the model is on {model_device}; create it with "
                 f"torch.Generator(device={str(model_device)!r})."
             )
+
+
+def _filled(cache) -> bool:
+    """Whether ``cache`` holds anything: tokens in an attention layer, or a recurrent layer's state (a cache of
+    recurrent layers alone has no length to ask)."""
+    return any(layer.get_seq_length() > 0 if isinstance(layer, CacheLayerMixin) else
+               any(getattr(layer, "has_previous_state", {}).values()) for layer in getattr(cache, "layers", ()))

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..verifier.support import _CACHE_ARGUMENTS
+from ..hf.cache_names import cache_in
 from ..hf.generate import generate
 from ..proposers.base import Proposer
 
@@ -47,7 +47,7 @@ class _PassLogits:
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output) -> None:
-        cache = next(kwargs[name] for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None)
+        cache = cache_in(kwargs)
         logits = output.logits[0]  # [rows, vocab], the last rows of the pass
         end = cache.get_seq_length()  # tokens in the cache after this pass
         for j in range(logits.shape[0]):

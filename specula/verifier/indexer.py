@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicIndexedLayer
 
+from ..hf.cache_names import cache_parameter
 from .patching import forwards_replaced
 
 # Models whose indexer already selects each query's keys on its own, as a one-token step does (by model_type).
@@ -49,7 +50,8 @@ class PerQueryIndexers:
 
 def _picks_top_k(module: torch.nn.Module) -> bool:
     parameters = inspect.signature(module.forward).parameters
-    return isinstance(getattr(module, "index_topk", None), int) and {"attention_mask", "past_key_values"} <= set(parameters)
+    return isinstance(getattr(module, "index_topk", None), int) and "attention_mask" in parameters \
+        and cache_parameter(parameters) is not None
 
 
 def _per_query(forward, top_k: int, *args, **kwargs) -> torch.Tensor:

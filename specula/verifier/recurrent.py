@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
+from ..hf.cache_names import cache_parameter
 from .patching import forwards_replaced
 
 
@@ -85,14 +86,13 @@ class Stepwise:
     it buys: passes exactly as one-token steps compute them where a layer's multi-token form differs
     (:data:`STEP_BY_STEP`) or rounds otherwise (bf16/fp16).
 
-    The recurrent layers are the modules that take transformers' ``cache_params`` and own a ``layer_idx`` (Mamba,
-    Mamba-2, gated delta nets ...: their states live in the cache) and RecurrentGemma's recurrent blocks (theirs live
-    on the module).
+    The recurrent layers are the modules that compute a recurrent layer of the cache (Mamba, Mamba-2, gated delta
+    nets ...: :func:`_cache_mixer`) and RecurrentGemma's recurrent blocks (their states live on the module).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        recurrent = [module for module in model.modules() if _cache_mixer(module) or _keeps_own_state(module)]
-        # the innermost (Mamba's blocks take cache_params too, to hand them to their mixer)
+    def __init__(self, model: torch.nn.Module, cache: DynamicCache) -> None:
+        recurrent = [module for module in model.modules() if _cache_mixer(module, cache) or _keeps_own_state(module)]
+        # the innermost (Mamba's blocks take the cache too, to hand it to their mixer)
         self.mixers = [module for module in recurrent if not any(inner in recurrent for inner in module.modules() if inner is not module)]
         self.states: list[list] | None = None  # [mixer][t]: its states after the first t tokens of the last pass
 
@@ -122,7 +122,7 @@ class Stepwise:
 
     @staticmethod
     def _steps(forward, mixer: torch.nn.Module, cache: DynamicCache, states: list, parents: list[list[int]] | None,
-               *args, **kwargs):
+               /, *args, **kwargs):
         """``forward`` over each token in turn, each from its parent's state; ``states[t + 1]``: the layer's states
         after token t (``states[0]``: before the pass)."""
         hidden = next(value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
@@ -232,8 +232,19 @@ def _of_rows(states: list[dict], after: list[int]) -> dict:
     return {key: torch.stack([states[t][key][b] for b, t in enumerate(after)]) for key in states[0]}
 
 
-def _cache_mixer(module: torch.nn.Module) -> bool:
-    return isinstance(getattr(module, "layer_idx", None), int) and "cache_params" in inspect.signature(module.forward).parameters
+def _cache_mixer(module: torch.nn.Module, cache: DynamicCache) -> bool:
+    """Whether ``module`` may compute a recurrent layer of ``cache``: its ``layer_idx`` is one, and its forward takes the
+    cache and the attention mask (which zeroes a batch's padding) but no positions (a recurrence needs none; the
+    attention beside it in a hybrid layer, Falcon-H1's, does). transformers 5.24 names every cache argument ``cache``,
+    so the name no longer tells (``cache_params`` before). Zaya's attention projection, which keeps a conv state in
+    the cache but returns queries, keys and values, takes a ``conv_mask``: not one."""
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(index, int) or not 0 <= index < len(cache.layers) \
+            or not isinstance(cache.layers[index], LinearAttentionCacheLayerMixin):
+        return False
+    parameters = inspect.signature(module.forward).parameters
+    return cache_parameter(parameters) is not None and "attention_mask" in parameters \
+        and not {"position_embeddings", "position_ids"} & set(parameters)
 
 
 def _keeps_own_state(module: torch.nn.Module) -> bool:
@@ -297,7 +308,9 @@ class RecurrentRows:
             for name in ("conv_kernel_size", "has_previous_state", "is_conv_states_initialized",
                          "is_recurrent_states_initialized"):
                 setattr(held, name, dict(getattr(computed, name)))
-            held.dtype, held.device = computed.dtype, computed.device
+            for name in ("dtype", "device"):  # (as far as the installed transformers' layers keep them)
+                if hasattr(computed, name):
+                    setattr(held, name, getattr(computed, name))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these rows, moved to the front."""

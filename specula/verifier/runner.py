@@ -51,7 +51,7 @@ class PreallocatedLayer(DynamicLayer):
         self.row_starts: torch.Tensor | None = None  # [rows]: where each row writes its next block (batches)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.device = key_states.device
         self.length = 0  # (also after transformers' reset())
         self._key_buffer = self._empty_like(key_states, self.capacity, slots)
         self._value_buffer = self._empty_like(value_states, self.capacity, slots)
@@ -226,7 +226,7 @@ class CachedModel:
         self.cache = self._new_cache()
         self.recurrent = rollback and has_recurrent_state(self.cache)
         if self.recurrent and (row_exact or model.config.model_type in STEP_BY_STEP):
-            self.stepwise = Stepwise(model)
+            self.stepwise = Stepwise(model, self.cache)
             if not self.stepwise.covers(self.cache):
                 raise UnsupportedModelError(
                     f"{describe(model)} keeps recurrent state in layers specula cannot compute one token at a time, "
@@ -284,7 +284,7 @@ class CachedModel:
                         if type(layer) not in (PreallocatedLayer, PreallocatedHybridLayer, LinearAttentionLayer, DummyLayer)})
         check_batchable(model, other, parameters, self.attends)
         if has_recurrent_state(self.cache):
-            self.stepwise = self.stepwise or Stepwise(model)
+            self.stepwise = self.stepwise or Stepwise(model, self.cache)
             check_recurrent_rows(model, self.stepwise.rows_of(self.cache))
             self.rows_state = RecurrentRows(self.cache, self.slots)
         self.attention = model.config._attn_implementation

@@ -4,18 +4,12 @@ Each check raises :class:`UnsupportedModelError` naming the model, what it lacks
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
+from ..hf.cache_names import cache_parameter
 from .indexer import PerQueryIndexers
-
-# Where a causal LM's forward takes its Cache: cache (transformers >= 5.24), past_key_values (earlier versions, and
-# models that keep the old name), or cache_params for Mamba-style models (as in model.generate). Models that keep
-# their state under another name (XLM's cache dict, RWKV, XLNet ...) are refused.
-_CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")
 
 # Models whose pass over several tokens after a filled cache does not compute what one-token steps compute, so that
 # even model.generate's own output depends on how the tokens are split into passes; found by the architecture sweep
@@ -58,22 +52,15 @@ def check_standard_cache(model: torch.nn.Module) -> None:
 
 
 def cache_argument(model: torch.nn.Module, parameters) -> str:
-    """The name under which ``model.forward`` (whose ``parameters`` these are) takes its cache."""
-    name = next((name for name in _CACHE_ARGUMENTS if _takes_a_cache(parameters.get(name))), None)
+    """The name under which ``model.forward`` (whose ``parameters`` these are) takes its cache; models that keep their
+    state under another name (XLM's cache dict, RWKV, XLNet ...) are refused."""
+    name = cache_parameter(parameters)
     if name is None:
         raise UnsupportedModelError(
             f"{describe(model)} takes no KV cache (its forward has no cache or past_key_values argument), so it "
             "cannot decode step by step. Use model.generate() for this model."
         )
     return name
-
-
-def _takes_a_cache(parameter: inspect.Parameter | None) -> bool:
-    """Whether a forward argument takes a transformers ``Cache`` (XLM's ``cache`` takes a dict of its own)."""
-    if parameter is None:
-        return False
-    annotation = parameter.annotation
-    return annotation is inspect.Parameter.empty or "dict" not in str(annotation)
 
 
 def check_split_independent(model: torch.nn.Module, cache: DynamicCache, indexers: PerQueryIndexers | None) -> None:

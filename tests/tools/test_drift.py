@@ -9,6 +9,7 @@ from bf16_cases import NEW_TOKENS, model, prompt, reference
 from helpers import Oracle
 
 from specula import cli
+from specula.hf.cache_names import cache_in
 from specula.tools.drift import drift
 
 
@@ -17,7 +18,7 @@ def plant(target: torch.nn.Module, position: int, margin: float, in_passes_only:
     verification passes (several logits rows) and lose by ``margin`` in one-token steps."""
     def hook(module, args, kwargs, output):
         logits = output.logits[0]
-        end = kwargs["past_key_values"].get_seq_length()
+        end = cache_in(kwargs).get_seq_length()
         row = position - (end - logits.shape[0] + 1)
         if 0 <= row < logits.shape[0]:
             top2 = logits[row].float().topk(2).indices
