@@ -12,6 +12,7 @@ Usage: python examples/cpu_layout.py [--model PATH] [--dtype fp32] [--only code_
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 import specula
+from specula.hf.cache_names import cache_parameter
 from specula.tools.bench import format_table, hf_method, run_bench, specula_method
 from specula.hf.loading import load_model
 from specula.jobs.requests import load_workloads
@@ -32,13 +34,14 @@ PASS_LENGTHS = (1, 2, 4, 8, 11)
 def pass_costs(model, context: int = 600, repeats: int = 7) -> dict[int, float]:
     """Median milliseconds of a pass over n tokens after a ``context``-token prompt."""
     cache = DynamicCache(config=model.config)
-    model(torch.randint(0, 1000, (1, context)), past_key_values=cache, use_cache=True)
+    named = {cache_parameter(inspect.signature(model.forward).parameters): cache}  # (cache=, or past_key_values=)
+    model(torch.randint(0, 1000, (1, context)), **named, use_cache=True)
     costs = {}
     for n in PASS_LENGTHS:
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            model(torch.randint(0, 1000, (1, n)), past_key_values=cache, use_cache=True)
+            model(torch.randint(0, 1000, (1, n)), **named, use_cache=True)
             times.append(time.perf_counter() - started)
             cache.crop(-n)
         costs[n] = 1000 * statistics.median(times)
