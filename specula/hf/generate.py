@@ -185,9 +185,9 @@ def prepare_jobs(model: torch.nn.Module, input_ids: torch.Tensor, **generate_kwa
 
 
 def _keep_tokenizer_and_streamer(extract):
-    """transformers 5.x forwards only a callable's *own* extra arguments: ``tokenizer`` (which ``stop_strings``
-    needs) and ``streamer`` are dropped, so ``stop_strings`` fails and nothing is streamed. For
-    :func:`custom_generate` only, put them back, as ``generate`` passes them to its built-in decoding methods."""
+    """transformers 5.x (through 5.24 at least) forwards only a callable's *own* extra arguments: ``tokenizer``
+    (which ``stop_strings`` needs) and ``streamer`` are dropped, so ``stop_strings`` fails and nothing is streamed.
+    For :func:`custom_generate` only, put them back, as ``generate`` passes them to its built-in decoding methods."""
     signature = inspect.signature(extract)
 
     @functools.wraps(extract)
@@ -205,7 +205,21 @@ def _keep_tokenizer_and_streamer(extract):
     return extract_keeping_them
 
 
+def _drops_tokenizer_or_streamer(extract) -> bool:
+    """Whether the installed ``generate`` would drop ``tokenizer`` or ``streamer`` on their way to
+    :func:`custom_generate` (asked of ``extract`` itself, with two markers: the patch is applied only where needed)."""
+    if getattr(extract, "keeps_tokenizer_and_streamer", False) or \
+            not {"custom_generate", "kwargs", "streamer", "synced_gpus"} <= set(inspect.signature(extract).parameters):
+        return False
+    tokenizer, streamer = object(), object()
+    try:
+        kept = extract(torch.nn.Module(), custom_generate=custom_generate, kwargs={"tokenizer": tokenizer},
+                       synced_gpus=False, assistant_model=None, streamer=streamer)
+    except Exception:  # (a shape this module does not know: left alone, and the tests of stop strings will tell)
+        return False
+    return kept.get("tokenizer") is not tokenizer or kept.get("streamer") is not streamer
+
+
 _extract = getattr(GenerationMixin, "_extract_generation_mode_kwargs", None)
-if _extract is not None and not getattr(_extract, "keeps_tokenizer_and_streamer", False):
-    if {"custom_generate", "kwargs", "streamer"} <= set(inspect.signature(_extract).parameters):
-        GenerationMixin._extract_generation_mode_kwargs = _keep_tokenizer_and_streamer(_extract)
+if _extract is not None and _drops_tokenizer_or_streamer(_extract):
+    GenerationMixin._extract_generation_mode_kwargs = _keep_tokenizer_and_streamer(_extract)
