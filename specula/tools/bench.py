@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from ..core.loop import Decoder
 from ..core.stats import TREE_COUNTERS, SpecStats
+from ..hf.cache_names import cache_in
 from ..hf.generate import generate, prepare_jobs
 from ..hf.inputs import left_padded
 from ..jobs.requests import encode
@@ -24,20 +26,59 @@ Method = Callable[[torch.Tensor, int], tuple[list[int], float, object]]
 BatchMethod = Callable[[list[torch.Tensor], int, int], tuple[list[list[int]], float, object]]
 
 
-def hf_method(model: torch.nn.Module, **generate_kwargs) -> Method:
-    """``model.generate`` (greedy unless ``do_sample=True`` is given), with extra HF arguments (e.g.
-    ``prompt_lookup_num_tokens=10``)."""
-    generate_kwargs.setdefault("do_sample", False)
+class HFMethod:
+    """``model.generate`` (greedy unless ``do_sample=True`` is given) as a bench method, with extra HF arguments (e.g.
+    ``prompt_lookup_num_tokens=10``). ``setup`` says how ``generate`` decoded, as it chose on the first run: the
+    cache class it passed the model and whether it compiled the model's forward (its own auto-compile decision; a
+    version that never asks, as 5.23's assisted generation, does not compile)."""
 
-    def run(prompt: torch.Tensor, max_new_tokens: int):
-        prompt = prompt.to(model.device)
+    def __init__(self, model: torch.nn.Module, **generate_kwargs) -> None:
+        self.model, self.generate_kwargs = model, {"do_sample": False, **generate_kwargs}
+        self.setup: str | None = None
+
+    def __call__(self, prompt: torch.Tensor, max_new_tokens: int):
+        prompt = prompt.to(self.model.device)
+        if self.setup is None:
+            with self._recording() as seen:
+                self._generate(prompt, 1)
+            self.setup = f"{seen['cache']}, {'compiled' if seen['compiled'] else 'not compiled'}"
         started = time.perf_counter()
-        out = model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, **generate_kwargs
-        )
+        out = self._generate(prompt, max_new_tokens)
         return out[0, prompt.shape[1] :].tolist(), time.perf_counter() - started, None
 
-    return run
+    def _generate(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        return self.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                                   **self.generate_kwargs)
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[dict]:
+        """Within the block, the first cache the model is called with, and ``generate``'s compile decisions."""
+        seen = {"cache": "no cache", "compiled": False}
+        decide = getattr(self.model, "_valid_auto_compile_criteria", None)
+
+        def recording_decision(*args, **kwargs) -> bool:
+            compiles = decide(*args, **kwargs)
+            seen["compiled"] |= bool(compiles)
+            return compiles
+
+        def first_cache(module, args, kwargs) -> None:
+            if seen["cache"] == "no cache" and cache_in(kwargs) is not None:
+                seen["cache"] = type(cache_in(kwargs)).__name__
+
+        handle = self.model.register_forward_pre_hook(first_cache, with_kwargs=True)
+        if decide is not None:
+            self.model._valid_auto_compile_criteria = recording_decision
+        try:
+            yield seen
+        finally:
+            handle.remove()
+            if decide is not None:
+                del self.model._valid_auto_compile_criteria
+
+
+def hf_method(model: torch.nn.Module, **generate_kwargs) -> HFMethod:
+    """:class:`HFMethod`: ``model.generate`` with these extra arguments."""
+    return HFMethod(model, **generate_kwargs)
 
 
 def specula_method(model: torch.nn.Module, make_proposer: Callable[[], Proposer | None], **generate_kwargs) -> Method:
@@ -147,6 +188,7 @@ class BenchRow:
     tree_steps: int = 0  # steps that sent a tree (last repeat), their draft tokens, and the tokens they accepted
     tree_drafted: int = 0  # beyond their first branches (SpecStats)
     tree_gain: int = 0
+    hf_setup: str | None = None  # a model.generate row: the cache it used, whether it compiled (HFMethod.setup)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -189,7 +231,8 @@ def run_bench(
             if progress:
                 progress(f"{workload} {index + 1}/{len(requests)}")
         base_rate = totals[baseline]["tokens"] / totals[baseline]["seconds"]
-        rows += [_row(workload, name, len(requests), totals[name], base_rate, compare_outputs) for name in names]
+        rows += [_row(workload, name, len(requests), totals[name], base_rate, compare_outputs,
+                      getattr(methods[name], "setup", None)) for name in names]
     return rows
 
 
@@ -229,7 +272,8 @@ def _add(total: dict, tokens: list[int], stats: SpecStats | None, seconds: float
             total[counter] += getattr(stats, counter)
 
 
-def _row(workload: str, name: str, prompts: int, total: dict, base_rate: float, compare_outputs: bool) -> BenchRow:
+def _row(workload: str, name: str, prompts: int, total: dict, base_rate: float, compare_outputs: bool,
+         hf_setup: str | None) -> BenchRow:
     rate = total["tokens"] / total["seconds"]
     return BenchRow(
         workload=workload, method=name, prompts=prompts, new_tokens=total["tokens"], seconds=total["seconds"],
@@ -238,7 +282,7 @@ def _row(workload: str, name: str, prompts: int, total: dict, base_rate: float, 
         repeatable=total["repeatable"] / prompts if compare_outputs else None,
         acceptance_rate=total["accepted"] / total["drafted"] if total["drafted"] else None,
         tokens_per_step=total["tokens"] / total["steps"] if total["steps"] else None,
-        drafted=total["drafted"], **{counter: total[counter] for counter in TREE_COUNTERS},
+        drafted=total["drafted"], **{counter: total[counter] for counter in TREE_COUNTERS}, hf_setup=hf_setup,
     )
 
 
@@ -299,4 +343,7 @@ def format_table(rows: list[BenchRow]) -> str:
             f"{row.workload:<11}{row.method:<29}{row.tokens_per_s:>8.1f}{row.speedup_vs_hf_greedy:>8.2f}x"
             f"{identical:>11}{repeatable:>12}{accept:>8}{per_step:>10}{trees:>20}"
         )
+    setups = {row.method: row.hf_setup for row in rows if row.hf_setup is not None}
+    if setups:
+        lines.append("model.generate decoded with: " + "; ".join(f"{name} {setup}" for name, setup in setups.items()))
     return "\n".join(lines)
