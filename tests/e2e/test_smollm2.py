@@ -42,11 +42,15 @@ def reference(index: int) -> torch.Tensor:
                                            lambda: specula.PromptLookup(branches=8)], ids=["lookup", "ngram", "tree"])
 @pytest.mark.parametrize("index", range(5))
 def test_greedy_output_is_identical_to_generate(index: int, make_proposer) -> None:
+    """With the draft lengths the cost model picks; on the prompts whose outputs copy from them, with every draft
+    sent, so that accepted drafts are certain to be verified (what the cost model sends follows this machine's clock,
+    and on a busy one it may send next to nothing: its own tests use fake clocks)."""
     model, _ = smollm2()
     name, prompt = prompts()[index]
-    out = specula.generate(model, prompt, make_proposer(), max_new_tokens=48)
+    copies = name.startswith(("code_edit", "summarize"))
+    out = specula.generate(model, prompt, make_proposer(), max_new_tokens=48, adaptive_draft=not copies)
     assert out.sequences.tolist() == reference(index).tolist(), name
-    if name.startswith(("code_edit", "summarize")):  # outputs that copy from the prompt
+    if copies:
         assert out.stats.accepted > 0, str(out.stats)
 
 
@@ -92,8 +96,9 @@ def test_bf16_drafts_of_33_tokens_past_700_keys_are_model_generate() -> None:
 
 
 def test_a_batch_of_workload_prompts_gives_each_its_own_output() -> None:
-    """Eight workload prompts of different lengths in one batch (left-padded), fp32: every row is model.generate's
-    output for that prompt alone, EOS and all."""
+    """Eight workload prompts of different lengths in one batch (left-padded), fp32, every draft sent (accepted drafts
+    certain, whatever this machine's clock says): every row is model.generate's output for that prompt alone, EOS
+    and all."""
     model, tokenizer = smollm2()
     rows = [encode(tokenizer, row)[0] for rows in load_workloads(WORKLOADS, 2).values() for row in rows][:8]
     assert len({len(row) for row in rows}) > 4
@@ -101,7 +106,8 @@ def test_a_batch_of_workload_prompts_gives_each_its_own_output() -> None:
     expected = [hf_greedy(model, row[None], 32, eos_token_id=eos)[0, len(row) :].tolist() for row in rows]
     ids, mask = left_padded(rows, tokenizer.pad_token_id)
     width = ids.shape[1]
-    out = specula.generate(model, ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=32)
+    out = specula.generate(model, ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=32,
+                           adaptive_draft=False)
     got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
     assert got == expected
     assert out.stats.accepted > 0 and sum(row.steps for row in out.stats.rows) < out.stats.new_tokens
