@@ -20,6 +20,7 @@ import torch
 import specula
 from specula.core.loop import MAX_DRAFT
 from specula.policy.adaptive import AdaptiveDrafts, FixedDrafts
+from specula.policy.costs import PassCosts
 from specula.proposers.kernels import lookup_candidates
 from specula.proposers.registry import PROPOSER_NAMES, proposer_factory
 from specula.tools.replay import Replay, recorded_outputs, walk
@@ -45,8 +46,8 @@ def policy(adaptive: bool):
     """The loop's draft-length policy, its pass costs replayed (``walk`` charges them) rather than measured."""
     if not adaptive:
         return FixedDrafts(MAX_DRAFT)
-    tables = {tree: np.full(MAX_DRAFT + 2, np.nan) for tree in (False, True)}
-    return AdaptiveDrafts(MAX_DRAFT, True, lambda rows, tree: tables[tree])
+    costs = PassCosts(1, MAX_DRAFT + 2)
+    return AdaptiveDrafts(MAX_DRAFT, True, lambda rows: costs)
 
 
 def main() -> None:

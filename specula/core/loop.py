@@ -17,7 +17,7 @@ from ..verifier import calibration
 from .acceptance import accept_draft
 from ..verifier.runner import CachedModel
 from ..policy.adaptive import AdaptiveDrafts, FixedDrafts
-from ..policy.costs import shared_step_seconds
+from ..policy.costs import shared_pass_costs
 from ..policy.protocol import DraftPolicy, Step
 from ..verifier.support import UnsupportedModelError, vocab_size
 from .draft import Draft
@@ -142,15 +142,15 @@ class Decoder:
         drawn = not sampling.greedy and getattr(proposer, "samples_drafts", False)
         timed = not drawn and (self.row_exact or not is_half_precision(model))
         setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
-        def tables(rows: int, tree: bool = False):  # pass costs (passes with trees apart)
-            return shared_step_seconds(model, (*setting, "tree") if tree else setting, MAX_DRAFT, rows)
+        def costs(rows: int):  # pass costs
+            return shared_pass_costs(model, setting, MAX_DRAFT, rows)
 
-        self.policy: DraftPolicy = (AdaptiveDrafts(MAX_DRAFT, timed, tables) if adaptive_draft
+        self.policy: DraftPolicy = (AdaptiveDrafts(MAX_DRAFT, timed, costs) if adaptive_draft
                                     else FixedDrafts(MAX_DRAFT))
         self.vocab = vocab_size(model)
         self.passes = 0  # target forward passes, prefills included
         self.prefill_seconds = self.step_seconds = 0.0  # time in prefills, and in steps (proposing included)
-        self._tables = tables if timed else None
+        self._costs = costs if timed else None
         self._made: dict[int, int] = {}  # tokens the steps made, by the rows they had
         if proposer is not None:
             proposer.check_target(model)
@@ -195,12 +195,12 @@ class Decoder:
         the tokens each step made, at the measured cost of a plain pass over as many rows, against the time the
         steps took (proposing included; prefills count on both sides). ``None`` where passes are not timed
         (sampling, ``adaptive_draft=False``) or no plain pass was."""
-        if self._tables is None or not self.step_seconds:
+        if self._costs is None or not self.step_seconds:
             return None
         plain = self.prefill_seconds
         for rows, made in self._made.items():
-            cost = self._tables(rows)[rows]
-            if np.isnan(cost):
+            cost = self._costs(rows).plain()
+            if cost is None:
                 return None
             plain += made / rows * cost
         return plain / (self.prefill_seconds + self.step_seconds)

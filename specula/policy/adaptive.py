@@ -14,8 +14,10 @@ Costs are learnt by sending, so sending is what exploration risks: a length is s
 half as many tokens has been timed (``k <= 2n - 1`` draft tokens after a pass over ``n`` tokens; the first step after
 the prefill is a plain one-token step, while the proposer's draft is checked for free against the token it
 produces). What a pass costs is a fact of the model and the machine, not of the text, so the measured costs are remembered
-per target model (and its device and dtype) and later generations start from them (:func:`specula.policy.costs.shared_step_seconds`):
-only the first generation with a model explores; later ones send what pays from their first step.
+per target model (and its device and dtype) and later generations start from them (:func:`specula.policy.costs.shared_pass_costs`):
+only the first generation with a model explores; later ones send what pays from their first step. The machine's
+load is not a fact to remember: costs are weighed against plain passes timed about when they were, and a length
+whose cost was not measured for a while is sent again now and then (:class:`specula.policy.costs.PassCosts`).
 
 With ``P_i`` the chance that the first ``i`` draft tokens are all accepted, sending ``k`` tokens yields
 ``E(k) = 1 + P_1 + .. + P_k`` tokens for ``cost(k + 1)`` seconds plus the drafting time; each step sends the ``k``
@@ -34,24 +36,27 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from .acceptance import RequestAcceptance
-from .costs import estimated, explored_width, record
+from .costs import PassCosts
 from .protocol import Step
 
 if TYPE_CHECKING:
     from ..core.draft import Draft
 
 
-def choose_lengths(rows: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray], table: np.ndarray | None) -> list[int]:
+def choose_lengths(rows: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray], costs: PassCosts | None
+                   ) -> list[int]:
     """How many draft tokens each row of a pass sends: ``chances[r]`` holds ``P_1, P_2 ..`` for the tokens row ``r``
-    has, ``table`` the measured pass costs for ``len(rows)`` rows (``None``: untimed, every pass costs the same).
+    has, ``costs`` the measured pass costs for ``len(rows)`` rows (``None``: untimed, every pass costs the same).
     See :func:`_choice`."""
-    return _choice(rows, chances, table)[0]
+    return _choice(rows, chances, costs)[0]
 
 
 def _choice(
-    rows: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray], table: np.ndarray | None
-) -> tuple[list[int], float]:
-    """:func:`choose_lengths`, and the expected tokens per second (per unit of cost) of that choice.
+    rows: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray], costs: PassCosts | None, tree: bool = False,
+    width: int | None = None,
+) -> tuple[list[int], float, int | None]:
+    """:func:`choose_lengths`, the expected tokens per second (per unit of cost) of that choice, and the width
+    :meth:`PassCosts.probe` chose instead of the best (``width=-1``: ask it; ``None``: it did not) or was given.
 
     The ``R`` rows of a pass are computed equally wide, ``m + 1`` tokens with ``m`` the longest draft sent (shorter
     blocks are padded), so a pass costs what ``R * (m + 1)`` tokens cost, and yields ``R + sum of the sent tokens'
@@ -65,83 +70,94 @@ def _choice(
         for row, chance in zip(rows, chances)
     ]
     longest = min(max(map(len, usable), default=0), max(row.max_draft for row in rows))
-    if table is not None:
-        longest = min(longest, explored_width(table, len(rows)))
+    if costs is not None:
+        longest = min(longest, costs.explored_width(tree))
     widths = np.arange(longest + 1)  # m
     expected = len(rows) + sum(np.concatenate([[0.0], np.cumsum(c)])[np.minimum(widths, len(c))] for c in usable)
-    costs = np.ones(len(widths)) if table is None else estimated(table, len(rows))[len(rows) * widths]
-    rates = expected / (costs + sum(row.draft_seconds for row in rows))
-    width = int(np.argmax(rates))  # the first maximum: ties go to fewer tokens
-    return [min(width, len(c)) for c in usable], float(rates[width])
+    seconds = np.ones(len(widths)) if costs is None else costs.seconds(tree)[len(rows) * widths]
+    rates = expected / (seconds + sum(row.draft_seconds for row in rows))
+    best = int(np.argmax(rates))  # the first maximum: ties go to fewer tokens
+    probed = None
+    if width == -1 and costs is not None:
+        probed = costs.probe(best, expected, rates)
+        probed = None if probed == best else probed
+    elif width is not None:
+        probed = min(width, longest)
+    chosen = best if probed is None else probed
+    return [min(chosen, len(c)) for c in usable], float(rates[chosen]), probed
 
 
-def budgets(rows: Sequence["RequestAcceptance"], remaining: Sequence[int], table: np.ndarray | None) -> list[int]:
-    """How many tokens to ask each row's proposer for (0: do not ask), ``remaining`` the room each row has left.
-    While a row's drafts pay (were its draft full, from its best source so far): what it would send, plus one token
-    whose fate the step will reveal for free, when asking is cheap. When not: a one-token probe that is never sent,
-    rationed to ``probe_budget`` of the row's share of a plain pass."""
+def budgets(rows: Sequence["RequestAcceptance"], remaining: Sequence[int], costs: PassCosts | None,
+            probe: bool = False) -> tuple[list[int], int | None]:
+    """How many tokens to ask each row's proposer for (0: do not ask), ``remaining`` the room each row has left,
+    and, with ``probe``, the width of a stale cost to measure again this step (``None``: none). While a row's
+    drafts pay (were its draft full, from its best source so far): what it would send, plus one token whose fate
+    the step will reveal for free, when asking is cheap. When not: a one-token probe that is never sent, rationed
+    to ``probe_budget`` of the row's share of a plain pass."""
     hopes = [
         np.max([row.chances(source) for source in row.acceptance or [None]], axis=0)[: max(left, 0)]
         for row, left in zip(rows, remaining)
     ]
-    best = choose_lengths(rows, hopes, table)
-    share = 1.0 if table is None else estimated(table, len(rows))[0] / len(rows)
-    return [row.ask(k, left, share) for row, k, left in zip(rows, best, remaining)]
+    best, _, probed = _choice(rows, hopes, costs, width=-1 if probe else None)
+    share = 1.0 if costs is None else costs.seconds()[0] / len(rows)
+    return [row.ask(k, left, share) for row, k, left in zip(rows, best, remaining)], probed
 
 
 class AdaptiveDrafts:
     """The :class:`~specula.policy.protocol.DraftPolicy` of ``adaptive_draft=True``: each request's acceptance is
     its own (:class:`RequestAcceptance`, its state), what a pass costs is measured by the tokens it verifies in all,
-    per number of rows and apart for passes with trees, and shared per target model (``tables(rows, tree)``; not
-    consulted when untimed)."""
+    per number of rows (``costs(rows)``, shared per target model; not consulted when untimed), a width whose cost is
+    stale measured again now and then (:meth:`PassCosts.probe`)."""
 
-    def __init__(self, max_draft: int, timed: bool, tables: Callable[[int, bool], np.ndarray]) -> None:
-        self.max_draft, self.timed, self.tables = max_draft, timed, tables
+    def __init__(self, max_draft: int, timed: bool, costs: Callable[[int], PassCosts]) -> None:
+        self.max_draft, self.timed, self.costs = max_draft, timed, costs
         self.pool = RequestAcceptance(max_draft, memory=48.0, timed=False)  # every request's outcomes, for new ones
+        self._probing: int | None = None  # the width this step measures again, chosen with the budgets
 
     def start(self) -> RequestAcceptance:
         return RequestAcceptance(self.max_draft, timed=self.timed, pool=self.pool)
 
     def budgets(self, states: Sequence[RequestAcceptance], room: Sequence[int]) -> list[int]:
-        return budgets(states, room, self._table(len(states), False))
+        asks, self._probing = budgets(states, room, self._costs(len(states)), probe=True)
+        return asks
 
     def trim(self, states: Sequence[RequestAcceptance], drafts: Sequence["Draft"],
              draft_seconds: Sequence[float | None]) -> list[list[int]]:
-        """The likeliest tokens of each draft, as many as pay. Of a chain, its first ones; of a tree, a tree (a token
-        is never likelier than its parent). Where a row has a tree, the pass is costed as a tree pass (its own table:
-        verifying a tree costs more than a chain as wide) and sent only if it yields more tokens per second than the
-        first branches alone as chains."""
+        """The likeliest tokens of each draft, as many as pay (or as the width measured again this step). Of a
+        chain, its first ones; of a tree, a tree (a token is never likelier than its parent). Where a row has a
+        tree, the pass is costed as a tree pass (verifying a tree costs more than a chain as wide) and sent only if
+        it yields more tokens per second than the first branches alone as chains."""
         for state, seconds in zip(states, draft_seconds):
             if seconds is not None:
                 state.record_draft_time(seconds)
+        probing, self._probing = self._probing, None
         chains = [draft.first_branch() for draft in drafts]
-        picks, rate = self._pick(states, [draft.select(chain) for draft, chain in zip(drafts, chains)], tree=False)
+        picks, rate = self._pick(states, [draft.select(chain) for draft, chain in zip(drafts, chains)], False, probing)
         picks = [[chain[i] for i in pick] for chain, pick in zip(chains, picks)]  # (indices into the drafts)
-        if any(draft.is_tree for draft in drafts):
-            tree_picks, tree_rate = self._pick(states, drafts, tree=True)
+        if probing is None and any(draft.is_tree for draft in drafts):
+            tree_picks, tree_rate = self._pick(states, drafts, True)
             if tree_rate > rate:
                 return tree_picks
         return picks
 
-    def _pick(self, states: Sequence[RequestAcceptance], drafts: Sequence["Draft"],
-              tree: bool) -> tuple[list[list[int]], float]:
+    def _pick(self, states: Sequence[RequestAcceptance], drafts: Sequence["Draft"], tree: bool,
+              width: int | None = None) -> tuple[list[list[int]], float]:
         chances = [state.node_chances(draft) for state, draft in zip(states, drafts)]
         orders = [np.argsort(-chance, kind="stable") for chance in chances]
-        counts, rate = _choice(states, [c[o] for c, o in zip(chances, orders)], self._table(len(states), tree))
+        counts, rate, _ = _choice(states, [c[o] for c, o in zip(chances, orders)], self._costs(len(states)), tree,
+                                  width)
         return [sorted(order[:count].tolist()) for order, count in zip(orders, counts)], rate
 
-    def _table(self, rows: int, tree: bool) -> np.ndarray | None:
-        """The pass costs the decisions use (``None`` untimed); a tree pass's where measured, else a chain's."""
-        if not self.timed:
-            return None
-        chain = self.tables(rows, False)
-        return np.where(np.isnan(trees := self.tables(rows, True)), chain, trees) if tree else chain
+    def _costs(self, rows: int) -> PassCosts | None:
+        """The pass costs the decisions use (``None``: untimed)."""
+        return self.costs(rows) if self.timed else None
 
     def learn(self, step: Step) -> None:
-        """The pass's time goes into the cost table of its number of rows (a tree pass's where one row sent a tree),
+        """The pass's time goes into the costs of its number of rows (a tree pass's where one row sent a tree),
         each row's outcome into its acceptance and the pool's."""
         if self.timed and step.seconds is not None:
-            record(self.tables(len(step.states), any(draft.is_tree for draft in step.sent)), step.tokens, step.seconds)
+            self.costs(len(step.states)).record(step.tokens, step.seconds,
+                                                tree=any(draft.is_tree for draft in step.sent))
         for state, draft, verified, new in zip(step.states, step.proposed, step.sent, step.new_tokens):
             for learner in (state, self.pool):
                 if verified.is_tree:

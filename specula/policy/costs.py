@@ -1,47 +1,147 @@
 """Pass costs: what a verification pass over ``n`` tokens takes with this model on this machine, measured while
-decoding and smoothed. A table is a float array indexed by the tokens a pass computes in all (its rows padded to the
-widest), ``nan`` where no such pass was timed yet."""
+decoding, on a machine that other programs share.
+
+Load comes and goes, and it slows a pass over several tokens more than a one-token step (a 2-core EPYC running
+another job: a pass over 8 tokens 4.5-5x a step, against 2.5x quiet). So a pass is weighed against the plain
+passes (one token a row) timed nearest it, before or after: its cost is kept as that ratio, estimated robustly (the
+lower median of its recent samples: a stall only ever adds time). An estimate not refreshed for :data:`RECENT`
+passes is stale: a stale width is sent again now and then, out of a credit of :data:`EXPLORE` of the decoding time
+(:meth:`PassCosts.probe`); after :data:`FORGET` passes it is forgotten, and explored again like a width never
+timed. So one busy moment never switches drafts off for good: when the machine is quiet again, the widths it made
+look dear are measured again and sent.
+"""
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections import deque
+from typing import Hashable, Iterable
 
 import numpy as np
 import torch
 
 from ..verifier.profile import profile_of
 
+KEEP = 8  # samples kept per pass width (plain passes: those of the last FORGET passes)
+RECENT = 32  # passes after which a width's last sample is stale
+FORGET = 4 * RECENT  # passes after which a width not sent again is forgotten (plain passes: never)
+EXPLORE = 0.02  # share of the decoding time that measuring stale widths again may cost
 
-def shared_step_seconds(owner: torch.nn.Module, setting: Hashable, max_draft: int, rows: int = 1) -> np.ndarray:
-    """The pass-cost table (seconds of a pass of ``rows`` rows verifying ``n`` tokens in all, padding included, at
-    index ``n``) that every decision for ``owner`` (a target model) in ``setting`` (its device and dtype) shares:
-    what one generation measured, the next starts from. Kept per number of rows: ``n`` tokens over one row and over ``n`` rows cost
-    differently (attention reads one cache or ``n``). Kept in the model's profile."""
+
+def lower_median(values: Iterable[float]) -> float:
+    """The median, the lower of the two middle values for an even count (other work only ever adds time).
+
+    >>> lower_median([3.0, 1.0, 2.0, 9.0])
+    2.0
+    """
+    ordered = sorted(values)
+    return float(ordered[(len(ordered) - 1) // 2])
+
+
+class PassCosts:
+    """What passes of ``rows`` rows cost, by the tokens they compute in all (their rows padded to the widest; fewer
+    than ``size``), passes with trees apart from chain passes (a tree pass costs more than a chain as wide)."""
+
+    def __init__(self, rows: int, size: int) -> None:
+        self.rows, self.size = rows, size
+        self.samples: dict[tuple[int, bool], deque] = {}  # (tokens, tree): (pass number, seconds), newest last
+        self.passes = 0  # passes recorded
+        self.credit = 0.0  # what measuring stale widths may still cost, in plain passes
+        self._estimates: dict[bool, np.ndarray] = {}  # (cached until the next record)
+
+    def record(self, tokens: int, seconds: float, tree: bool = False) -> None:
+        """A pass over ``tokens`` tokens took ``seconds``."""
+        if tokens >= self.size:
+            return
+        self.passes += 1
+        keep = FORGET if tokens == self.rows else KEEP  # (plain passes: what the others are weighed against)
+        self.samples.setdefault((tokens, tree), deque(maxlen=keep)).append((self.passes, seconds))
+        self._estimates.clear()
+        self.credit += EXPLORE * seconds / (self.plain() or seconds)
+
+    def plain(self) -> float | None:
+        """What a plain pass costs now: the lower median of the last 3 (``None`` before any)."""
+        plain = self.samples.get((self.rows, False))
+        return lower_median(seconds for _, seconds in list(plain)[-3:]) if plain else None
+
+    def ratios(self, tree: bool = False) -> np.ndarray:
+        """Index ``e``: a pass over ``rows + e`` tokens in plain passes timed about when it was, ``nan`` where none
+        was timed in the last :data:`FORGET` passes (with ``tree``: a tree pass's where measured, else a chain
+        pass's). Each width's estimate is the lower median over its samples of the last :data:`RECENT` passes (or
+        its last 3, where none is that recent) of each against the plain passes timed nearest it."""
+        if tree not in self._estimates:
+            ratios = np.full(self.size - self.rows, np.nan)
+            widths = [(tokens, np.array(samples)) for (tokens, is_tree), samples  # [samples, 2]: pass, seconds
+                      in sorted(self.samples.items(), key=lambda item: item[0][1])  # (trees last: theirs win)
+                      if is_tree <= tree and samples[-1][0] > self.passes - FORGET]
+            if widths:
+                plain = np.array(self.samples.get((self.rows, False), [])).reshape(-1, 2)  # [plain passes, 2]
+                every = np.concatenate([samples for _, samples in widths])
+                relative = np.split(every[:, 1] / _near(every[:, 0], plain[:, 0], plain[:, 1]),
+                                    np.cumsum([len(samples) for _, samples in widths])[:-1])
+                for (tokens, samples), ratio in zip(widths, relative):
+                    recent = samples[:, 0] > self.passes - RECENT
+                    ratios[tokens - self.rows] = lower_median(ratio[recent] if recent.any() else ratio[-3:])
+            if (self.rows, False) in self.samples:
+                ratios[0] = 1.0
+            self._estimates[tree] = ratios
+        return self._estimates[tree]
+
+    def seconds(self, tree: bool = False) -> np.ndarray:
+        """Estimated seconds now of a pass over ``rows + e`` tokens (index ``e``); widths not measured take the
+        value of the nearest measured ones (interpolated), all 1.0 before any measurement."""
+        ratios = self.ratios(tree)
+        measured = np.flatnonzero(~np.isnan(ratios))
+        if not len(measured):
+            return np.ones(len(ratios))
+        return np.interp(np.arange(len(ratios)), measured, ratios[measured]) * (self.plain() or 1.0)
+
+    def explored_width(self, tree: bool = False) -> int:
+        """The longest draft worth the risk in a pass: ``2w - 1`` tokens a row once a pass ``w`` tokens wide has
+        been timed (none before any)."""
+        measured = np.flatnonzero(~np.isnan(self.ratios(tree)))
+        return 2 * (int(measured[-1]) + self.rows) // self.rows - 1 if len(measured) else 0
+
+    def probe(self, best: int, expected: np.ndarray, rates: np.ndarray) -> int:
+        """The number of draft tokens a row to send, of ``rates`` (tokens per second, index ``m``: ``m`` tokens a
+        row, ``expected`` tokens from the pass): ``best``, or, where the credit covers what it loses against
+        ``best``, the likeliest to pay of the widths whose estimate is stale, to measure it again."""
+        plain = self.plain()
+        if plain is None:
+            return best
+        for width in sorted(range(len(rates)), key=lambda m: -rates[m]):
+            last = self.samples.get((self.rows * (width + 1), False))
+            if width == best or last is None or last[-1][0] > self.passes - RECENT or (
+                    width and last[-1][0] <= self.passes - FORGET):  # (fresh, or forgotten)
+                continue
+            loss = expected[width] * (1.0 / rates[width] - 1.0 / rates[best]) / plain  # (in plain passes)
+            if loss <= self.credit:
+                self.credit -= loss
+                return width
+        return best
+
+
+def _near(when: np.ndarray, passes: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """What a plain pass cost about each pass ``when[i]``: the lower median of the 3 plain passes (numbered
+    ``passes``, ascending, taking ``seconds``) timed nearest it (1.0 where none was: ratios are then seconds).
+
+    >>> _near(np.array([10, 30]), np.array([1, 2, 9, 12, 30]), np.array([5.0, 5.0, 1.0, 2.0, 7.0]))
+    array([2., 2.])
+    """
+    if not len(passes):
+        return np.ones(len(when))
+    at = np.searchsorted(passes, when)[:, None] + np.arange(-3, 3)  # [when, 6]: the plain passes around each
+    valid = (at >= 0) & (at < len(passes))
+    at = np.clip(at, 0, len(passes) - 1)
+    distance = np.where(valid, np.abs(passes[at] - when[:, None]), np.inf)
+    nearest = np.take_along_axis(at, np.argsort(distance, axis=1, kind="stable")[:, :3], axis=1)  # [when, 3]
+    values = np.sort(seconds[nearest], axis=1)
+    return values[:, (min(3, len(passes)) - 1) // 2]  # (fewer than 3 plain passes: their lower median)
+
+
+def shared_pass_costs(owner: torch.nn.Module, setting: Hashable, max_draft: int, rows: int = 1) -> PassCosts:
+    """The pass costs (of ``rows`` rows) that every decision for ``owner`` (a target model) in ``setting`` (its
+    device and dtype) shares: what one generation measured, the next starts from. Kept per number of rows: ``n``
+    tokens over one row and over ``n`` rows cost differently (attention reads one cache or ``n``). Kept in the
+    model's profile."""
     tables = profile_of(owner).step_seconds
-    return tables.setdefault((setting, max_draft, rows), np.full(rows * (max_draft + 1) + 1, np.nan))
-
-
-def estimated(table: np.ndarray, rows: int) -> np.ndarray:
-    """Estimated seconds of a pass over ``rows + e`` tokens (index ``e``), from ``table`` (index: tokens); lengths
-    not measured yet take the value of the nearest measured ones (interpolated), all 1.0 before any measurement."""
-    tokens = np.arange(rows, len(table))
-    measured = ~np.isnan(table[rows:])
-    if not measured.any():
-        return np.ones(len(tokens))
-    return np.interp(tokens, tokens[measured], table[rows:][measured])
-
-
-def record(table: np.ndarray, tokens: int, seconds: float) -> None:
-    """A pass over ``tokens`` tokens took ``seconds``: smoothed, and a one-off stall (another process, the
-    allocator) counts at most 2x."""
-    if tokens >= len(table):
-        return
-    previous = table[tokens]
-    table[tokens] = seconds if np.isnan(previous) else 0.8 * previous + 0.2 * min(seconds, 2.0 * previous)
-
-
-def explored_width(table: np.ndarray, rows: int) -> int:
-    """The longest draft worth the risk in a pass of ``rows`` rows: ``2w - 1`` tokens a row once a pass ``w``
-    tokens wide has been timed (none before any)."""
-    measured = np.flatnonzero(~np.isnan(table[rows:]))
-    return 2 * (int(measured[-1]) + rows) // rows - 1 if len(measured) else 0
+    return tables.setdefault((setting, max_draft, rows), PassCosts(rows, rows * (max_draft + 1) + 1))

@@ -17,9 +17,10 @@ from specula.core.loop import MAX_DRAFT
 from specula.policy import costs
 from specula.policy.acceptance import RANKS, RequestAcceptance
 from specula.policy.adaptive import AdaptiveDrafts, budgets, choose_lengths
-from specula.policy.costs import shared_step_seconds
+from specula.policy.costs import PassCosts, shared_pass_costs
 from specula.policy.protocol import Step
 from specula.hf.inputs import left_padded
+from specula.verifier.profile import profile_of
 
 PROMPT = [1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]
 
@@ -38,26 +39,26 @@ class Decisions:
     """One request's acceptance (its :class:`RequestAcceptance`, whose attributes it shows) with a one-row pass-cost
     table of its own: what the adaptive policy decides for it alone."""
 
-    def __init__(self, max_draft: int, table: np.ndarray | None = None, **kwargs) -> None:
+    def __init__(self, max_draft: int, table: PassCosts | None = None, **kwargs) -> None:
         self.state = RequestAcceptance(max_draft, **kwargs)
-        self.table = np.full(max_draft + 2, np.nan) if table is None else table
+        self.table = PassCosts(1, max_draft + 2) if table is None else table
 
     def __getattr__(self, name: str):
         return getattr(self.state, name)
 
     def record_step(self, verified: int, seconds: float) -> None:
         if self.state.timed:
-            costs.record(self.table, verified, seconds)
+            self.table.record(verified, seconds)
 
     def costs(self) -> np.ndarray:
-        return costs.estimated(self.table, 1)
+        return self.table.seconds()
 
     def best_length(self, available: int, source: object = None) -> int:
         chances = self.state.chances(source)[: max(min(available, self.state.max_draft), 0)]
         return choose_lengths([self.state], [chances], self.table if self.state.timed else None)[0]
 
     def budget(self, remaining: int) -> int:
-        return budgets([self.state], [remaining], self.table if self.state.timed else None)[0]
+        return budgets([self.state], [remaining], self.table if self.state.timed else None)[0][0]
 
 
 def lengths_with(step_costs: list[float], chances: list[float]) -> Decisions:
@@ -91,14 +92,17 @@ def test_flat_costs_send_every_token_worth_a_chance_and_no_more() -> None:
     assert lengths_with([1.0] * 6, [0.01] * 5).best_length(5) == 0
 
 
-def test_costs_not_measured_are_interpolated_and_one_off_stalls_are_damped() -> None:
+def test_costs_not_measured_are_interpolated_and_one_off_stalls_are_ignored() -> None:
     lengths = Decisions(8)
     np.testing.assert_allclose(lengths.costs(), 1.0)  # nothing known: every length looks alike
     lengths.record_step(1, 0.1)
     lengths.record_step(5, 0.2)
     np.testing.assert_allclose(lengths.costs()[:6], [0.1, 0.125, 0.15, 0.175, 0.2, 0.2])
-    lengths.record_step(1, 10.0)  # a stall counts as at most twice the estimate
-    assert lengths.costs()[0] == pytest.approx(0.8 * 0.1 + 0.2 * 0.2)
+    lengths.record_step(1, 10.0)  # a stall: the lower median of the last plain passes ignores it
+    np.testing.assert_allclose(lengths.costs()[:6], [0.1, 0.125, 0.15, 0.175, 0.2, 0.2])
+    lengths.record_step(5, 9.0)
+    lengths.record_step(5, 0.22)
+    assert lengths.costs()[4] == pytest.approx(0.22)  # the median of 0.2, 9.0 and 0.22
 
 
 def test_lengths_are_explored_by_doubling_the_longest_timed_pass() -> None:
@@ -206,10 +210,10 @@ def test_sampling_decisions_ignore_timings_so_a_seed_reproduces_the_output() -> 
 
 def test_step_costs_are_shared_per_model_and_setting() -> None:
     owner, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
-    table = shared_step_seconds(owner, ("cpu", torch.float32), 16)
-    assert table is shared_step_seconds(owner, ("cpu", torch.float32), 16)
-    assert table is not shared_step_seconds(owner, ("cpu", torch.bfloat16), 16)
-    assert table is not shared_step_seconds(other, ("cpu", torch.float32), 16)
+    table = shared_pass_costs(owner, ("cpu", torch.float32), 16)
+    assert table is shared_pass_costs(owner, ("cpu", torch.float32), 16)
+    assert table is not shared_pass_costs(owner, ("cpu", torch.bfloat16), 16)
+    assert table is not shared_pass_costs(other, ("cpu", torch.float32), 16)
     first = Decisions(16, table=table)
     first.acceptance[None] = chain_record(16, 0.99)
     assert first.best_length(16) == 0  # nothing timed: a plain step first
@@ -227,10 +231,10 @@ def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) 
     loop = importlib.import_module("specula.core.loop")
 
     def recording(*args, **kwargs):
-        tables.append(shared_step_seconds(*args, **kwargs))
+        tables.append(shared_pass_costs(*args, **kwargs))
         return tables[-1]
 
-    monkeypatch.setattr(loop, "shared_step_seconds", recording)
+    monkeypatch.setattr(loop, "shared_pass_costs", recording)
     prompt = torch.tensor([PROMPT])
     expected = hf_greedy(target, prompt, 12, eos_token_id=[])
     runs, steps = [], []
@@ -239,7 +243,7 @@ def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) 
         assert torch.equal(out.sequences, expected)
         runs.append(len(tables))
         steps.append(out.stats.steps)
-    assert runs[0] > 0 and all(table is tables[0] for table in tables) and not np.isnan(tables[0]).all()
+    assert runs[0] > 0 and all(table is tables[0] for table in tables) and tables[0].samples
     assert steps[1] < steps[0]  # the second run does not explore again
     specula.generate(target, prompt, specula.PromptLookup(), max_new_tokens=4, do_sample=True)
     assert len(tables) > runs[1]  # sampling with drafts not drawn at random decides by timings too
@@ -248,11 +252,13 @@ def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) 
     assert len(tables) == runs[2]  # drafts drawn at random: their lengths change the draws, so untimed
 
 
-def batch_table(rows: int, costs: dict[int, float]) -> np.ndarray:
-    """A pass-cost table for ``rows`` rows with ``costs[n]`` seconds for a pass over ``n`` tokens in all."""
-    table = np.full(rows * 17 + 1, np.nan)
+def batch_table(rows: int, costs: dict[int, float], tree: bool = False, chains: PassCosts | None = None
+                ) -> PassCosts:
+    """Pass costs for ``rows`` rows with ``costs[n]`` seconds for a pass over ``n`` tokens in all (with ``tree``:
+    for tree passes, recorded after ``chains``'s)."""
+    table = chains or PassCosts(rows, rows * 17 + 1)
     for tokens, seconds in costs.items():
-        table[tokens] = seconds
+        table.record(tokens, seconds, tree)
     return table
 
 
@@ -273,7 +279,7 @@ def test_a_batch_pads_its_rows_to_the_widest_and_sends_none_where_passes_cost_by
     assert choose_lengths([sure, unsure], [sure.chances()[:3], unsure.chances()[:3]], step) == [2, 2]
     linear = batch_table(2, {n: n / 2 for n in range(2, 9)})  # each token costs as much as a row's pass
     assert choose_lengths([sure, unsure], [sure.chances()[:3], unsure.chances()[:3]], linear) == [0, 0]
-    assert budgets([sure, unsure], [10, 10], linear) == [1, 1]  # not sent, but probed while asking is cheap
+    assert budgets([sure, unsure], [10, 10], linear)[0] == [1, 1]  # not sent, but probed while asking is cheap
 
 
 def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch) -> None:
@@ -282,10 +288,10 @@ def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch) -> None:
     loop = importlib.import_module("specula.core.loop")
 
     def recording(*args):
-        tables[args[-1]] = shared_step_seconds(*args)  # (the loop passes the number of rows last)
+        tables[args[-1]] = shared_pass_costs(*args)  # (the loop passes the number of rows last)
         return tables[args[-1]]
 
-    monkeypatch.setattr(loop, "shared_step_seconds", recording)
+    monkeypatch.setattr(loop, "shared_pass_costs", recording)
     generator = torch.Generator().manual_seed(0)
     rows = [torch.tensor(PROMPT), torch.randint(3, VOCAB, (13,), generator=generator),
             torch.randint(3, VOCAB, (18,), generator=generator)]
@@ -301,7 +307,7 @@ def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch) -> None:
     out = specula.generate(target, ids, FirstRowOnly(first, 6), attention_mask=mask, max_new_tokens=24,
                            eos_token_id=[])
     assert out.stats.rows[0].accepted > 12 and max(row.accepted for row in out.stats.rows[1:]) < 4
-    measured = np.flatnonzero(~np.isnan(tables[3]))
+    measured = [tokens for tokens, _ in tables[3].samples]
     assert len(measured) > 1 and all(tokens % 3 == 0 for tokens in measured)  # every row as wide as the widest
 
 
@@ -325,7 +331,7 @@ def test_a_trees_likeliest_tokens_are_sent() -> None:
     np.testing.assert_allclose(lengths.node_chances(tree), [0.5, 0.3, 0.45, 0.27, 0.405], rtol=1e-4)
     np.testing.assert_allclose(lengths.node_chances(tree.chain()), lengths.chances("s")[:3])
     costs = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 3.0}  # up to four draft tokens are free
-    policy = AdaptiveDrafts(4, timed=True, tables=lambda rows, tree: batch_table(rows, costs))
+    policy = AdaptiveDrafts(4, timed=True, costs=lambda rows: batch_table(rows, costs))
     assert policy.trim([lengths], [tree], [None]) == [[0, 1, 2, 4]]  # the likeliest four: 3 -> 4 -> 6, and 1
 
 
@@ -339,8 +345,8 @@ def test_a_tree_is_sent_only_where_it_beats_its_first_branch() -> None:
     for tree_costs, expected in (({}, [0, 1, 2, 4]),  # not measured yet: as a chain's
                                  ({5: 1.05}, [0, 1, 2, 4]),  # a little dearer: 2.53 tokens a unit against 2.36
                                  ({2: 2.0, 3: 2.0, 4: 2.0, 5: 2.0}, [0, 2, 4])):  # twice as dear: the first branch
-        costs = {False: batch_table(1, chain_costs), True: batch_table(1, tree_costs)}
-        policy = AdaptiveDrafts(4, timed=True, tables=lambda rows, tree: costs[tree])
+        costs = batch_table(1, tree_costs, tree=True, chains=batch_table(1, chain_costs))
+        policy = AdaptiveDrafts(4, timed=True, costs=lambda rows: costs)
         assert policy.trim([lengths], [tree], [None]) == [expected], tree_costs
 
 
@@ -350,8 +356,8 @@ def test_trees_that_gain_less_than_their_chances_say_stop_being_sent() -> None:
     trials[0, 1], accepts[0, 1] = 1e6, 0.6e6  # the second first token: 60% when the first is wrong, say the rates
     lengths.acceptance["s"] = (trials, accepts)
     tree = Draft([3, 1, 4, 5, 6], source="s", parents=[-1, -1, 0, 1, 2])  # first branch: 3 -> 4 -> 6
-    costs = {False: batch_table(1, {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 3.0}), True: batch_table(1, {5: 1.05})}
-    policy = AdaptiveDrafts(4, timed=True, tables=lambda rows, tree: costs[tree])
+    costs = batch_table(1, {5: 1.05}, tree=True, chains=batch_table(1, {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 3.0}))
+    policy = AdaptiveDrafts(4, timed=True, costs=lambda rows: costs)
     assert policy.trim([lengths], [tree], [None]) == [[0, 1, 2, 4]] and lengths.sibling_factor() == 1.0
     sent = tree.select([0, 1, 2, 4])
     for _ in range(10):  # sent ten times, the first branch right and the 1 (expected: 0.3) never
@@ -372,13 +378,14 @@ def test_sampling_sends_no_drafts_where_passes_cost_more_than_they_gain() -> Non
     torch.manual_seed(0)
     expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, max_new_tokens=24,
                                eos_token_id=[], pad_token_id=0, temperature=0.7)
-    table = shared_step_seconds(target, (target.device, target.dtype), MAX_DRAFT)
-    table[1], table[2:] = 1.0, 10.0
+    table = shared_pass_costs(target, (target.device, target.dtype), MAX_DRAFT)
+    for tokens in range(1, MAX_DRAFT + 2):
+        table.record(tokens, 1.0 if tokens == 1 else 10.0)
     torch.manual_seed(0)
     out = specula.generate(target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[],
                            temperature=0.7)
     assert out.stats.drafted == 0 and torch.equal(out.sequences, expected)
-    table[:] = np.nan  # nothing measured yet: the passes it times show that the drafts pay
+    profile_of(target).step_seconds.clear()  # nothing measured yet: the passes it times show that the drafts pay
     torch.manual_seed(0)
     out = specula.generate(target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[],
                            temperature=0.7)

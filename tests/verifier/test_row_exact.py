@@ -17,7 +17,7 @@ import numpy as np
 import specula
 from specula.verifier.profile import _PROFILES
 import specula.verifier.row_exact as row_exact_module
-from specula.policy.costs import shared_step_seconds
+from specula.policy.costs import shared_pass_costs
 from specula.tools.probe import probe
 from specula.core.loop import MAX_DRAFT
 from specula.verifier.calibration import spread
@@ -70,7 +70,9 @@ def test_verifying_attention_the_old_way_is_caught(monkeypatch) -> None:
 def test_without_row_exact_greedy_output_is_still_reproducible() -> None:
     """Ordinary passes in bf16: draft lengths follow acceptance only, so two runs agree whatever was timed before."""
     cold = speculate("qwen2", specula.PromptLookup(), row_exact=False)
-    shared_step_seconds(model("qwen2"), ("cpu", torch.bfloat16), MAX_DRAFT)[:] = np.linspace(1.0, 0.01, MAX_DRAFT + 2)
+    costs = shared_pass_costs(model("qwen2"), ("cpu", torch.bfloat16), MAX_DRAFT)
+    for tokens, seconds in enumerate(np.linspace(1.0, 0.01, MAX_DRAFT + 1), start=1):
+        costs.record(tokens, seconds)
     warm = speculate("qwen2", specula.PromptLookup(), row_exact=False)
     assert cold.sequences.tolist() == warm.sequences.tolist()
 
@@ -243,9 +245,9 @@ def test_no_timed_pass_computes_the_head_norms(monkeypatch) -> None:
     forget_row_exact()
     out = specula.generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[])
     forget_row_exact()
-    costs = shared_step_seconds(model, (model.device, model.dtype), MAX_DRAFT)
+    costs = shared_pass_costs(model, (model.device, model.dtype), MAX_DRAFT)
     assert out.sequences.tolist() == ref.tolist() and out.stats.accepted > 0
-    assert not np.isnan(costs).all() and np.nanmax(costs) < 1.0
+    assert costs.samples and max(seconds for samples in costs.samples.values() for _, seconds in samples) < 1.0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -1,0 +1,138 @@
+"""Pass costs on a shared machine, with fake clocks: the adaptive policy follows a machine that gets busy and quiet
+again, both ways; stalls and bursts do not switch drafts off for good; re-measuring costs a bounded share."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specula import Draft
+from specula.policy import costs as costs_module
+from specula.policy.adaptive import AdaptiveDrafts
+from specula.policy.costs import EXPLORE, RECENT, PassCosts
+from specula.policy.protocol import Step
+
+MAX_DRAFT = 32
+WRONG = 10_000  # the target's token where a draft token is wrong
+
+
+def quiet(tokens: int, step: int) -> float:
+    """A quiet machine: a pass over n tokens costs 1 + 0.1 (n - 1) one-token steps (sending ~9 pays best)."""
+    return 1.0 + 0.1 * (tokens - 1)
+
+
+def busy(tokens: int, step: int) -> float:
+    """The same machine with another job on it: every pass 3x slower, and each extra token 15x dearer (drafts of
+    0.9 acceptance no longer pay: none is best)."""
+    return 3.0 * (1.0 + 1.5 * (tokens - 1))
+
+
+def phases(*spans: tuple[int, object]):
+    """A machine that behaves as ``spans[0][1]`` for ``spans[0][0]`` steps, then as the next, and so on."""
+    def machine(tokens: int, step: int) -> float:
+        for length, phase in spans:
+            if step < length:
+                return phase(tokens, step)
+            step -= length
+        return spans[-1][1](tokens, step)
+    return machine
+
+
+def drive(machine, steps: int, acceptance: float = 0.9, seed: int = 0) -> tuple[list[int], list[float], list[int]]:
+    """One request decoded for ``steps`` steps by the adaptive policy, its passes timed by ``machine(tokens, step)``
+    (a fake clock), each draft token right with chance ``acceptance`` after the ones before it. Returns the draft
+    tokens sent, the seconds and the tokens made, per step."""
+    rng = np.random.default_rng(seed)
+    costs = PassCosts(1, MAX_DRAFT + 2)
+    policy = AdaptiveDrafts(MAX_DRAFT, timed=True, costs=lambda rows: costs)
+    state = policy.start()
+    sent_lengths, seconds, made = [], [], []
+    for step in range(steps):
+        budget = policy.budgets([state], [1000])[0]
+        proposed = Draft(np.arange(1, budget + 1)) if budget else Draft.empty()
+        sent = proposed.select(policy.trim([state], [proposed], [None])[0])
+        draws = rng.random(budget + 1) < acceptance
+        right = int(np.argmin(draws)) if not draws.all() else len(draws)  # leading right tokens of the draft
+        accepted = min(right, len(sent))
+        new = proposed.tokens[:accepted].tolist() + [int(proposed.tokens[accepted]) if accepted < right else WRONG]
+        pass_seconds = machine(len(sent) + 1, step)
+        policy.learn(Step([state], [proposed], [sent], [new], len(sent) + 1, pass_seconds))
+        sent_lengths.append(len(sent))
+        seconds.append(pass_seconds)
+        made.append(len(new))
+    return sent_lengths, seconds, made
+
+
+def test_quiet_drafts_busy_does_not_and_quiet_again_drafts_again() -> None:
+    """Both ways: the widths a busy spell measured dear are measured again when it ends."""
+    sent, _, _ = drive(phases((300, quiet), (300, busy), (400, quiet)), 1000)
+    assert np.median(sent[150:300]) >= 6  # quiet: long drafts
+    assert np.mean(np.array(sent[450:600]) == 0) >= 0.9  # busy: plain steps, but for rare re-measurements
+    assert np.median(sent[800:]) >= 6  # quiet again: long drafts again
+    resumed = next(step for step in range(600, 1000) if min(sent[step : step + 5]) >= 3)
+    assert resumed < 600 + 3 * RECENT  # soon after the machine got quiet
+
+
+def test_a_machine_busy_from_the_start_drafts_once_it_is_quiet() -> None:
+    sent, _, _ = drive(phases((200, busy), (400, quiet)), 600)
+    assert np.mean(np.array(sent[100:200]) == 0) >= 0.9
+    assert np.median(sent[400:]) >= 6
+
+
+@pytest.mark.parametrize("length", [1, 12])
+def test_stalls_and_bursts_do_not_switch_drafts_off(length: int) -> None:
+    """Every pass of a stall (one pass) or a burst (12 in a row) takes 40x: drafting goes on, or resumes within a
+    bounded number of steps."""
+    def stalling(tokens: int, step: int) -> float:
+        return quiet(tokens, step) * (40.0 if 200 <= step < 200 + length else 1.0)
+
+    sent, _, _ = drive(stalling, 600)
+    after = 200 + length
+    resumed = next(step for step in range(after, 600) if min(sent[step : step + 5]) >= 3)
+    assert resumed < after + 3 * RECENT
+    assert np.median(sent[400:]) >= 6
+
+
+def test_re_measuring_costs_a_bounded_share_on_a_steady_machine() -> None:
+    """On a quiet machine the policy makes at least 95% of the tokens per second of the best fixed draft length
+    (re-measuring stale widths may spend EXPLORE of the time), and re-measures something now and then."""
+    sent, seconds, made = drive(quiet, 3000, seed=1)
+    rates = {k: sum(0.9**i for i in range(k + 1)) / quiet(k + 1, 0) for k in range(MAX_DRAFT + 1)}
+    best = max(rates.values())
+    assert sum(made[300:]) / sum(seconds[300:]) >= 0.95 * best
+    assert len(set(sent[300:])) > 1  # (the mutant that re-measures nothing sends one width)
+
+
+def test_a_pass_is_weighed_against_the_plain_passes_timed_about_when_it_was() -> None:
+    """A quiet spell, then a busy one in which every pass is 3x slower: a pass over 9 tokens costs twice a plain pass
+    in both, and is estimated so, not against the quiet plain passes (6x)."""
+    costs = PassCosts(1, MAX_DRAFT + 2)
+    for _ in range(6):
+        costs.record(1, 1.0)
+        costs.record(9, 2.0)
+    assert costs.ratios()[8] == pytest.approx(2.0)
+    costs.record(1, 3.0)
+    for _ in range(6):
+        costs.record(9, 6.0)
+        costs.record(9, 6.0)
+        costs.record(1, 3.0)
+    assert costs.ratios()[8] == pytest.approx(2.0)
+    assert costs.seconds()[8] == pytest.approx(6.0)  # what it costs now
+
+
+def test_a_stale_width_is_sent_again_only_out_of_credit() -> None:
+    costs = PassCosts(1, 10)
+    costs.record(1, 1.0)
+    costs.record(3, 4.0)  # a dear moment
+    rates = np.array([1.0, 0.5, 0.4])  # tokens per second of sending 0, 1, 2 tokens
+    expected = np.array([1.0, 1.5, 1.8])
+    assert costs.probe(0, expected, rates) == 0  # not stale yet
+    for _ in range(RECENT):
+        costs.record(1, 1.0)
+    loss = expected[2] * (1 / rates[2] - 1 / rates[0])  # in plain passes: what sending 2 tokens loses
+    assert costs.credit == pytest.approx(EXPLORE * (RECENT + 1 + 4.0))
+    costs.credit = loss - 1e-6
+    assert costs.probe(0, expected, rates) == 0  # stale, but not affordable
+    costs.credit = loss
+    assert costs.probe(0, expected, rates) == 2 and costs.credit == pytest.approx(0.0)
+    assert costs_module.lower_median([5.0]) == 5.0
