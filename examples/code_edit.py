@@ -1,6 +1,6 @@
 """A code edit: apply a diff to a function; most of the answer is copied from the prompt.
 
-Usage: python examples/code_edit.py [--model PATH] [--dtype bf16|fp32] [--max-new-tokens 200]
+Usage: python examples/code_edit.py [--model PATH] [--dtype auto|bf16|fp32] [--max-new-tokens 200]
 """
 
 from __future__ import annotations

@@ -15,10 +15,12 @@ def load(description: str, max_new_tokens: int = 200):
     """Parse the common options and load the model (default: the embedded SmolLM2-135M-Instruct)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="auto (default): what load_model picks for this machine, as the CLI does (fp32 on a CPU "
+                             "without BF16 instructions, else bf16)")
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     args = parser.parse_args()
-    model, tokenizer = load_model(args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    model, tokenizer = load_model(args.model, dtype={"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
     return model, tokenizer, args
 
 

@@ -1,6 +1,6 @@
 """specula inside HF's own model.generate: custom_generate=specula.custom_generate, with a streamer and stop strings.
 
-Usage: python examples/hf_custom_generate.py [--model PATH] [--dtype bf16|fp32] [--max-new-tokens 200]
+Usage: python examples/hf_custom_generate.py [--model PATH] [--dtype auto|bf16|fp32] [--max-new-tokens 200]
 """
 
 from __future__ import annotations

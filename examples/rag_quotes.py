@@ -2,7 +2,7 @@
 
 The context is the opening of this project's README; the question asks for an answer with verbatim quotes.
 
-Usage: python examples/rag_quotes.py [--model PATH] [--dtype bf16|fp32] [--max-new-tokens 200]
+Usage: python examples/rag_quotes.py [--model PATH] [--dtype auto|bf16|fp32] [--max-new-tokens 200]
 """
 
 from __future__ import annotations

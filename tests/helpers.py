@@ -9,6 +9,12 @@ import specula
 from specula.tools.replay import Replay
 
 
+def exact_generate(*args, **kwargs) -> specula.GenerateOutput:
+    """``specula.generate`` with row-exact verification (``exact=True``), whatever the default would choose on this
+    machine: what tests of bitwise identity in bf16 and fp16 run."""
+    return specula.generate(*args, **{"exact": True, **kwargs})
+
+
 def hf_greedy(model, input_ids, max_new_tokens, eos_token_id=None, attention_mask=None, **kwargs) -> torch.Tensor:
     """``model.generate`` greedy: the output specula must reproduce token for token."""
     return model.generate(

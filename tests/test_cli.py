@@ -309,17 +309,17 @@ def test_bench_reports_which_methods_repeat_their_output() -> None:
     assert "repeatable" in bench.format_table(rows)
 
 
-@pytest.mark.parametrize("flag, expected", [((), None), (("--no-row-exact",), False)])
-def test_generate_passes_the_row_exact_choice(model_folder, tmp_path, monkeypatch, flag, expected) -> None:
+@pytest.mark.parametrize("flag, expected", [((), None), (("--no-exact",), False), (("--exact",), True)])
+def test_generate_passes_the_exactness_choice(model_folder, tmp_path, monkeypatch, capsys, flag, expected) -> None:
     seen = []
 
     def recording(*args, **kwargs):
-        seen.append(kwargs["row_exact"])
+        seen.append(kwargs["exact"])
         return specula.generate(*args, **kwargs)
 
     class Recording(specula.core.loop.Decoder):
         def __init__(self, *args, **kwargs):
-            seen.append(kwargs["row_exact"])
+            seen.append(kwargs["exact"])
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(commands, "generate", recording)
@@ -327,10 +327,14 @@ def test_generate_passes_the_row_exact_choice(model_folder, tmp_path, monkeypatc
     (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
     run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--model", model_folder,
             "--dtype", "bf16", "--max-new-tokens", 8, *flag)
+    summary = capsys.readouterr().err.splitlines()[-1]
     run_cli("generate", "--prompt", "the quick brown fox", "--model", model_folder, "--dtype", "bf16",
             "--max-new-tokens", 8, *flag)
     assert seen == [expected, expected]
-    assert json.loads((tmp_path / "out.jsonl").read_text())["text"] is not None
+    answer = json.loads((tmp_path / "out.jsonl").read_text())
+    assert answer["text"] is not None and answer["stats"]["exact"] in {None: (True, False)}.get(expected, (expected,))
+    told = "exact (bitwise model.generate" if answer["stats"]["exact"] else "ordinary verification"
+    assert told in summary and told in capsys.readouterr().err
 
 
 def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_path, capsys, monkeypatch) -> None:

@@ -76,8 +76,7 @@ def _prompt_padding_id(tokenizer) -> int | None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     sampling_settings = _sampling(args)
-    row_exact = False if args.no_row_exact else None
-    settings = Settings(args.max_new_tokens, sampling_settings, args.seed, row_exact, args.batch_size)
+    settings = Settings(args.max_new_tokens, sampling_settings, args.seed, args.exact, args.batch_size)
     output = args.answers  # (read by the checks: with --resume, the answers already there)
     if output is not None and output.torn:
         print(f"{args.output}: its last line was cut short when a run stopped; that request is answered again",
@@ -100,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         }
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         out = generate(model, encode(tokenizer, request).to(device), proposer, max_new_tokens=args.max_new_tokens,
-                       streamer=streamer, row_exact=row_exact, **sampling_settings)
+                       streamer=streamer, exact=args.exact, **sampling_settings)
         print(f"[{out.stats}]", file=sys.stderr)
         return
 
@@ -143,7 +142,8 @@ def _generate_file(
     tally.report(
         f"batches of {answerer.slots}, {tally.new_tokens / max(answerer.passes, 1):.2f} tokens per target pass"
         + (f", ~{estimates[0]:.2f}x plain decoding of the same batches (estimated from measured pass costs)"
-           if len(estimates) == 1 else ""),
+           if len(estimates) == 1 else "")
+        + (f"; {answerer.exactness}" if answerer.exactness is not None else ""),
         args.output, stop.requested)
 
 
@@ -193,7 +193,7 @@ def _bench_methods(args: argparse.Namespace, model, tokenizer, device: str, samp
             model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling)
         if args.also_ordinary:
             methods[_method_name(spec) + "-ordinary"] = specula_method(
-                model, proposer_factory(spec, tokenizer, model.dtype, device), row_exact=False, **sampling
+                model, proposer_factory(spec, tokenizer, model.dtype, device), exact=False, **sampling
             )
     if not sampling["do_sample"] and not args.no_oracle:  # replays specula's own output with the first proposer
         methods["oracle"] = oracle_method(model, methods[_method_name(specs[0])], **sampling)
@@ -225,7 +225,7 @@ def cmd_drift(args: argparse.Namespace) -> None:
         if request is None:
             continue
         report = drift(model, encode(tokenizer, request).to(device), factory(), args.max_new_tokens,
-                       row_exact=False if args.no_row_exact else None, adaptive_draft=args.adaptive)
+                       exact=args.exact, adaptive_draft=args.adaptive)
         row = {"id": request.get("id", number), **report.as_dict()}
         if not report.identical:
             row["tokens"] = [tokenizer.decode([t]) if t is not None else None
@@ -250,7 +250,7 @@ def cmd_probe(args: argparse.Namespace) -> None:
     for exact in (False, True):
         for end in sorted({ids.shape[1] // 2, 3 * ids.shape[1] // 4, ids.shape[1]}):  # (queries past more keys)
             for width in args.width:
-                print(f"after {end - width} tokens: {probe(model, ids[:, :end], width, row_exact=exact)}")
+                print(f"after {end - width} tokens: {probe(model, ids[:, :end], width, exact=exact)}")
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "drift": cmd_drift, "probe": cmd_probe}

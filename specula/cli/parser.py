@@ -93,11 +93,13 @@ def _add_decoding_arguments(parser: argparse.ArgumentParser, max_new_tokens: int
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
 
-def _add_row_exact_argument(parser: argparse.ArgumentParser) -> None:
+def _add_exact_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--no-row-exact", action="store_true",
-        help="in bf16/fp16, verify the ordinary way: cheaper passes on some CPUs and models, but output may leave "
-        "model.generate's at a near-tie (see README, 'What is guaranteed')",
+        "--exact", action=argparse.BooleanOptionalAction, default=None,
+        help="--exact: verification passes bit for bit as model.generate's one-token steps (greedy output is "
+        "model.generate's in bf16/fp16 too), whatever it costs; --no-exact: the ordinary way, cheaper, but output may "
+        "leave model.generate's at a near-tie. Default: exact in bf16/fp16 where it costs at most 1.1x an ordinary "
+        "pass on this machine (measured once, kept), ordinary in fp32 (see README, 'What is guaranteed')",
     )
 
 
@@ -139,7 +141,7 @@ def _add_generate_parser(commands) -> None:
     )
     _add_proposer_argument(gen, f"where drafts come from: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)")
     _add_ray_arguments(gen)
-    _add_row_exact_argument(gen)
+    _add_exact_argument(gen)
     _add_model_arguments(gen)
     _add_decoding_arguments(gen, max_new_tokens=256, temperature=None)
 
@@ -223,8 +225,8 @@ def _add_bench_parser(commands) -> None:
     )
     bench.add_argument(
         "--also-ordinary", action="store_true",
-        help="also run each proposer with ordinary verification passes (row_exact=False), to see what row-exact "
-        "verification (the default in bf16/fp16) costs and buys",
+        help="also run each proposer with ordinary verification passes (exact=False), to see what row-exact "
+        "verification costs and buys where the default chose it",
     )
     _add_model_arguments(bench)
     _add_decoding_arguments(bench, max_new_tokens=128, temperature=0.0)
@@ -245,7 +247,7 @@ def _add_drift_parser(commands) -> None:
                               help="send the drafts the cost model picks (default: every draft the proposer has, up "
                                    "to 32 tokens, so that passes are verified even where the cost model would send "
                                    "none)")
-    _add_row_exact_argument(drift_parser)
+    _add_exact_argument(drift_parser)
     _add_model_arguments(drift_parser)
     _add_decoding_arguments(drift_parser, max_new_tokens=128, temperature=None)
 

@@ -23,7 +23,8 @@ from ..verifier.support import UnsupportedModelError, vocab_size
 from .draft import Draft
 from .sequence import Sequence
 from ..proposers.base import Proposer, RequestFailed, RequestProposer, for_requests
-from ..verifier.row_exact import is_half_precision, wanted
+from ..verifier.exactness import choose
+from ..verifier.row_exact import is_half_precision
 from .sampling import Sampling
 from .stats import SpecStats
 
@@ -130,7 +131,7 @@ class Decoder:
 
     def __init__(
         self, model: torch.nn.Module, proposer: Proposer | None, sampling: Sampling, slots: int = 1,
-        adaptive_draft: bool = True, row_exact: bool | None = None,
+        adaptive_draft: bool = True, exact: bool | None = None,
     ) -> None:
         self.model, self.sampling, self.slots = model, sampling, slots
         self.proposer = None if proposer is None else for_requests(proposer)
@@ -138,7 +139,9 @@ class Decoder:
         # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
         # that round as one-token steps do (or in fp32, far below the gaps between logits). Elsewhere they follow
         # acceptance alone, so that a request decodes the same on every run.
-        self.row_exact = (proposer is not None or slots > 1) and wanted(model, row_exact)
+        verifies = proposer is not None or slots > 1  # (else every pass is a one-token step)
+        self.exactness = choose(model, exact, verifies)
+        self.row_exact = verifies and self.exactness.exact
         drawn = not sampling.greedy and getattr(proposer, "samples_drafts", False)
         timed = not drawn and (self.row_exact or not is_half_precision(model))
         setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
@@ -176,6 +179,7 @@ class Decoder:
     def _start(self, index: int, job: Job) -> tuple[Row, list[int]]:
         """Make ``job`` row ``index`` of the batch: prefill its prompt alone, take its first token."""
         row = Row(job, self.policy.start(), self.sampling)
+        row.stats.exactness = self.exactness
         if self.proposer is not None:
             self.proposer.start_request(row.request, row.sequence.ids, row.sampling)
         capacity = len(job.prompt) + job.max_new_tokens + 2 * (MAX_DRAFT + 1)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+if TYPE_CHECKING:
+    from ..verifier.exactness import Exactness
 
 TREE_COUNTERS = ("tree_steps", "tree_drafted", "tree_gain")  # SpecStats' counters of steps that sent a tree
 
@@ -17,6 +21,7 @@ class SpecStats:
     and ``tokens_per_step`` is 1.0; ``accepted_per_position[i]`` counts the steps whose draft token i was accepted.
     ``tree_steps`` counts the steps that sent a tree (a draft that branches), ``tree_drafted`` their draft tokens,
     and ``tree_gain`` the tokens those trees accepted beyond what their first branch alone would have.
+    ``exactness`` says how verification passes were computed (bitwise ``model.generate`` or ordinary) and why.
     """
 
     prompt_tokens: int = 0
@@ -32,6 +37,7 @@ class SpecStats:
     tree_drafted: int = 0
     tree_gain: int = 0
     rows: list["SpecStats"] = field(default_factory=list, repr=False)  # per request of a batch, in its order
+    exactness: "Exactness | None" = None
 
     @classmethod
     def total(cls, rows: list["SpecStats"], steps: int, wall_time_s: float, prefill_time_s: float) -> "SpecStats":
@@ -46,6 +52,7 @@ class SpecStats:
             steps=steps, drafted=sum(row.drafted for row in rows), accepted=sum(row.accepted for row in rows),
             accepted_per_position=per_position, wall_time_s=wall_time_s, prefill_time_s=prefill_time_s,
             draft_time_s=sum(row.draft_time_s for row in rows), rows=rows,
+            exactness=next((row.exactness for row in rows if row.exactness is not None), None),
             **{name: sum(getattr(row, name) for row in rows) for name in TREE_COUNTERS},
         )
 
@@ -85,6 +92,7 @@ class SpecStats:
             f"accepted {self.accepted}/{self.drafted} drafted ({self.acceptance_rate:.0%})"
             + (f", {self.tree_steps} trees ({self.tree_drafted / self.tree_steps:.1f} tokens each, "
                f"+{self.tree_gain} tokens over their first branches)" if self.tree_steps else "")
+            + (f"; {self.exactness}" if self.exactness is not None else "")
         )
 
 

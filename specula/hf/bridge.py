@@ -63,7 +63,7 @@ def decode(
     stopping_criteria: StoppingCriteriaList | None = None,
     streamer: BaseStreamer | None = None,
     adaptive_draft: bool = True,
-    row_exact: bool | None = None,
+    exact: bool | None = None,
     row_generators: list[torch.Generator] | None = None,
 ) -> GenerateOutput:
     """:class:`Decoder` on a validated request of one or more rows, all in one batch (see :func:`specula.generate`);
@@ -71,7 +71,7 @@ def decode(
     started = time.perf_counter()
     batch, width = request.input_ids.shape
     jobs = jobs_of(request, stopping_criteria, row_generators)
-    decoder = Decoder(model, proposer, sampling, batch, adaptive_draft, row_exact)
+    decoder = Decoder(model, proposer, sampling, batch, adaptive_draft, exact)
     rows = {}
     if request.max_length > width:
         for row, kept in decoder.run(jobs):

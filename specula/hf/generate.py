@@ -42,7 +42,7 @@ def generate(
     stopping_criteria: StoppingCriteriaList | None = None,
     streamer: BaseStreamer | None = None,
     adaptive_draft: bool = True,
-    row_exact: bool | None = None,
+    exact: bool | None = None,
     **generation_kwargs: Any,
 ) -> GenerateOutput:
     """Decode with ``model``, sped up by speculation, without changing what it generates.
@@ -79,12 +79,13 @@ def generate(
             tokens of every step as soon as they are accepted.
         adaptive_draft: choose each step's draft length from measured step costs and running acceptance, and stop
             sending drafts that do not pay (:mod:`specula.policy.adaptive`); ``False`` verifies every draft as proposed.
-        row_exact: compute every position of a verification pass bit for bit as a one-token step computes it
-            (:mod:`specula.verifier.row_exact`), so that greedy output is ``model.generate``'s in bf16 and fp16 too. ``None``
-            (the default) turns it on in bf16 and fp16, where passes of other shapes round differently, and off in
-            fp32, where they do too but far below the gaps between logits. ``False`` makes passes cheaper on some
-            devices; greedy output then stays reproducible but may differ from ``model.generate``'s at near-ties
-            (``specula drift`` shows where).
+        exact: ``True`` computes every position of a verification pass bit for bit as a one-token step computes it
+            (row-exact, :mod:`specula.verifier.row_exact`), so that greedy output is ``model.generate``'s bit for bit
+            in bf16 and fp16 too, whatever it costs; ``False`` verifies the ordinary way (greedy output then stays
+            reproducible but may leave ``model.generate``'s at a near-tie: ``specula drift`` shows where). ``None``
+            (the default) chooses: in bf16 and fp16, exact where a row-exact pass costs at most 1.1x an ordinary one
+            on this machine and model (measured once, kept: :mod:`specula.verifier.exactness`), in fp32 ordinary
+            (its rounding is far below the gaps between logits). ``stats.exactness`` says what was chosen and why.
         **generation_kwargs: any other ``model.generate`` argument: ``GenerationConfig`` fields
             (``repetition_penalty=1.2``, ``stop_strings=[...]`` with ``tokenizer=``, ...) or ``generation_config=``.
 
@@ -122,7 +123,7 @@ def generate(
         proposer=proposer,
         generator=generator,
         adaptive_draft=adaptive_draft,
-        row_exact=row_exact,
+        exact=exact,
         return_dict_in_generate=True,
         **{name: value for name, value in given.items() if value is not None},
         **generation_kwargs,
@@ -141,7 +142,7 @@ def custom_generate(
     tokenizer=None,
     generator: torch.Generator | list[torch.Generator] | None = None,
     adaptive_draft: bool = True,
-    row_exact: bool | None = None,
+    exact: bool | None = None,
     **model_kwargs,
 ) -> torch.LongTensor | GenerateOutput:
     """Decoding method for ``model.generate(custom_generate=specula.custom_generate, proposer=...)``.
@@ -152,12 +153,12 @@ def custom_generate(
     :class:`GenerateOutput` (``sequences`` and specula's ``stats``). ``generator`` (a ``torch.Generator`` on the
     model's device, or a list of one per row of a batch) makes sampling independent of torch's global RNG (and,
     one per row, of the other rows: a seeded request samples the same in any batch); ``adaptive_draft``
-    and ``row_exact`` as in :func:`specula.generate`.
+    and ``exact`` as in :func:`specula.generate`.
     """
     del synced_gpus, tokenizer  # one process; the tokenizer already went into the stop-string criteria
     request, sampling, generators = prepared(model, input_ids, logits_processor, generation_config, generator,
                                              model_kwargs)
-    out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, row_exact,
+    out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, exact,
                  generators)
     return out if generation_config.return_dict_in_generate else out.sequences
 

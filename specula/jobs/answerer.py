@@ -22,7 +22,7 @@ class Settings:
     max_new_tokens: int = 256
     sampling: dict = field(default_factory=dict)  # temperature / top_k / top_p, as generate() takes them
     seed: int | None = None  # request on line n draws from its own generator seeded ``seed + n``
-    row_exact: bool | None = None
+    exact: bool | None = None
     batch_size: int | None = None  # None: the size measured fastest on this machine
 
 
@@ -30,6 +30,7 @@ def _stats(stats) -> dict:
     return {
         "new_tokens": stats.new_tokens, "steps": stats.steps, "accepted": stats.accepted,
         "drafted": stats.drafted, "seconds": round(stats.wall_time_s, 4),
+        "exact": None if stats.exactness is None else stats.exactness.exact,
     }
 
 
@@ -45,6 +46,7 @@ class Answerer:
         self.device = model.get_input_embeddings().weight.device
         self.slots = settings.batch_size
         self.passes, self.plain_speedups = 0, []  # over every call, for the summary
+        self.exactness = None  # how the last call verified
 
     def _job(self, number: int, request: dict) -> tuple[Job, object] | None:
         seed = self.settings.seed
@@ -71,7 +73,8 @@ class Answerer:
             return
         if self.slots is None:
             self.slots = fastest_batch_size(self.model, largest=largest)
-        decoder = Decoder(self.model, self.proposer, first[1], self.slots, row_exact=self.settings.row_exact)
+        decoder = Decoder(self.model, self.proposer, first[1], self.slots, exact=self.settings.exact)
+        self.exactness = decoder.exactness
         try:
             for row, _ in decoder.run(itertools.chain([first[0]], (job for job, _ in prepared))):
                 if row.finished:

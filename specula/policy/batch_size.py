@@ -12,7 +12,7 @@ from ..verifier.runner import CachedModel
 from ..verifier.support import UnsupportedModelError
 from ..verifier.profile import profile_of
 from ..verifier.support import vocab_size
-from ..verifier.row_exact import wanted
+from ..verifier.exactness import choose
 from ..verifier.row_exact.linear import _spare_bytes
 
 @torch.inference_mode()
@@ -35,7 +35,7 @@ def fastest_batch_size(
     device = model.get_input_embeddings().weight.device
     try:
         target = CachedModel(model, None, None, rollback=True, capacity=context + 16 * largest + 1,
-                             row_exact=wanted(model, None), slots=largest)
+                             row_exact=choose(model, None).exact, slots=largest)
     except UnsupportedModelError:
         return 1
     text = torch.randint(0, vocab_size(model), (context + 16 * largest,), generator=torch.Generator().manual_seed(0))

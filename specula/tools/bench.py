@@ -126,7 +126,7 @@ def specula_batch_method(
                                             **generate_kwargs)
             job.key = key
             jobs.append(job)
-        decoder = Decoder(model, make_proposer(), sampling, batch_size, row_exact=generate_kwargs.get("row_exact"))
+        decoder = Decoder(model, make_proposer(), sampling, batch_size, exact=generate_kwargs.get("exact"))
         started, rows = time.perf_counter(), {}
         for row, _ in decoder.run(jobs):
             rows[row.job.key] = row
@@ -189,6 +189,7 @@ class BenchRow:
     tree_drafted: int = 0  # beyond their first branches (SpecStats)
     tree_gain: int = 0
     hf_setup: str | None = None  # a model.generate row: the cache it used, whether it compiled (HFMethod.setup)
+    verification: str | None = None  # a specula row: exact or ordinary verification, and why (SpecStats.exactness)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -270,6 +271,8 @@ def _add(total: dict, tokens: list[int], stats: SpecStats | None, seconds: float
     if stats is not None:
         for counter in ("drafted", "accepted", "steps", *TREE_COUNTERS):
             total[counter] += getattr(stats, counter)
+        if stats.exactness is not None:
+            total["verification"] = str(stats.exactness)
 
 
 def _row(workload: str, name: str, prompts: int, total: dict, base_rate: float, compare_outputs: bool,
@@ -283,6 +286,7 @@ def _row(workload: str, name: str, prompts: int, total: dict, base_rate: float, 
         acceptance_rate=total["accepted"] / total["drafted"] if total["drafted"] else None,
         tokens_per_step=total["tokens"] / total["steps"] if total["steps"] else None,
         drafted=total["drafted"], **{counter: total[counter] for counter in TREE_COUNTERS}, hf_setup=hf_setup,
+        verification=total.get("verification"),
     )
 
 
@@ -323,6 +327,7 @@ def run_batch_bench(
                 tokens_per_step=stats.tokens_per_step if stats is not None else None,
                 drafted=stats.drafted if stats is not None else 0,
                 **({counter: getattr(stats, counter) for counter in TREE_COUNTERS} if stats is not None else {}),
+                verification=str(stats.exactness) if stats is not None and stats.exactness is not None else None,
             ))
     return rows
 
@@ -346,4 +351,7 @@ def format_table(rows: list[BenchRow]) -> str:
     setups = {row.method: row.hf_setup for row in rows if row.hf_setup is not None}
     if setups:
         lines.append("model.generate decoded with: " + "; ".join(f"{name} {setup}" for name, setup in setups.items()))
+    verified = {row.method: row.verification for row in rows if row.verification is not None}
+    if verified:
+        lines.append("specula verified: " + "; ".join(f"{name} {how}" for name, how in verified.items()))
     return "\n".join(lines)

@@ -63,12 +63,12 @@ def drift(
     input_ids: torch.Tensor,
     proposer: Proposer | None,
     max_new_tokens: int,
-    row_exact: bool | None = None,
+    exact: bool | None = None,
     adaptive_draft: bool = True,
     **generate_kwargs,
 ) -> Drift:
     """Greedy decoding of ``input_ids`` ([1, length]) by ``model.generate`` and by :func:`specula.generate` with
-    ``proposer`` (and ``row_exact``, ``adaptive_draft``), compared (see the module docstring); ``generate_kwargs``
+    ``proposer`` (and ``exact``, ``adaptive_draft``), compared (see the module docstring); ``generate_kwargs``
     go to both."""
     input_ids = input_ids.reshape(1, -1)
     start = input_ids.shape[1]
@@ -78,7 +78,7 @@ def drift(
                                return_dict_in_generate=True, **settings)
     recorder = _PassLogits(model)
     try:
-        speculative = generate(model, input_ids, proposer, row_exact=row_exact, adaptive_draft=adaptive_draft, **settings)
+        speculative = generate(model, input_ids, proposer, exact=exact, adaptive_draft=adaptive_draft, **settings)
     finally:
         recorder.handle.remove()
     a, b = plain.sequences[0, start:].tolist(), speculative.sequences[0, start:].tolist()

@@ -22,7 +22,7 @@ class ProbeReport:
     device: str
     dtype: str
     width: int
-    row_exact: bool
+    exact: bool
     logits_identical: bool
     culprit: str | None = None
     culprit_op: str | None = None
@@ -32,7 +32,7 @@ class ProbeReport:
 
     def __str__(self) -> str:
         setting = f"{self.dtype} on {self.device}, a pass over {self.width} tokens" + (
-            " (row-exact verification)" if self.row_exact else " (ordinary verification)"
+            " (row-exact verification)" if self.exact else " (ordinary verification)"
         )
         if self.culprit is None and self.logits_identical:
             return f"{setting}: every module's output is bit for bit what one-token steps give."
@@ -88,14 +88,14 @@ def _seq_rows(tensor: torch.Tensor | None, width: int) -> list[torch.Tensor] | N
 
 
 @torch.inference_mode()
-def probe(model: torch.nn.Module, input_ids: torch.Tensor, width: int = 8, row_exact: bool = True) -> ProbeReport:
+def probe(model: torch.nn.Module, input_ids: torch.Tensor, width: int = 8, exact: bool = True) -> ProbeReport:
     """Compare one-token steps over the last ``width`` tokens of ``input_ids`` with one pass over them.
 
     Args:
         model: the target model, on its device and in its dtype.
         input_ids: ``[1, length]`` real text; the first ``length - width`` tokens are the prompt.
         width: tokens in the pass (the last token and ``width - 1`` drafts).
-        row_exact: verify as specula does by default in bf16/fp16 (:mod:`specula.verifier.row_exact`), or the ordinary way.
+        exact: verify row-exactly (:mod:`specula.verifier.row_exact`), or the ordinary way.
     """
     ids = input_ids.reshape(-1).to(model.device)
     if not 2 <= width < len(ids):
@@ -109,7 +109,7 @@ def probe(model: torch.nn.Module, input_ids: torch.Tensor, width: int = 8, row_e
         logits_steps = torch.cat([steps_target.forward(tail[j : j + 1], 1) for j in range(width)])
         step_calls = recorder.calls
         recorder.calls = []
-        pass_target = CachedModel(model, None, None, rollback=True, capacity=len(ids), row_exact=row_exact)
+        pass_target = CachedModel(model, None, None, rollback=True, capacity=len(ids), row_exact=exact)
         recorder.remove()
         pass_target.forward(prompt, 1)
         recorder = _Recorder(model)
@@ -120,7 +120,7 @@ def probe(model: torch.nn.Module, input_ids: torch.Tensor, width: int = 8, row_e
 
     report = ProbeReport(
         device=str(model.device), dtype=str(next(model.parameters()).dtype).removeprefix("torch."), width=width,
-        row_exact=row_exact, logits_identical=torch.equal(logits_steps, logits_pass),
+        exact=exact, logits_identical=torch.equal(logits_steps, logits_pass),
         max_logit_difference=float((logits_steps.float() - logits_pass.float()).abs().max()),
     )
     _name_the_culprit(report, model, step_calls, pass_calls, width)

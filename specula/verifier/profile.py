@@ -1,5 +1,5 @@
 """What specula measures about a target model on this machine, held with the model while it lives: what passes
-cost, which batch size runs fastest, how its passes are made row-exact. Every generation with the model in this
+cost, which batch size runs fastest, how its passes are made row-exact or fast. Every generation with the model in this
 process starts from what the earlier ones measured."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from .packed import PackedLinears
     from .row_exact import RowExact
 
 
@@ -25,6 +26,8 @@ class ModelProfile:
     batch_size: tuple[int, int] | None = None
     # (the dtype, device and attention it was built for, the row-exact kernels) (specula.verifier.row_exact)
     row_exact: tuple[Hashable, RowExact] | None = None
+    # (the dtype and device they were packed for, the packed linear layers) (specula.verifier.packed)
+    packed: tuple[Hashable, PackedLinears] | None = None
 
 
 _PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -20,6 +20,7 @@ from .recurrent import (
     STEP_BY_STEP, RecurrentRows, Snapshot, Stepwise, crop_attention, has_recurrent_state, restore, snapshot,
     stop_recording,
 )
+from .packed import packed_for
 from .row_exact import row_exact_for
 from .support import (
     UnsupportedModelError, cache_argument, check_batchable, check_cache_length, check_recurrent_rows, check_rollback,
@@ -231,7 +232,7 @@ class CachedModel:
                 raise UnsupportedModelError(
                     f"{describe(model)} keeps recurrent state in layers specula cannot compute one token at a time, "
                     "which row-exact verification (bf16/fp16) needs. Decode it in float32 for model.generate's exact "
-                    "output, or pass row_exact=False (--no-row-exact) to verify the ordinary way (greedy output may "
+                    "output, or pass exact=False (--no-exact) to verify the ordinary way (greedy output may "
                     "then leave model.generate's after a near-tie)."
                 )
         # sparse attention: the keys of each query picked as its one-token step picks them
@@ -247,6 +248,7 @@ class CachedModel:
         self.cached_tokens = 0
         self._undo: tuple[Snapshot, torch.Tensor] | None = None  # recurrent: the states before the last pass, its tokens
         self.row_exact = row_exact_for(model) if row_exact else None
+        self.packed = None if row_exact else packed_for(model)  # (verification passes with prepacked weights)
         self.slots = slots
         self.ragged = slots > 1 if ragged is None else ragged  # rows keep their own lengths (also when rows leave)
         self.takes_trees = self.ragged  # (recurrent layers: stepped, each token from its parent's state)
@@ -377,6 +379,7 @@ class CachedModel:
             with (
                 sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu and not exact else contextlib.nullcontext(),
                 self.row_exact.applied(self.cache, argmax_only=argmax_only) if exact else _as_they_are() as finish,
+                self.packed.applied() if self.packed and verifies else contextlib.nullcontext(),
                 self.stepwise.applied(self.cache) if self.stepwise and verifies else contextlib.nullcontext(),
                 self.indexers.applied() if self.indexers and verifies else contextlib.nullcontext(),
             ):
@@ -434,7 +437,8 @@ class CachedModel:
         if self.stepwise is not None:
             self.stepwise.forget()
         parents = _parents(trees, n) if trees and any(tree is not None for tree in trees) else None  # [B][n]
-        with exact as finish, self.stepwise.applied(self.cache, parents) if stepwise else contextlib.nullcontext():
+        packed = self.packed.applied() if self.packed and not one_token_step else contextlib.nullcontext()
+        with exact as finish, packed, self.stepwise.applied(self.cache, parents) if stepwise else contextlib.nullcontext():
             logits = finish(self.model(**inputs).logits)[:, -keep:]  # [B, keep, vocab]
         self.cached_tokens = len(keys)
         check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, chi_square_p_value, 
 from tiny_models import VOCAB, tiny_model
 
 import specula
+from specula.policy.costs import PassCosts
 from specula.verifier.runner import UnsupportedModelError
 from specula.core.loop import MAX_DRAFT
 
@@ -229,7 +229,12 @@ def test_the_decoder_estimates_its_speedup_over_plain_decoding() -> None:
     assert [outputs[b] for b in range(len(rows))] == expected  # (two slots for four requests: continuous)
     assert decoder.plain_speedup() is not None
     # Were every pass to cost what a plain one does, the estimate would be the tokens a row makes per pass.
-    decoder._tables = lambda rows: np.ones(rows * (MAX_DRAFT + 1) + 1)
+    def flat(rows: int) -> PassCosts:
+        costs = PassCosts(rows, rows * (MAX_DRAFT + 1) + 1)
+        costs.record(rows, 1.0)
+        return costs
+
+    decoder._costs = flat
     decoder.prefill_seconds, decoder.step_seconds = 0.0, float(decoder.passes - len(rows))
     assert decoder.plain_speedup() > 3
     sampled = specula.Decoder(model("llama"), Oracle(references, 6), specula.Sampling(do_sample=True), slots=2)

@@ -31,7 +31,7 @@ def plant(target: torch.nn.Module, position: int, margin: float, in_passes_only:
 
 
 def test_identical_runs_report_no_drift() -> None:
-    report = drift(model("llama"), prompt(), Oracle(reference("llama"), 7), NEW_TOKENS, eos_token_id=[])
+    report = drift(model("llama"), prompt(), Oracle(reference("llama"), 7), NEW_TOKENS, eos_token_id=[], exact=True)
     assert report.identical and report.position is None and report.verdict == "identical"
 
 
@@ -39,7 +39,7 @@ def test_a_planted_near_tie_is_found_and_called_a_near_tie() -> None:
     start = prompt().shape[1]
     handle = plant(model("llama"), start + 5, margin=0.01)
     try:
-        report = drift(model("llama"), prompt(), Oracle(reference("llama"), 7), NEW_TOKENS, eos_token_id=[],
+        report = drift(model("llama"), prompt(), Oracle(reference("llama"), 7), NEW_TOKENS, eos_token_id=[], exact=True,
                        adaptive_draft=False)
     finally:
         handle.remove()
@@ -53,7 +53,7 @@ def test_a_planted_large_divergence_is_not_a_near_tie() -> None:
     start = prompt().shape[1]
     handle = plant(model("llama"), start + 9, margin=5.0, in_passes_only=True)
     try:
-        report = drift(model("llama"), prompt(), Oracle(reference("llama"), 7), NEW_TOKENS, eos_token_id=[],
+        report = drift(model("llama"), prompt(), Oracle(reference("llama"), 7), NEW_TOKENS, eos_token_id=[], exact=True,
                        adaptive_draft=False)
     finally:
         handle.remove()
@@ -72,8 +72,8 @@ def test_drift_and_probe_commands(tmp_path, capsys) -> None:
     requests = tmp_path / "requests.jsonl"
     requests.write_text('{"id": "x", "prompt": "the quick brown fox jumps over the lazy dog the quick brown"}\n')
     out = tmp_path / "drift.json"
-    cli.main(["drift", "--input", str(requests), "--model", str(folder), "--dtype", "bf16", "--max-new-tokens", "24",
-              "--json", str(out)])
+    cli.main(["drift", "--input", str(requests), "--model", str(folder), "--dtype", "bf16", "--exact",
+              "--max-new-tokens", "24", "--json", str(out)])
     assert "1 of 1 identical to model.generate" in capsys.readouterr().out
     assert json.loads(out.read_text())[0]["id"] == "x"
     assert json.loads(out.read_text())[0]["drafted"] > 0  # every draft sent, so that the check verified some

@@ -51,20 +51,22 @@ def test_half_precision_recurrent_layers_are_verified_as_one_token_steps_compute
             expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                       max_new_tokens=40).tolist()
             for proposer in (Oracle(torch.tensor(expected), 6), PartlyRight(torch.tensor(expected), 6)):
-                run = lambda row_exact: specula.generate(  # noqa: E731
+                run = lambda exact: specula.generate(  # noqa: E731
                     model, prompt, proposer, max_new_tokens=40, adaptive_draft=False, pad_token_id=0,
-                    row_exact=row_exact).sequences.tolist()
-                assert run(None) == expected
+                    exact=exact).sequences.tolist()
+                assert run(True) == expected
                 ordinary_differs |= run(False) != expected
     assert ordinary_differs  # (else this test could not fail)
 
 
 def test_half_precision_with_row_exact_verification_is_refused_where_layers_cannot_be_stepped() -> None:
     model, prompt = tiny_causal_lm("zaya").to(torch.bfloat16), sweep_prompts()[0]
-    with pytest.raises(specula.UnsupportedModelError, match="row_exact=False"):
-        specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=8, pad_token_id=0)
-    out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=8, pad_token_id=0, row_exact=False)
+    with pytest.raises(specula.UnsupportedModelError, match="exact=False"):
+        specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=8, pad_token_id=0, exact=True)
+    out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=8, pad_token_id=0, exact=False)
     assert out.sequences.shape[1] > prompt.shape[1]
+    out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=8, pad_token_id=0)
+    assert not out.stats.exactness.exact  # by default: ordinary, since exact is not supported here
 
 
 def _rows() -> list[torch.Tensor]:

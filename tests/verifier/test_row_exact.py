@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from bf16_cases import VOCAB, CONFIGS, NEW_TOKENS, WIDE, model, prompt, reference
-from helpers import TreeOracle, AlwaysWrong, Oracle, hf_greedy
+from helpers import TreeOracle, AlwaysWrong, Oracle, exact_generate, hf_greedy
 
 import numpy as np
 import specula
@@ -31,8 +31,9 @@ def forget_row_exact() -> None:
 
 
 def speculate(name: str, proposer, dtype: torch.dtype = torch.bfloat16, **kwargs) -> specula.GenerateOutput:
-    return specula.generate(model(name, dtype), prompt(), proposer, max_new_tokens=NEW_TOKENS, eos_token_id=[],
-                            **kwargs)
+    """Row-exact unless ``exact=False`` is given (whether the default would choose it depends on the machine)."""
+    return exact_generate(model(name, dtype), prompt(), proposer, max_new_tokens=NEW_TOKENS, eos_token_id=[],
+                          **kwargs)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -50,10 +51,10 @@ def test_bf16_identical_to_model_generate(name: str, adaptive_draft: bool) -> No
 def test_probe_finds_what_rounds_differently_and_row_exact_removes_it(name: str) -> None:
     """The mutant is the ordinary pass: the probe sees its logits differ from one-token steps and names the first
     module, whose inputs agreed; row-exact passes agree at every module."""
-    ordinary = probe(model(name), prompt(), width=WIDE, row_exact=False)
+    ordinary = probe(model(name), prompt(), width=WIDE, exact=False)
     assert not ordinary.logits_identical and ordinary.modules_differing > 0
     assert ordinary.culprit is not None and ordinary.differing_positions
-    exact = probe(model(name), prompt(), width=WIDE, row_exact=True)
+    exact = probe(model(name), prompt(), width=WIDE, exact=True)
     assert exact.logits_identical and exact.culprit is None and exact.modules_differing == 0, str(exact)
 
 
@@ -61,7 +62,7 @@ def test_verifying_attention_the_old_way_is_caught(monkeypatch) -> None:
     """A mutant RowExact that leaves attention to the ordinary multi-query call: the probe names attention."""
     monkeypatch.setattr(_PassAttention, "__call__", lambda self, m, *args, **kw: self.inner_of(m)(m, *args, **kw))
     forget_row_exact()
-    report = probe(model("llama"), prompt(), width=WIDE, row_exact=True)
+    report = probe(model("llama"), prompt(), width=WIDE, exact=True)
     assert not report.logits_identical
     assert report.culprit == "model.layers.0.self_attn" and report.culprit_op.startswith("attention (sdpa)")
     forget_row_exact()
@@ -69,11 +70,11 @@ def test_verifying_attention_the_old_way_is_caught(monkeypatch) -> None:
 
 def test_without_row_exact_greedy_output_is_still_reproducible() -> None:
     """Ordinary passes in bf16: draft lengths follow acceptance only, so two runs agree whatever was timed before."""
-    cold = speculate("qwen2", specula.PromptLookup(), row_exact=False)
+    cold = speculate("qwen2", specula.PromptLookup(), exact=False)
     costs = shared_pass_costs(model("qwen2"), ("cpu", torch.bfloat16), MAX_DRAFT)
     for tokens, seconds in enumerate(np.linspace(1.0, 0.01, MAX_DRAFT + 1), start=1):
         costs.record(tokens, seconds)
-    warm = speculate("qwen2", specula.PromptLookup(), row_exact=False)
+    warm = speculate("qwen2", specula.PromptLookup(), exact=False)
     assert cold.sequences.tolist() == warm.sequences.tolist()
 
 
@@ -87,7 +88,7 @@ def test_grouping_rows_past_the_kernels_vector_tail_is_caught(monkeypatch) -> No
     """A mutant that groups rows by 32 keys, so that some rows' tail keys land in the kernel's vectors."""
     monkeypatch.setattr(RowAttention, "_group_width", lambda self, *args: 32)
     forget_row_exact()
-    report = probe(model("llama"), prompt(), width=WIDE, row_exact=True)
+    report = probe(model("llama"), prompt(), width=WIDE, exact=True)
     forget_row_exact()
     assert not report.logits_identical and report.culprit == "model.layers.0.self_attn"
 
@@ -109,7 +110,7 @@ def test_weights_changed_in_place_are_copied_again() -> None:
     """Column-major copies follow the weights: after an in-place change, output is the changed model's."""
     changed = copy.deepcopy(model("llama"))
     ref = hf_greedy(changed, prompt(), NEW_TOKENS, eos_token_id=[])
-    speculate_with = lambda m: specula.generate(m, prompt(), Oracle(ref, WIDE - 1), max_new_tokens=NEW_TOKENS,  # noqa: E731
+    speculate_with = lambda m: exact_generate(m, prompt(), Oracle(ref, WIDE - 1), max_new_tokens=NEW_TOKENS,  # noqa: E731
                                                 eos_token_id=[], adaptive_draft=False)
     assert speculate_with(changed).sequences.tolist() == ref.tolist()
     with torch.no_grad():
@@ -137,7 +138,7 @@ def test_bf16_rows_of_a_batch_do_not_depend_on_their_batch_mates(name: str) -> N
     expected = [hf_greedy(model(name), p[None], NEW_TOKENS, eos_token_id=[])[0, len(p) :].tolist() for p in prompts]
     for members in ([0], [0, 1], [2, 0, 3], [3, 2, 1, 0]):
         ids, mask = _batch([prompts[i] for i in members])
-        out = specula.generate(model(name), ids, specula.PromptLookup(), attention_mask=mask,
+        out = exact_generate(model(name), ids, specula.PromptLookup(), attention_mask=mask,
                                max_new_tokens=NEW_TOKENS, eos_token_id=[])
         got = [row[ids.shape[1] :] for row in out.sequences.tolist()]
         assert got == [expected[i] for i in members], members
@@ -156,7 +157,7 @@ def test_bf16_trees_give_model_generates_tokens(name: str) -> None:
         ids, mask = _batch([prompts[i] for i in members])
         trees = [TreeOracle(references, shape, VOCAB, depth=6) for shape in ("second", "late")]
         for proposer in (*trees, specula.PromptLookup(branches=4)):
-            out = specula.generate(model(name), ids, proposer, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+            out = exact_generate(model(name), ids, proposer, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                                    eos_token_id=[], adaptive_draft=False)
             got = [row[ids.shape[1] :] for row in out.sequences.tolist()]
             assert got == [expected[i] for i in members], (members, proposer)
@@ -211,13 +212,13 @@ def test_the_lm_head_is_computed_again_only_where_the_argmax_could_change(monkey
     ref = hf_greedy(model, prompt, 40, eos_token_id=[])
     assert (ref[0, 72:] < 128).sum() > 4  # ties were to break
     forget_row_exact()
-    out = specula.generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[], adaptive_draft=False)
+    out = exact_generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[], adaptive_draft=False)
     assert out.sequences.tolist() == ref.tolist()
     shortcut = [(recomputed, rows) for used, recomputed, rows in passes if used]
     assert shortcut and sum(r for r, _ in shortcut) > 0 and sum(rows - r for r, rows in shortcut) > 0
     monkeypatch.setattr(head_module._Head, "certain", lambda self, logits, hidden: torch.ones(len(logits), dtype=torch.bool))
     forget_row_exact()
-    mutant = specula.generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[], adaptive_draft=False)
+    mutant = exact_generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[], adaptive_draft=False)
     assert mutant.sequences.tolist() != ref.tolist()
     forget_row_exact()
 
@@ -243,7 +244,7 @@ def test_no_timed_pass_computes_the_head_norms(monkeypatch) -> None:
     prompt = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(3)).repeat(1, 6)
     ref = hf_greedy(model, prompt, 40, eos_token_id=[])
     forget_row_exact()
-    out = specula.generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[])
+    out = exact_generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[])
     forget_row_exact()
     costs = shared_pass_costs(model, (model.device, model.dtype), MAX_DRAFT)
     assert out.sequences.tolist() == ref.tolist() and out.stats.accepted > 0

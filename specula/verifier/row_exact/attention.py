@@ -95,7 +95,7 @@ class RowAttention:
                 f"On this machine a row-exact verification pass over {TIMED_ROWS} tokens costs about "
                 f"{exact / ordinary:.1f}x an ordinary one (its attention kernel gives a query its one-token bits only "
                 "when computed alone), so drafts gain less; the cost model sends only those that still pay. "
-                "row_exact=False (--no-row-exact) verifies the ordinary way: faster, but greedy output may then "
+                "exact=False (--no-exact) verifies the ordinary way: faster, but greedy output may then "
                 "leave model.generate's after a near-tie.", stacklevel=2)
 
 

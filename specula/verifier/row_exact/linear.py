@@ -180,7 +180,7 @@ def _copied_bytes(plans: list[tuple[torch.nn.Module, dict]], device: torch.devic
             f"Row-exact verification would need column-major copies of {copies / 2**30:.1f} GiB of weights to be "
             "fast, more than half the free memory; it computes those layers row by row instead, which makes "
             "verification passes slow. Store the model's weights column-major "
-            "(weight.data = weight.data.t().contiguous().t()) or pass row_exact=False.",
+            "(weight.data = weight.data.t().contiguous().t()) or pass exact=False.",
             stacklevel=4,  # (where RowExact is built)
         )
     return copied

@@ -1,0 +1,116 @@
+"""Exact or ordinary verification: bitwise ``model.generate`` where it is cheap, chosen by its measured cost.
+
+A row-exact pass (:mod:`specula.verifier.row_exact`) gives every token of a verification pass the bits of its
+one-token step, so greedy output is ``model.generate``'s bit for bit in bf16 and fp16 too. What that costs differs
+by machine: ~4% on an Emerald Rapids Xeon, ~2x on a 2-core EPYC with AVX512_BF16 (its attention kernel gives a query
+its one-token bits only when computed alone). So by default (``exact=None``) specula measures it, once per machine
+and model: a pass over ``TIMED_ROWS`` tokens after :data:`CONTEXT` tokens, row-exact against ordinary, interleaved
+(a busy moment slows both), the lower median of the ratios. Exactness is chosen where it costs at most
+:data:`THRESHOLD` times an ordinary pass. The measurement is kept with the calibrations (:mod:`.calibration`), so
+a machine keeps its choice and a request decodes the same on every run. ``exact=True`` forces exactness whatever it
+costs, ``exact=False`` never pays for it.
+
+In fp32, passes of other shapes round differently too, but far below the gaps between logits: the default there is
+ordinary verification, unmeasured (``exact=True`` makes it bitwise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from . import calibration
+from .calibration import TIMED_ROWS, calibration_key
+from .row_exact import SUPPORTED_ATTENTION, is_half_precision
+from .support import UnsupportedModelError, vocab_size
+
+THRESHOLD = 1.10  # exactness is chosen by default where a row-exact pass costs at most this many ordinary ones
+CONTEXT = 256  # tokens of cache the timed passes follow
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Exactness:
+    """How verification passes are computed, and why."""
+
+    exact: bool  # row-exact: every token's bits those of its one-token step
+    cost: float | None = None  # a row-exact pass's time over an ordinary one's, where measured
+    reason: str = "asked"  # "asked", "measured", "fp32", "plain" (no pass over several tokens), or why not exact
+
+    def __str__(self) -> str:
+        cost = f"; a row-exact pass costs {self.cost:.2f}x an ordinary one here" if self.cost is not None else ""
+        if self.exact:
+            return f"exact (bitwise model.generate{cost})"
+        return f"ordinary verification ({self.reason}{cost})" if self.reason != "asked" else "ordinary verification"
+
+
+def choose(model: torch.nn.Module, exact: bool | None, verifies: bool = True) -> Exactness:
+    """How ``model``'s verification passes are computed: ``exact`` as given, else chosen (see the module docstring).
+    ``verifies=False``: no pass over several tokens will run (plain decoding of one request), so nothing to pay."""
+    if not verifies:
+        return Exactness(True, reason="plain")
+    if exact is not None:
+        return Exactness(bool(exact))
+    if not is_half_precision(model):
+        return Exactness(False, reason="fp32: rounding far below the gaps between logits")
+    if model.config._attn_implementation not in SUPPORTED_ATTENTION:
+        return Exactness(False, reason=f"row-exact passes need sdpa or eager attention, not "
+                                       f"{model.config._attn_implementation!r}")
+    cost = measured_cost(model)
+    if cost is None:
+        return Exactness(False, reason="this model's row-exact passes are not supported")
+    return Exactness(cost <= THRESHOLD, cost, "measured" if cost <= THRESHOLD else
+                     f"exactness would cost over {THRESHOLD:.2f}x; exact=True forces it")
+
+
+def _model_key(model: torch.nn.Module) -> str:
+    """What the cost depends on besides the machine: the model's parameter shapes, dtype and attention."""
+    shapes = str([(name, tuple(p.shape)) for name, p in model.named_parameters()])
+    return hashlib.sha1(shapes.encode()).hexdigest()[:16]
+
+
+def measured_cost(model: torch.nn.Module) -> float | None:
+    """A row-exact pass's time over an ordinary one's for ``model`` on this machine (measured once, kept); ``None``
+    where row-exact passes are not supported for it."""
+    weight = next(model.parameters())
+    key = calibration_key(weight.device, "exact pass", _model_key(model), weight.dtype,
+                          model.config._attn_implementation, CONTEXT)
+    return calibration.shared().get(key, lambda: _measure(model))
+
+
+@torch.inference_mode()
+def _measure(model: torch.nn.Module) -> float | None:
+    from .runner import CachedModel
+
+    device = model.get_input_embeddings().weight.device
+    ids = torch.randint(3, vocab_size(model), (CONTEXT + TIMED_ROWS,), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    try:
+        targets = [CachedModel(model, None, None, rollback=True, capacity=len(ids) + 1, row_exact=exact)
+                   for exact in (False, True)]
+    except UnsupportedModelError:
+        return None
+    for target in targets:
+        target.start_row(0, ids[:CONTEXT])
+
+    def seconds(target: CachedModel) -> float:
+        started = calibration.CLOCK()
+        target.forward_rows([ids[CONTEXT:]], [TIMED_ROWS], argmax_only=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = calibration.CLOCK() - started
+        target.keep_rows([0])
+        return elapsed
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (what the row-exact kernels cost is what is being measured)
+        for target in targets:
+            seconds(target)  # warm-up (the row-exact kernels are calibrated here)
+        ratios = []
+        for _ in range(REPEATS):
+            ordinary = seconds(targets[0])
+            ratios.append(seconds(targets[1]) / ordinary)
+    return round(sorted(ratios)[(len(ratios) - 1) // 2], 3)

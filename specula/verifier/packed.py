@@ -1,0 +1,124 @@
+"""Verification passes with prepacked weights on a CPU.
+
+A pass over a few tokens reads the same weights as a one-token step, so on a CPU, where decoding is bound by
+reading weights, it should cost little more. ``nn.Linear`` computes it with the BLAS kernel for a transposed
+operand, which for a few rows is far from that: on a 2-core AVX2 EPYC (fp32) SmolLM2-135M's LM head takes 11 ms
+for one row and 45 ms for 8. oneDNN's linear with the weight reordered once into its own blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``) takes 10 ms for 8. :class:`PackedLinears` computes the linear layers
+of a verification pass so, where that is faster on this machine for that weight's shape (timed once, kept with the
+row-exact calibrations: :mod:`specula.verifier.calibration`); one-token steps and prefills stay the model's own.
+
+The packed copies cost memory (as much as the weights they copy): layers are packed only while the copies take at
+most a quarter of the free memory. Where oneDNN cannot pack a dtype (bf16 without AVX512-BW or AVX-NE-CONVERT),
+nothing is packed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from . import calibration
+from .calibration import TIMED_ROWS, calibration_key, cheapest
+from .profile import profile_of
+from .row_exact.linear import _spare_bytes
+
+
+def _packable(module: nn.Module) -> bool:
+    """An ``nn.Linear`` computed by ``nn.Linear.forward`` itself, with a floating-point weight on the CPU."""
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.is_floating_point())
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` reordered for oneDNN's linear, ``None`` where oneDNN cannot on this CPU."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return forward
+
+
+@torch.inference_mode()
+def _faster_packed(layer: nn.Linear, packed: torch.Tensor) -> bool:
+    """Whether a pass of ``TIMED_ROWS`` rows through ``layer`` is faster packed (timed once per shape and dtype on
+    this machine, remembered)."""
+    weight = layer.weight
+
+    def calibrate() -> bool:
+        x = torch.randn((1, TIMED_ROWS, weight.shape[1]), generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        packed_forward = _packed_forward(packed, layer.bias)
+        return cheapest({"ordinary": lambda: nn.Linear.forward(layer, x), "packed": lambda: packed_forward(x)}
+                        ) == "packed"
+
+    key = calibration_key(weight.device, "packed linear", tuple(weight.shape), weight.dtype, layer.bias is not None)
+    return calibration.shared().get(key, calibrate)
+
+
+def _state(weight: torch.Tensor) -> tuple[int, int]:
+    """What changes when a weight's values may have: its storage, and its version (bumped by in-place changes)."""
+    return weight.data_ptr(), weight._version
+
+
+class PackedLinears:
+    """The linear layers of ``model`` that a verification pass computes with prepacked weights (packed again where
+    a weight changed since)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers: list[list] = []  # [layer, its packed weight]
+        self.states: dict[int, tuple[int, int]] = {}  # what each packed weight was packed from
+        spare = _spare_bytes(torch.device("cpu"))
+        budget = None if spare is None else spare // 4
+        packed_by_weight: dict[int, torch.Tensor | None] = {}  # (tied weights: packed once)
+        for module in model.modules():
+            if not _packable(module):
+                continue
+            weight = module.weight
+            if id(weight) not in packed_by_weight:
+                packed = _pack(weight) if budget is None or weight.nbytes <= budget else None
+                if packed is not None and not _faster_packed(module, packed):
+                    packed = None
+                if packed is not None and budget is not None:
+                    budget -= weight.nbytes
+                packed_by_weight[id(weight)] = packed
+                self.states[id(weight)] = _state(weight)
+            if packed_by_weight[id(weight)] is not None:
+                self.layers.append([module, packed_by_weight[id(weight)]])
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Within the block, the packed layers compute with their packed weights."""
+        for index, (layer, packed) in enumerate(self.layers):
+            if self.states.get(id(layer.weight)) != _state(layer.weight):  # (changed, or another weight now)
+                packed = self.layers[index][1] = _pack(layer.weight)
+                self.states[id(layer.weight)] = _state(layer.weight)
+            if packed is not None:
+                layer.forward = _packed_forward(packed, layer.bias)
+        try:
+            yield
+        finally:
+            for layer, _ in self.layers:
+                layer.__dict__.pop("forward", None)
+
+
+def packed_for(model: nn.Module) -> PackedLinears | None:
+    """``model``'s :class:`PackedLinears`, built on first use and kept with the model (again after its weights'
+    dtype or device changed); ``None`` where no layer is faster packed (or the model is not on a CPU)."""
+    weight = next(model.parameters())
+    if weight.device.type != "cpu":
+        return None
+    setting = (weight.dtype, weight.device)
+    profile = profile_of(model)
+    if profile.packed is None or profile.packed[0] != setting:
+        profile.packed = (setting, PackedLinears(model))
+    return profile.packed[1] if profile.packed[1].layers else None
