@@ -46,7 +46,7 @@ def test_generate_jsonl_keeps_ids_and_reports_bad_lines(model_folder, tmp_path, 
     assert [record["id"] for record in records] == ["copy", "chat", 6]  # no id: the line number
     for record in records:
         assert isinstance(record["text"], str)
-        assert set(record["stats"]) == {"new_tokens", "steps", "accepted", "drafted", "seconds"}
+        assert set(record["stats"]) == {"new_tokens", "steps", "accepted", "drafted", "seconds", "exact"}
         assert record["stats"]["new_tokens"] == 12
     err = capsys.readouterr().err
     assert "in.jsonl:2:" in err and "in.jsonl:4:" in err and '"messages"' in err

@@ -14,6 +14,8 @@ from ..hf.generate import prepare_jobs
 from ..policy.batch_size import fastest_batch_size
 from .requests import encode
 
+REMEASURE = 256  # requests between measurements of the batch size, where it is measured (not given)
+
 
 @dataclass
 class Settings:
@@ -64,22 +66,36 @@ class Answerer:
 
     def __call__(self, requests: Iterable[tuple[int, dict]], largest: int = 32, eager: bool = False) -> Iterator[dict]:
         """Answer records as requests finish (not in input order). ``largest`` bounds the measured batch size;
-        ``eager`` prepares every request before decoding any."""
+        ``eager`` prepares every request before decoding any. A measured batch size is measured again every
+        :data:`REMEASURE` requests (a busy moment at start must not fix it for the whole run); where it changed, the
+        requests in flight finish and the rest go on in batches of the new size."""
         prepared = filter(None, itertools.starmap(self._job, requests))
         if eager:
             prepared = iter(list(prepared))
-        first = next(prepared, None)
-        if first is None:
-            return
-        if self.slots is None:
-            self.slots = fastest_batch_size(self.model, largest=largest)
-        decoder = Decoder(self.model, self.proposer, first[1], self.slots, exact=self.settings.exact)
-        self.exactness = decoder.exactness
-        try:
-            for row, _ in decoder.run(itertools.chain([first[0]], (job for job, _ in prepared))):
-                if row.finished:
-                    text = self.tokenizer.decode(row.sequence.ids[len(row.job.prompt) :], skip_special_tokens=True)
-                    yield {"id": row.job.key, "text": text, "stats": _stats(row.stats)}
-        finally:
-            self.passes += decoder.passes
-            self.plain_speedups.append(decoder.plain_speedup())
+        measured = self.settings.batch_size is None
+        while (first := next(prepared, None)) is not None:
+            if self.slots is None:
+                self.slots = fastest_batch_size(self.model, largest=largest)
+            decoder = Decoder(self.model, self.proposer, first[1], self.slots, exact=self.settings.exact)
+            self.exactness = decoder.exactness
+            jobs = itertools.chain([first], prepared)
+            try:
+                for row, _ in decoder.run(self._jobs(jobs, largest) if measured else (job for job, _ in jobs)):
+                    if row.finished:
+                        text = self.tokenizer.decode(row.sequence.ids[len(row.job.prompt) :],
+                                                     skip_special_tokens=True)
+                        yield {"id": row.job.key, "text": text, "stats": _stats(row.stats)}
+            finally:
+                self.passes += decoder.passes
+                self.plain_speedups.append(decoder.plain_speedup())
+
+    def _jobs(self, prepared: Iterator[tuple[Job, object]], largest: int) -> Iterator[Job]:
+        """The jobs of ``prepared`` until, measured again after every :data:`REMEASURE` of them, the fastest batch
+        size is another than the decoder's: then it becomes ``slots``, and the rest stay in ``prepared``."""
+        for count, (job, _) in enumerate(prepared, start=1):
+            yield job
+            if count % REMEASURE == 0:
+                size = fastest_batch_size(self.model, largest=largest, again=True)
+                if size != self.slots:
+                    self.slots = size
+                    return

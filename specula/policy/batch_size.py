@@ -3,12 +3,12 @@ measured, not a constant that suits one machine."""
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
 from ..verifier.runner import CachedModel
+from .costs import lower_median
 from ..verifier.support import UnsupportedModelError
 from ..verifier.profile import profile_of
 from ..verifier.support import vocab_size
@@ -18,19 +18,21 @@ from ..verifier.row_exact.linear import _spare_bytes
 @torch.inference_mode()
 def fastest_batch_size(
     model: torch.nn.Module, largest: int = 32, context: int = 128, gain: float = 1.1, context_per_row: int = 4096,
+    again: bool = False,
 ) -> int:
     """The batch size (1, 2, 4 ... up to ``largest``) whose plain decoding passes, as specula's loop runs them, make
     the most tokens per second.
 
     Rows of ``context + 16 * largest``, ``context + 16``, ``context + 32`` ... tokens of cache (different lengths, as
-    real requests have) get one token each; each size is timed on 3 such passes (median). Doubling goes on while it
-    gains at least ``gain`` in tokens per second and that many rows of ``context_per_row`` tokens of KV cache fit in
-    a quarter of the free memory. 1 for models that cannot be batched. Measured once per model (what it takes:
-    ``docs/hardware.md``)."""
+    real requests have) get one token each. Each size's tokens per second is weighed against a one-row pass timed
+    just before (3 rounds, the lower median of the ratios), so that load on the machine, which slows both, does not
+    favour one size over another. Doubling goes on while it gains at least ``gain`` in tokens per second and that many rows of
+    ``context_per_row`` tokens of KV cache fit in a quarter of the free memory. 1 for models that cannot be batched.
+    Measured once per model, or ``again`` (what it takes: ``docs/hardware.md``)."""
     if largest < 2:
         return 1
     profile = profile_of(model)
-    if profile.batch_size is not None and profile.batch_size[0] >= largest:
+    if not again and profile.batch_size is not None and profile.batch_size[0] >= largest:
         return profile.batch_size[1]
     device = model.get_input_embeddings().weight.device
     try:
@@ -40,6 +42,9 @@ def fastest_batch_size(
         return 1
     text = torch.randint(0, vocab_size(model), (context + 16 * largest,), generator=torch.Generator().manual_seed(0))
     spare = _spare_bytes(device)
+    alone = CachedModel(model, None, None, rollback=True, capacity=context + 16 * largest + 1,
+                        row_exact=target.row_exact is not None, ragged=True)  # (what each size is weighed against)
+    alone.start_row(0, text.to(device))
     best, best_rate, size = 1, 0.0, 1
     target.start_row(0, text.to(device))  # the longest row, whose prefixes the others take
     while True:
@@ -53,7 +58,7 @@ def fastest_batch_size(
                            if isinstance(t, torch.Tensor)) / (size * target.cached_tokens)  # (recurrent state: none)
         if spare is not None and size * kv_per_token * context_per_row > spare / 4:
             break
-        rate = size / _pass_seconds(target, [text[:1].to(device)] * size)
+        rate = _relative_rate(target, alone, text[:1].to(device))
         if rate < gain * best_rate:
             break
         best, best_rate = size, rate
@@ -64,15 +69,22 @@ def fastest_batch_size(
     return best
 
 
+def _relative_rate(target: CachedModel, alone: CachedModel, token: torch.Tensor, rounds: int = 3) -> float:
+    """Tokens per second of plain passes over ``target``'s rows, in those of a one-row pass of ``alone`` timed just
+    before each (load on the machine slows both): the lower median over ``rounds`` rounds, after one that warms up."""
+    ratios = []
+    for _ in range(rounds + 1):
+        one = _pass_seconds(alone, [token])
+        ratios.append(target.batch * one / _pass_seconds(target, [token] * target.batch))
+    return lower_median(ratios[1:])
+
+
 def _pass_seconds(target: CachedModel, blocks: list[torch.Tensor]) -> float:
-    """The median time of 3 plain passes over ``blocks`` (one token a row), after one that warms up; the cache is
-    left as it was."""
-    seconds = []
-    for _ in range(4):
-        started = time.perf_counter()
-        target.forward_rows(blocks, [1] * len(blocks))
-        if target.device.type == "cuda":
-            torch.cuda.synchronize(target.device)
-        seconds.append(time.perf_counter() - started)
-        target.keep_rows([0] * len(blocks))  # (forgotten again)
-    return statistics.median(seconds[1:])
+    """The time of a plain pass over ``blocks`` (one token a row); the cache is left as it was."""
+    started = time.perf_counter()
+    target.forward_rows(blocks, [1] * len(blocks))
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    seconds = time.perf_counter() - started
+    target.keep_rows([0] * len(blocks))  # (forgotten again)
+    return seconds

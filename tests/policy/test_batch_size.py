@@ -35,6 +35,29 @@ def test_the_fastest_batch_size_follows_the_pass_costs(monkeypatch, cost, expect
     assert batch_size.fastest_batch_size(model, largest=1) == 1
 
 
+@pytest.mark.parametrize("busy_from", [4, 9, 14])
+def test_a_machine_that_gets_busy_during_the_measurement_does_not_change_the_size(monkeypatch, busy_from) -> None:
+    """Passes cost the same whatever their rows (the largest is fastest), until another program makes every pass 3x
+    slower: each size is weighed against a one-row pass timed at about the same moment, so the load changes
+    nothing. (The mutant that compares the sizes' own rates stops at the size measured before the load.)"""
+    clock, passes = [0.0], [0]
+    monkeypatch.setattr(batch_size, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    forward_rows = CachedModel.forward_rows
+
+    def timed(self, blocks, num_logits):
+        passes[0] += 1
+        clock[0] += 3.0 if passes[0] >= busy_from else 1.0
+        return forward_rows(self, blocks, num_logits)
+
+    monkeypatch.setattr(CachedModel, "forward_rows", timed)
+    model = tiny_model("llama")
+    profile_of(model).batch_size = None
+    assert batch_size.fastest_batch_size(model, largest=8) == 8
+    clock[0], passes[0] = 0.0, 0
+    assert batch_size.fastest_batch_size(model, largest=8) == 8 and passes[0] == 0  # (measured once)
+    assert batch_size.fastest_batch_size(model, largest=8, again=True) == 8 and passes[0] > 0
+
+
 def test_models_that_cannot_be_batched_get_one() -> None:
     assert batch_size.fastest_batch_size(tiny_causal_lm("zaya"), largest=8) == 1  # (its state in its attention)
     assert batch_size.fastest_batch_size(tiny_causal_lm("mamba"), largest=4) in (1, 2, 4)  # (rows computed, not copied)

@@ -1,0 +1,48 @@
+"""The answerer of specula generate: a measured batch size is measured again during a run, and a change of size
+loses and repeats no request."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import tiny_model, tiny_tokenizer
+
+import specula
+from specula.jobs import answerer as answerer_module
+from specula.jobs.answerer import Answerer, Settings
+
+
+@pytest.mark.parametrize("remeasure", [True, False])
+def test_a_measured_batch_size_is_measured_again_during_a_run(monkeypatch, remeasure: bool) -> None:
+    """The machine was busy when the run started (size 1 measured fastest), quiet later (size 4): after every 3
+    requests the size is measured again, and the rest run in batches of 4. Each request is answered once."""
+    sizes, built = iter([1, 4, 4, 4]), []
+    measured = []
+
+    def fastest(model, largest, again=False):
+        measured.append(again)
+        return next(sizes) if remeasure or not again else 1
+
+    class Recording(specula.Decoder):
+        def __init__(self, model, proposer, sampling, slots, **kwargs):
+            built.append(slots)
+            super().__init__(model, proposer, sampling, slots, **kwargs)
+
+    monkeypatch.setattr(answerer_module, "fastest_batch_size", fastest)
+    monkeypatch.setattr(answerer_module, "Decoder", Recording)
+    monkeypatch.setattr(answerer_module, "REMEASURE", 3)
+    answerer = Answerer(tiny_model("llama"), tiny_tokenizer(), specula.PromptLookup(), Settings(max_new_tokens=6),
+                        on_skip=lambda number, reason: None)
+    requests = [(n, {"id": f"r{n}", "prompt": f"the quick brown fox {n} jumps over the lazy dog {n}"})
+                for n in range(10)]
+    answers = list(answerer(requests, largest=8))
+    assert sorted(answer["id"] for answer in answers) == sorted(f"r{n}" for n in range(10))
+    assert measured[0] is False and all(measured[1:]) and len(measured) == 4  # at start, then after 3, 6, 9
+    assert built == ([1, 4] if remeasure else [1]) and answerer.slots == (4 if remeasure else 1)
+
+
+def test_a_batch_size_given_is_never_measured(monkeypatch) -> None:
+    monkeypatch.setattr(answerer_module, "fastest_batch_size", lambda *args, **kwargs: pytest.fail("measured"))
+    monkeypatch.setattr(answerer_module, "REMEASURE", 1)
+    answerer = Answerer(tiny_model("llama"), tiny_tokenizer(), None, Settings(max_new_tokens=4, batch_size=2),
+                        on_skip=lambda number, reason: None)
+    assert len(list(answerer([(n, {"prompt": f"hello {n}"}) for n in range(5)]))) == 5
