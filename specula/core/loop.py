@@ -17,7 +17,8 @@ from ..verifier import calibration
 from .acceptance import accept_draft
 from ..verifier.runner import CachedModel
 from ..policy.adaptive import AdaptiveDrafts, FixedDrafts
-from ..policy.costs import shared_pass_costs
+from ..policy.costs import PassCosts, shared_pass_costs
+from ..policy.kept_costs import kept_pass_costs
 from ..policy.protocol import DraftPolicy, Step
 from ..verifier.support import UnsupportedModelError, vocab_size
 from .draft import Draft
@@ -137,16 +138,19 @@ class Decoder:
         self.proposer = None if proposer is None else for_requests(proposer)
         # Draft lengths follow measured timings only where the output cannot depend on them: greedy decoding, and
         # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
-        # that round as one-token steps do (or in fp32, far below the gaps between logits). Elsewhere they follow
-        # acceptance alone, so that a request decodes the same on every run.
+        # that round as one-token steps do (or in fp32, far below the gaps between logits). With ordinary passes in
+        # bf16/fp16 they follow pass costs measured once per machine and kept (one request at a time), so that a
+        # request decodes the same on every run; with drafts drawn at random, acceptance alone.
         verifies = proposer is not None or slots > 1  # (else every pass is a one-token step)
         self.exactness = choose(model, exact, verifies)
         self.row_exact = verifies and self.exactness.exact
         drawn = not sampling.greedy and getattr(proposer, "samples_drafts", False)
         timed = not drawn and (self.row_exact or not is_half_precision(model))
         setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
-        def costs(rows: int):  # pass costs
-            return shared_pass_costs(model, setting, MAX_DRAFT, rows)
+        kept = kept_pass_costs(model, MAX_DRAFT) if adaptive_draft and not timed and not drawn and verifies else None
+
+        def costs(rows: int) -> PassCosts | None:  # measured while decoding, or kept (one row), or none
+            return shared_pass_costs(model, setting, MAX_DRAFT, rows) if timed else kept if rows == 1 else None
 
         self.policy: DraftPolicy = (AdaptiveDrafts(MAX_DRAFT, timed, costs) if adaptive_draft
                                     else FixedDrafts(MAX_DRAFT))

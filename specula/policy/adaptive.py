@@ -106,8 +106,9 @@ def budgets(rows: Sequence["RequestAcceptance"], remaining: Sequence[int], costs
 class AdaptiveDrafts:
     """The :class:`~specula.policy.protocol.DraftPolicy` of ``adaptive_draft=True``: each request's acceptance is
     its own (:class:`RequestAcceptance`, its state), what a pass costs is measured by the tokens it verifies in all,
-    per number of rows (``costs(rows)``, shared per target model; not consulted when untimed), a width whose cost is
-    stale measured again now and then (:meth:`PassCosts.probe`)."""
+    per number of rows (``costs(rows)``, shared per target model; ``timed=False``: the costs are a kept table or
+    ``None``, and no pass is timed into them), a width whose cost is stale measured again now and then
+    (:meth:`PassCosts.probe`)."""
 
     def __init__(self, max_draft: int, timed: bool, costs: Callable[[int], PassCosts]) -> None:
         self.max_draft, self.timed, self.costs = max_draft, timed, costs
@@ -149,8 +150,8 @@ class AdaptiveDrafts:
         return [sorted(order[:count].tolist()) for order, count in zip(orders, counts)], rate
 
     def _costs(self, rows: int) -> PassCosts | None:
-        """The pass costs the decisions use (``None``: untimed)."""
-        return self.costs(rows) if self.timed else None
+        """The pass costs the decisions use (``None``: every pass taken to cost the same)."""
+        return self.costs(rows)
 
     def learn(self, step: Step) -> None:
         """The pass's time goes into the costs of its number of rows (a tree pass's where one row sent a tree),

@@ -66,7 +66,7 @@ def choose(model: torch.nn.Module, exact: bool | None, verifies: bool = True) ->
                      f"exactness would cost over {THRESHOLD:.2f}x; exact=True forces it")
 
 
-def _model_key(model: torch.nn.Module) -> str:
+def model_key(model: torch.nn.Module) -> str:
     """What the cost depends on besides the machine: the model's parameter shapes, dtype and attention."""
     shapes = str([(name, tuple(p.shape)) for name, p in model.named_parameters()])
     return hashlib.sha1(shapes.encode()).hexdigest()[:16]
@@ -76,7 +76,7 @@ def measured_cost(model: torch.nn.Module) -> float | None:
     """A row-exact pass's time over an ordinary one's for ``model`` on this machine (measured once, kept); ``None``
     where row-exact passes are not supported for it."""
     weight = next(model.parameters())
-    key = calibration_key(weight.device, "exact pass", _model_key(model), weight.dtype,
+    key = calibration_key(weight.device, "exact pass", model_key(model), weight.dtype,
                           model.config._attn_implementation, CONTEXT)
     return calibration.shared().get(key, lambda: _measure(model))
 
