@@ -14,6 +14,7 @@ import torch
 if TYPE_CHECKING:
     from .packed import PackedLinears
     from .row_exact import RowExact
+    from .threads import ThreadChoice
 
 
 @dataclass
@@ -28,6 +29,8 @@ class ModelProfile:
     row_exact: tuple[Hashable, RowExact] | None = None
     # (the dtype and device they were packed for, the packed linear layers) (specula.verifier.packed)
     packed: tuple[Hashable, PackedLinears] | None = None
+    # how many threads ordinary passes run with (specula.verifier.threads)
+    threads: ThreadChoice | None = None
 
 
 _PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

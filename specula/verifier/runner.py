@@ -21,7 +21,8 @@ from .recurrent import (
     stop_recording,
 )
 from .packed import packed_for
-from .row_exact import row_exact_for
+from .threads import thread_choice
+from .row_exact import is_half_precision, row_exact_for
 from .support import (
     UnsupportedModelError, cache_argument, check_batchable, check_cache_length, check_recurrent_rows, check_rollback,
     check_split_independent, check_standard_cache, describe, multi_token_failure,
@@ -249,6 +250,9 @@ class CachedModel:
         self._undo: tuple[Snapshot, torch.Tensor] | None = None  # recurrent: the states before the last pass, its tokens
         self.row_exact = row_exact_for(model) if row_exact else None
         self.packed = None if row_exact else packed_for(model)  # (verification passes with prepacked weights)
+        # ordinary passes with the thread count measured faster: in fp32 only (in bf16/fp16 their rounding, which
+        # the thread count may change, must not follow the clock)
+        self.threads = None if row_exact or is_half_precision(model) else thread_choice(model)
         self.slots = slots
         self.ragged = slots > 1 if ragged is None else ragged  # rows keep their own lengths (also when rows leave)
         self.takes_trees = self.ragged  # (recurrent layers: stepped, each token from its parent's state)
@@ -380,6 +384,7 @@ class CachedModel:
                 sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu and not exact else contextlib.nullcontext(),
                 self.row_exact.applied(self.cache, argmax_only=argmax_only) if exact else _as_they_are() as finish,
                 self.packed.applied() if self.packed and verifies else contextlib.nullcontext(),
+                self.threads.applied((1, len(token_ids))) if self.threads and verifies else contextlib.nullcontext(),
                 self.stepwise.applied(self.cache) if self.stepwise and verifies else contextlib.nullcontext(),
                 self.indexers.applied() if self.indexers and verifies else contextlib.nullcontext(),
             ):
@@ -437,8 +442,13 @@ class CachedModel:
         if self.stepwise is not None:
             self.stepwise.forget()
         parents = _parents(trees, n) if trees and any(tree is not None for tree in trees) else None  # [B][n]
-        packed = self.packed.applied() if self.packed and not one_token_step else contextlib.nullcontext()
-        with exact as finish, packed, self.stepwise.applied(self.cache, parents) if stepwise else contextlib.nullcontext():
+        fast = not one_token_step and not self.row_exact  # (an ordinary pass: packed weights, measured threads)
+        with (
+            exact as finish,
+            self.packed.applied() if self.packed and fast else contextlib.nullcontext(),
+            self.threads.applied((len(blocks), n)) if self.threads and fast else contextlib.nullcontext(),
+            self.stepwise.applied(self.cache, parents) if stepwise else contextlib.nullcontext(),
+        ):
             logits = finish(self.model(**inputs).logits)[:, -keep:]  # [B, keep, vocab]
         self.cached_tokens = len(keys)
         check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")

@@ -1,0 +1,78 @@
+"""How many CPU threads an ordinary verification pass runs with: torch's, or one where that is faster now.
+
+On a machine another program keeps busy, torch's threads wait for the slowest of them at every operation, and a
+pass over several tokens loses most: a 2-core AVX2 EPYC with one core busy ran SmolLM2-135M's pass over 8 tokens in
+592 ms with 2 threads and 197 ms with 1 (quiet: 130 and 167 ms). So each ordinary pass over several tokens runs with
+the thread count whose recent passes of its shape were cheaper (:class:`ThreadChoice`), and every :data:`EVERY`-th
+pass of a shape runs with the other one, so that the choice follows the machine both ways at a bounded cost.
+One-token steps and row-exact passes keep torch's thread count (their bits are ``model.generate``'s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Callable
+
+import torch
+
+from ..policy.costs import lower_median
+from .profile import profile_of
+
+EVERY = 32  # one pass of a shape in this many runs with the thread count not chosen, to measure it again
+KEEP = 4  # recent passes kept per shape and thread count
+
+
+class ThreadChoice:
+    """The thread count of each shape of pass (``(rows, tokens a row)``, tokens taken by powers of two: passes of
+    4 to 7 tokens share one), from the recent times of both counts."""
+
+    def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.counts = (threads, 1)
+        self.clock = clock
+        self.seconds: dict[tuple, deque] = {}  # (shape, threads): recent seconds
+        self.passes: dict[tuple, int] = {}  # passes per shape
+
+    def pick(self, shape: tuple) -> int:
+        """The thread count for the next pass of ``shape``: each count until both were timed, then the cheaper by
+        the lower median of recent passes, but every :data:`EVERY`-th pass the other."""
+        shape = _bucket(shape)
+        count = self.passes.get(shape, 0)
+        self.passes[shape] = count + 1
+        estimates = [self.seconds.get((shape, threads)) for threads in self.counts]
+        if not all(estimates):
+            return self.counts[count % 2]
+        cheaper = min(range(2), key=lambda i: lower_median(estimates[i]))
+        return self.counts[1 - cheaper] if count % EVERY == EVERY - 1 else self.counts[cheaper]
+
+    @contextlib.contextmanager
+    def applied(self, shape: tuple) -> Iterator[None]:
+        """Within the block (one pass of ``shape``), torch runs with the picked thread count, and the block's time
+        is recorded for it."""
+        threads, before = self.pick(shape), torch.get_num_threads()
+        shape = _bucket(shape)
+        torch.set_num_threads(threads)
+        started = self.clock()
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+        self.seconds.setdefault((shape, threads), deque(maxlen=KEEP)).append(self.clock() - started)
+
+
+def _bucket(shape: tuple[int, int]) -> tuple[int, int]:
+    """``(rows, tokens)`` with the tokens by power of two (1; 2-3; 4-7 ...)."""
+    return shape[0], shape[1].bit_length()
+
+
+def thread_choice(model: torch.nn.Module) -> ThreadChoice | None:
+    """``model``'s :class:`ThreadChoice` (kept with it, so that later generations start from what earlier ones
+    measured; again if torch's thread count changed): on a CPU with several threads, ``None`` elsewhere."""
+    if next(model.parameters()).device.type != "cpu" or torch.get_num_threads() < 2:
+        return None
+    profile = profile_of(model)
+    if profile.threads is None or profile.threads.counts[0] != torch.get_num_threads():
+        profile.threads = ThreadChoice(torch.get_num_threads())
+    return profile.threads

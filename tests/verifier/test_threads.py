@@ -1,0 +1,67 @@
+"""The thread count of ordinary passes, with a fake clock: torch's while that is faster, one thread while another
+program makes torch's threads wait, back again when the machine is quiet; one-token steps and row-exact passes keep
+torch's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bf16_cases import NEW_TOKENS, model, prompt
+from helpers import Oracle
+
+import specula
+from specula.verifier import threads as threads_module
+from specula.verifier.threads import EVERY, ThreadChoice
+
+
+def test_the_cheaper_count_is_chosen_both_ways_at_a_bounded_cost() -> None:
+    now, busy = [0.0], [False]
+    choice = ThreadChoice(2, clock=lambda: now[0])
+
+    def run_pass(shape=(1, 9)) -> int:
+        with choice.applied(shape):
+            used = torch.get_num_threads()
+            # quiet: 2 threads 1.0, one 1.3; busy: 2 threads 4.5, one 1.5
+            now[0] += (4.5 if busy[0] else 1.0) if used == 2 else (1.5 if busy[0] else 1.3)
+        return used
+
+    before = torch.get_num_threads()
+    quiet = [run_pass() for _ in range(10 * EVERY)]
+    assert torch.get_num_threads() == before  # (restored after each pass)
+    assert quiet[-5 * EVERY :].count(2) == 5 * EVERY - 5  # torch's, but for one pass in EVERY
+    busy[0] = True
+    loaded = [run_pass() for _ in range(10 * EVERY)]
+    assert loaded[-5 * EVERY :].count(1) == 5 * EVERY - 5  # one thread
+    busy[0] = False
+    again = [run_pass() for _ in range(10 * EVERY)]
+    assert again[-5 * EVERY :].count(2) == 5 * EVERY - 5
+    assert run_pass((4, 1)) in (1, 2) and choice.passes[(4, 1)] == 1  # shapes apart ...
+    run_pass((1, 12))
+    assert choice.passes[(1, 4)] == 30 * EVERY + 1  # ... but passes of 8 to 15 tokens share one
+
+
+def test_only_ordinary_fp32_passes_over_several_tokens_change_the_thread_count(monkeypatch) -> None:
+    seen = []
+    pick = ThreadChoice.pick
+
+    def recording(self, shape):
+        seen.append(shape)
+        return pick(self, shape)
+
+    monkeypatch.setattr(ThreadChoice, "pick", recording)
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to choose")
+    fp32 = model("llama", torch.float32)
+    expected = fp32.generate(prompt(), attention_mask=torch.ones_like(prompt()), do_sample=False,
+                             max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    out = specula.generate(fp32, prompt(), Oracle(expected, 8), max_new_tokens=NEW_TOKENS, eos_token_id=[],
+                           adaptive_draft=False)
+    assert out.sequences.tolist() == expected.tolist()
+    assert seen and all(tokens > 1 for _, tokens in seen) and len(seen) < out.stats.steps  # (not the prefill)
+    seen.clear()
+    specula.generate(model("llama"), prompt(), Oracle(expected, 8), max_new_tokens=8, eos_token_id=[], exact=True,
+                     adaptive_draft=False)
+    specula.generate(model("llama"), prompt(), Oracle(expected, 8), max_new_tokens=8, eos_token_id=[], exact=False,
+                     adaptive_draft=False)
+    assert not seen  # bf16: row-exact, or ordinary whose rounding must not follow the clock
+    assert threads_module.thread_choice(fp32) is threads_module.thread_choice(fp32)  # kept with the model
