@@ -9,7 +9,7 @@ of a verification pass so, where that is faster on this machine for that weight'
 row-exact calibrations: :mod:`specula.verifier.calibration`); one-token steps and prefills stay the model's own.
 
 The packed copies cost memory (as much as the weights they copy): layers are packed only while the copies take at
-most a quarter of the free memory. Where oneDNN cannot pack a dtype (bf16 without AVX512-BW or AVX-NE-CONVERT),
+most an eighth of the free memory. Where oneDNN cannot pack a dtype (bf16 without AVX512-BW or AVX-NE-CONVERT),
 nothing is packed.
 """
 
@@ -78,7 +78,7 @@ class PackedLinears:
         self.layers: list[list] = []  # [layer, its packed weight]
         self.states: dict[int, tuple[int, int]] = {}  # what each packed weight was packed from
         spare = _spare_bytes(torch.device("cpu"))
-        budget = None if spare is None else spare // 4
+        budget = None if spare is None else spare // 8
         packed_by_weight: dict[int, torch.Tensor | None] = {}  # (tied weights: packed once)
         for module in model.modules():
             if not _packable(module):

@@ -1,0 +1,70 @@
+"""Verification passes with prepacked weights: used in ordinary passes over several tokens only, output still
+model.generate's, packed again after an in-place change of a weight, within a memory budget."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import Oracle, hf_greedy
+from tiny_models import tiny_model
+
+import specula
+from specula.verifier import packed as packed_module
+from specula.verifier.profile import profile_of
+
+PROMPT = torch.tensor([[1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8] * 2])
+
+
+@pytest.fixture
+def always_packed(monkeypatch):
+    """Every packable layer is packed (whatever the clock finds here); counts the packed calls by width."""
+    if packed_module._pack(torch.zeros(4, 4)) is None:
+        pytest.skip("oneDNN cannot pack on this CPU")
+    calls = []
+    monkeypatch.setattr(packed_module, "_faster_packed", lambda layer, packed: True)
+    forward = packed_module._packed_forward
+
+    def counting(packed, bias):
+        inner = forward(packed, bias)
+        return lambda x: calls.append(x.shape[-2]) or inner(x)
+
+    monkeypatch.setattr(packed_module, "_packed_forward", counting)
+    return calls
+
+
+def test_packed_weights_serve_passes_over_several_tokens_only(always_packed) -> None:
+    model = copy.deepcopy(tiny_model("llama"))
+    expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
+    out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[],
+                           adaptive_draft=False)
+    assert out.sequences.tolist() == expected.tolist()
+    assert always_packed and min(always_packed) > 1  # passes over several tokens, never the prefill's 32 alone
+    assert max(always_packed) <= 7 and out.stats.accepted > 12
+    plain = len(always_packed)
+    specula.generate(model, PROMPT, None, max_new_tokens=8, eos_token_id=[])
+    assert len(always_packed) == plain  # plain decoding: the model's own one-token steps
+
+
+def test_a_weight_changed_in_place_is_packed_again(always_packed) -> None:
+    model = copy.deepcopy(tiny_model("llama"))
+    expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
+    specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[], adaptive_draft=False)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(-1.5)
+    expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
+    out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[],
+                           adaptive_draft=False)
+    assert out.sequences.tolist() == expected.tolist() and out.stats.accepted > 12
+
+
+def test_nothing_is_packed_beyond_the_memory_budget(always_packed, monkeypatch) -> None:
+    model = copy.deepcopy(tiny_model("llama"))
+    monkeypatch.setattr(packed_module, "_spare_bytes", lambda device: 0)
+    assert packed_module.packed_for(model) is None
+    profile_of(model).packed = None
+    monkeypatch.setattr(packed_module, "_spare_bytes", lambda device: 10**12)
+    layers = packed_module.packed_for(model).layers
+    assert len(layers) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
