@@ -75,8 +75,8 @@ class PackedLinears:
     a weight changed since)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.layers: list[list] = []  # [layer, its packed weight]
-        self.states: dict[int, tuple[int, int]] = {}  # what each packed weight was packed from
+        # [layer, the weight and bias packed, the weight's state then, the packed forward]
+        self.layers: list[list] = []
         spare = _spare_bytes(torch.device("cpu"))
         budget = None if spare is None else spare // 8
         packed_by_weight: dict[int, torch.Tensor | None] = {}  # (tied weights: packed once)
@@ -91,24 +91,28 @@ class PackedLinears:
                 if packed is not None and budget is not None:
                     budget -= weight.nbytes
                 packed_by_weight[id(weight)] = packed
-                self.states[id(weight)] = _state(weight)
             if packed_by_weight[id(weight)] is not None:
-                self.layers.append([module, packed_by_weight[id(weight)]])
+                self.layers.append([module, weight, module.bias, _state(weight),
+                                    _packed_forward(packed_by_weight[id(weight)], module.bias)])
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
-        """Within the block, the packed layers compute with their packed weights."""
-        for index, (layer, packed) in enumerate(self.layers):
-            if self.states.get(id(layer.weight)) != _state(layer.weight):  # (changed, or another weight now)
-                packed = self.layers[index][1] = _pack(layer.weight)
-                self.states[id(layer.weight)] = _state(layer.weight)
-            if packed is not None:
-                layer.forward = _packed_forward(packed, layer.bias)
+        """Within the block, the packed layers compute with their packed weights (packed again where a layer's
+        weight or bias is another tensor now, or its weight changed in place)."""
+        for entry in self.layers:
+            layer, weight, bias, state, forward = entry
+            now, bias_now = layer._parameters.get("weight"), layer._parameters.get("bias")  # (not Module.__getattr__)
+            if now is not weight or bias_now is not bias or _state(now) != state:
+                packed = _pack(now) if now is not None else None
+                forward = None if packed is None else _packed_forward(packed, bias_now)
+                entry[1:] = [now, bias_now, None if now is None else _state(now), forward]
+            if forward is not None:
+                layer.__dict__["forward"] = forward  # (not Module.__setattr__: slow)
         try:
             yield
         finally:
-            for layer, _ in self.layers:
-                layer.__dict__.pop("forward", None)
+            for entry in self.layers:
+                entry[0].__dict__.pop("forward", None)
 
 
 def packed_for(model: nn.Module) -> PackedLinears | None:

@@ -15,6 +15,7 @@ from transformers.cache_utils import (
     DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer,
 )
 
+from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
 from .recurrent import (
     STEP_BY_STEP, RecurrentRows, Snapshot, Stepwise, crop_attention, has_recurrent_state, restore, snapshot,
@@ -253,6 +254,7 @@ class CachedModel:
         # ordinary passes with the thread count measured faster: in fp32 only (in bf16/fp16 their rounding, which
         # the thread count may change, must not follow the clock)
         self.threads = None if row_exact or is_half_precision(model) else thread_choice(model)
+        self.unrepeated = model.config._attn_implementation == "sdpa" and self.device.type == "cpu"
         self.slots = slots
         self.ragged = slots > 1 if ragged is None else ragged  # rows keep their own lengths (also when rows leave)
         self.takes_trees = self.ragged  # (recurrent layers: stepped, each token from its parent's state)
@@ -383,8 +385,7 @@ class CachedModel:
             with (
                 sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu and not exact else contextlib.nullcontext(),
                 self.row_exact.applied(self.cache, argmax_only=argmax_only) if exact else _as_they_are() as finish,
-                self.packed.applied() if self.packed and verifies else contextlib.nullcontext(),
-                self.threads.applied((1, len(token_ids))) if self.threads and verifies else contextlib.nullcontext(),
+                self._ordinary((1, len(token_ids))) if verifies and not exact else contextlib.nullcontext(),
                 self.stepwise.applied(self.cache) if self.stepwise and verifies else contextlib.nullcontext(),
                 self.indexers.applied() if self.indexers and verifies else contextlib.nullcontext(),
             ):
@@ -442,17 +443,27 @@ class CachedModel:
         if self.stepwise is not None:
             self.stepwise.forget()
         parents = _parents(trees, n) if trees and any(tree is not None for tree in trees) else None  # [B][n]
-        fast = not one_token_step and not self.row_exact  # (an ordinary pass: packed weights, measured threads)
+        fast = not one_token_step and not self.row_exact  # (an ordinary pass over several tokens)
         with (
             exact as finish,
-            self.packed.applied() if self.packed and fast else contextlib.nullcontext(),
-            self.threads.applied((len(blocks), n)) if self.threads and fast else contextlib.nullcontext(),
+            self._ordinary((len(blocks), n)) if fast else contextlib.nullcontext(),
             self.stepwise.applied(self.cache, parents) if stepwise else contextlib.nullcontext(),
         ):
             logits = finish(self.model(**inputs).logits)[:, -keep:]  # [B, keep, vocab]
         self.cached_tokens = len(keys)
         check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")
         return [logits[b, first[b] - (n - keep) : lengths[b] - (n - keep)] for b in range(self.batch)]
+
+    @contextlib.contextmanager
+    def _ordinary(self, shape: tuple[int, int]) -> Iterator[None]:
+        """An ordinary pass over several tokens (``shape``: rows, tokens a row): prepacked weights, key/value heads
+        not repeated, the thread count measured cheaper, each where this machine gains by it."""
+        with (
+            self.packed.applied() if self.packed else contextlib.nullcontext(),
+            unrepeated_kv_heads() if self.unrepeated else contextlib.nullcontext(),
+            self.threads.applied(shape) if self.threads else contextlib.nullcontext(),
+        ):
+            yield
 
     def _block_mask(self, starts: torch.Tensor, keys: torch.Tensor, ancestry: torch.Tensor, depth: torch.Tensor,
                     positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:

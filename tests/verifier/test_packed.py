@@ -47,13 +47,19 @@ def test_packed_weights_serve_passes_over_several_tokens_only(always_packed) -> 
     assert len(always_packed) == plain  # plain decoding: the model's own one-token steps
 
 
-def test_a_weight_changed_in_place_is_packed_again(always_packed) -> None:
+def test_a_weight_changed_in_place_or_replaced_is_packed_again(always_packed) -> None:
     model = copy.deepcopy(tiny_model("llama"))
     expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
     specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[], adaptive_draft=False)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.down_proj.weight.mul_(-1.5)
+    expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
+    out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[],
+                           adaptive_draft=False)
+    assert out.sequences.tolist() == expected.tolist() and out.stats.accepted > 12
+    for layer in model.model.layers:  # another weight tensor (as loading a state dict with assign=True gives)
+        layer.mlp.up_proj.weight = torch.nn.Parameter(layer.mlp.up_proj.weight.detach() * -2)
     expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
     out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[],
                            adaptive_draft=False)

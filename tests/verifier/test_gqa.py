@@ -1,0 +1,95 @@
+"""Ordinary passes over several tokens attend over the key/value heads as they are: the same attention as
+transformers' SDPA function with the heads repeated, only where timed faster here, never in one-token steps or
+row-exact passes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import Oracle, hf_greedy
+from tiny_models import tiny_model
+
+import specula
+from specula.verifier import calibration
+from specula.verifier import gqa as gqa_module
+from specula.verifier.gqa import unrepeated_kv_heads
+from specula.verifier.runner import CachedModel
+
+PROMPT = torch.tensor([[1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8] * 2])
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The query shapes of attention computed over unrepeated key/value heads (each taken as faster)."""
+    seen = []
+    inner = gqa_module._unrepeated
+    monkeypatch.setattr(gqa_module, "_faster", lambda *args: True)
+    monkeypatch.setattr(gqa_module, "_unrepeated", lambda q, *rest: seen.append(tuple(q.shape)) or inner(q, *rest))
+    return seen
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])  # (gemma3: sliding-window layers, a mask per layer type)
+def test_the_same_logits_as_with_repeated_heads(name, calls) -> None:
+    model = tiny_model(name)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    logits = []
+    for unrepeated in (False, True):
+        runner = CachedModel(model, None, None, rollback=True, capacity=64, row_exact=False)
+        runner.unrepeated = unrepeated
+        runner.start_row(0, PROMPT[0, :20])
+        logits.append(runner.forward_rows([PROMPT[0, 20:28]], [8])[0])
+    assert calls and all(shape[2] == 8 for shape in calls)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-6, atol=1e-6)
+
+
+def test_ordinary_passes_over_several_tokens_only(calls) -> None:
+    model = copy.deepcopy(tiny_model("llama"))
+    expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
+    out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[],
+                           adaptive_draft=False, exact=False)
+    assert out.sequences.tolist() == expected.tolist() and out.stats.accepted > 12
+    layers = model.config.num_hidden_layers
+    assert calls and len(calls) % layers == 0 and all(1 < shape[2] <= 7 for shape in calls)  # never the prefill
+    seen = len(calls)
+    specula.generate(model, PROMPT, None, max_new_tokens=8, eos_token_id=[])  # plain: one-token steps
+    specula.generate(model.to(torch.bfloat16), PROMPT, Oracle(expected, 6), max_new_tokens=8, eos_token_id=[],
+                     adaptive_draft=False, exact=True)
+    assert len(calls) == seen
+
+
+def test_left_to_transformers_where_not_faster(monkeypatch, tmp_path) -> None:
+    """A machine where attention over unrepeated heads is slower (a fake clock charges it more) keeps transformers'
+    SDPA function; the answer is kept with the calibrations."""
+    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "calibrations.json"))
+    calibration.forget()
+    monkeypatch.setattr(gqa_module, "_FASTER", {})
+    now = [0.0]
+    monkeypatch.setattr(calibration, "CLOCK", lambda: now[0])
+    inner, seen = gqa_module._unrepeated, []
+
+    def dear(q, *rest):
+        now[0] += 1.0
+        seen.append(q.shape[2])
+        return inner(q, *rest)
+
+    monkeypatch.setattr(gqa_module, "_unrepeated", dear)
+    model = tiny_model("llama")
+    runner = CachedModel(model, None, None, rollback=True, capacity=64, row_exact=False)
+    runner.start_row(0, PROMPT[0, :20])
+    runner.forward_rows([PROMPT[0, 20:28]], [8])
+    timed = len(seen)
+    assert timed == calibration.TIMING_REPEATS + 1  # (the calibration's own calls: a warm-up and the timed ones)
+    assert any("unrepeated kv heads" in key and value is False for key, value in calibration.shared().known.items())
+    runner.forward_rows([PROMPT[0, 28:32]], [4])
+    assert len(seen) == timed
+    calibration.forget()
+
+
+def test_the_model_attention_is_restored() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    with unrepeated_kv_heads():
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
