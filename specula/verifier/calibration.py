@@ -27,6 +27,9 @@ CLOCK = time.perf_counter  # what strategies are timed with (tests put a fake cl
 CALIBRATION_ROWS = 33  # the widest pass the loop sends (MAX_DRAFT + 1)
 TIMED_ROWS = 9  # strategies are timed on a typical pass: the last token and 8 drafts ...
 TIMED_KEYS = 700  # ... after this many tokens
+# How specula computes passes: part of every key, changed whenever what a kept measurement measured changes (pass
+# costs and the cost of exactness follow how ordinary passes are computed), so that none outlives its subject.
+PASSES = 2
 
 
 def device_name(device: torch.device) -> str:
@@ -43,8 +46,8 @@ def device_name(device: torch.device) -> str:
 
 def calibration_key(device: torch.device, operation: str, *shape: Hashable) -> str:
     """The key of one operation's calibration on ``device``."""
-    return json.dumps([device_name(device), torch.__version__, torch.backends.cpu.get_cpu_capability(), operation,
-                       *map(str, shape)])
+    return json.dumps([device_name(device), torch.__version__, torch.backends.cpu.get_cpu_capability(), PASSES,
+                       operation, *map(str, shape)])
 
 
 def calibrations_path() -> Path:
