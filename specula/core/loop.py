@@ -22,6 +22,7 @@ from ..policy.kept_costs import kept_pass_costs
 from ..policy.protocol import DraftPolicy, Step
 from ..verifier.support import UnsupportedModelError, vocab_size
 from .draft import Draft
+from .prediction import Prediction, with_prediction
 from .sequence import Sequence
 from ..proposers.base import Proposer, RequestFailed, RequestProposer, for_requests
 from ..verifier.exactness import choose
@@ -90,6 +91,7 @@ class Job:
     # a left-padded prompt decoded alone, fed as model.generate feeds it: (tokens [L], positions [1, max_length],
     # attention mask [1, max_length])
     padded: tuple[np.ndarray, torch.Tensor, torch.Tensor] | None = None
+    prediction: np.ndarray | None = None  # [P] the tokens it expects back, drafted from (specula.core.prediction)
 
 
 class Row:
@@ -102,8 +104,14 @@ class Row:
         self.sequence = Sequence(job.prompt, job.max_new_tokens, job.eos_token_ids, job.stopping_criteria)
         self.sampling = sampling if job.generator is None else dataclasses.replace(sampling, generator=job.generator)
         self.stats = SpecStats(prompt_tokens=len(job.prompt))
+        self.prediction = None if job.prediction is None else Prediction(job.prediction)
         self.finished = False
         self.started = time.perf_counter()
+
+    @property
+    def output(self) -> np.ndarray:
+        """The tokens it generated so far (a view)."""
+        return self.sequence.ids[len(self.job.prompt) :]
 
     def advance(self, new_tokens: list[int], sent: Draft) -> list[int]:
         """Record a pass that verified ``sent`` and produced ``new_tokens`` for this row; return the tokens its
@@ -111,6 +119,10 @@ class Row:
         accepted = len(new_tokens) - 1
         alone = len(sent.chain().path(new_tokens[:-1])) if sent.is_tree else None  # its first branch's
         self.stats.record_step(len(sent), accepted, None if alone is None else accepted - alone)
+        if self.prediction is not None:
+            self.prediction.advance(sent, new_tokens)
+            self.stats.accepted_prediction_tokens = self.prediction.accepted
+            self.stats.rejected_prediction_tokens = self.prediction.rejected
         kept, self.finished = self.sequence.append(new_tokens)
         now = time.perf_counter() - self.started
         if self.stats.steps == 1:
@@ -132,16 +144,17 @@ class Decoder:
 
     def __init__(
         self, model: torch.nn.Module, proposer: Proposer | None, sampling: Sampling, slots: int = 1,
-        adaptive_draft: bool = True, exact: bool | None = None,
+        adaptive_draft: bool = True, exact: bool | None = None, predictions: bool = False,
     ) -> None:
         self.model, self.sampling, self.slots = model, sampling, slots
         self.proposer = None if proposer is None else for_requests(proposer)
+        self.drafts = proposer is not None or predictions  # (predictions: jobs may bring them)
         # Draft lengths follow measured timings only where the output cannot depend on them: greedy decoding, and
         # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
         # that round as one-token steps do (or in fp32, far below the gaps between logits). With ordinary passes in
         # bf16/fp16 they follow pass costs measured once per machine and kept (one request at a time), so that a
         # request decodes the same on every run; with drafts drawn at random, acceptance alone.
-        verifies = proposer is not None or slots > 1  # (else every pass is a one-token step)
+        verifies = self.drafts or slots > 1  # (else every pass is a one-token step)
         self.exactness = choose(model, exact, verifies)
         self.row_exact = verifies and self.exactness.exact
         drawn = not sampling.greedy and getattr(proposer, "samples_drafts", False)
@@ -170,7 +183,7 @@ class Decoder:
         positions, mask = (torch.arange(len(job.prompt) + job.max_new_tokens, device=self.model.device)[None], None)
         if job.padded is not None:
             positions, mask = job.padded[1:]
-        make = functools.partial(CachedModel, self.model, positions, mask, rollback=self.proposer is not None,
+        make = functools.partial(CachedModel, self.model, positions, mask, rollback=self.drafts,
                                  capacity=capacity, row_exact=self.row_exact, slots=self.slots)
         if self.slots == 1 and self._trees and job.padded is None:
             try:
@@ -256,12 +269,16 @@ class Decoder:
 
     def _propose(self, rows: list[Row]) -> tuple[list[Draft], list[Draft]]:
         """Each row's proposed draft, and what of it this pass verifies."""
-        if self.proposer is None:
+        if not self.drafts:
             proposed = [Draft.empty()] * len(rows)
             seconds = [None] * len(rows)
         else:
             budgets = self.policy.budgets([row.drafting for row in rows], [row.sequence.room - 1 for row in rows])
-            proposed, one_call = _proposed(self.proposer, rows, budgets, self.vocab, self.slots > 1)
+            proposed, one_call = (_proposed(self.proposer, rows, budgets, self.vocab, self.slots > 1)
+                                  if self.proposer is not None else ([Draft.empty()] * len(rows), 0.0))
+            proposed = [with_prediction(row.prediction.propose(row.output, budget), draft)
+                        if row.prediction is not None and budget > 0 else draft
+                        for row, draft, budget in zip(rows, proposed, budgets)]
             seconds = [one_call if budget > 0 else None for budget in budgets]
             for row, asked in zip(rows, seconds):
                 row.stats.draft_time_s += asked or 0.0

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from ..verifier.exactness import Exactness
 
 TREE_COUNTERS = ("tree_steps", "tree_drafted", "tree_gain")  # SpecStats' counters of steps that sent a tree
+PREDICTION_COUNTERS = ("accepted_prediction_tokens", "rejected_prediction_tokens")
 
 
 @dataclass
@@ -22,6 +23,8 @@ class SpecStats:
     ``tree_steps`` counts the steps that sent a tree (a draft that branches), ``tree_drafted`` their draft tokens,
     and ``tree_gain`` the tokens those trees accepted beyond what their first branch alone would have.
     ``exactness`` says how verification passes were computed (bitwise ``model.generate`` or ordinary) and why.
+    With a prediction (``prediction=``), ``accepted_prediction_tokens`` / ``rejected_prediction_tokens`` count its
+    tokens that passes verified and kept / rejected (as OpenAI's usage reports them).
     """
 
     prompt_tokens: int = 0
@@ -36,6 +39,8 @@ class SpecStats:
     tree_steps: int = 0
     tree_drafted: int = 0
     tree_gain: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     rows: list["SpecStats"] = field(default_factory=list, repr=False)  # per request of a batch, in its order
     exactness: "Exactness | None" = None
 
@@ -53,7 +58,7 @@ class SpecStats:
             accepted_per_position=per_position, wall_time_s=wall_time_s, prefill_time_s=prefill_time_s,
             draft_time_s=sum(row.draft_time_s for row in rows), rows=rows,
             exactness=next((row.exactness for row in rows if row.exactness is not None), None),
-            **{name: sum(getattr(row, name) for row in rows) for name in TREE_COUNTERS},
+            **{name: sum(getattr(row, name) for row in rows) for name in TREE_COUNTERS + PREDICTION_COUNTERS},
         )
 
     @property
@@ -92,6 +97,8 @@ class SpecStats:
             f"accepted {self.accepted}/{self.drafted} drafted ({self.acceptance_rate:.0%})"
             + (f", {self.tree_steps} trees ({self.tree_drafted / self.tree_steps:.1f} tokens each, "
                f"+{self.tree_gain} tokens over their first branches)" if self.tree_steps else "")
+            + (f", prediction {self.accepted_prediction_tokens} accepted / {self.rejected_prediction_tokens} "
+               "rejected" if self.accepted_prediction_tokens or self.rejected_prediction_tokens else "")
             + (f"; {self.exactness}" if self.exactness is not None else "")
         )
 

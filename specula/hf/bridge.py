@@ -42,15 +42,16 @@ def prepared(model, input_ids, logits_processor, generation_config, generator, m
 
 def jobs_of(
     request: Request, stopping_criteria: StoppingCriteriaList | None = None,
-    row_generators: list[torch.Generator] | None = None,
+    row_generators: list[torch.Generator] | None = None, predictions: list[np.ndarray | None] | None = None,
 ) -> list[Job]:
-    """One :class:`Job` per row of ``request`` (its key: the row, ``None`` alone)."""
+    """One :class:`Job` per row of ``request`` (its key: the row, ``None`` alone), with its prediction."""
     batch, width = request.input_ids.shape
     padded = batch == 1 and request.attention_mask is not None
     return [
         Job(request.prompt(b), request.max_length - width, request.eos_token_ids, stopping_criteria,
             None if row_generators is None else row_generators[b], key=b if batch > 1 else None,
-            padded=(request.input_ids[0], request.positions, request.attention_mask) if padded else None)
+            padded=(request.input_ids[0], request.positions, request.attention_mask) if padded else None,
+            prediction=None if predictions is None else predictions[b])
         for b in range(batch)
     ]
 
@@ -65,13 +66,15 @@ def decode(
     adaptive_draft: bool = True,
     exact: bool | None = None,
     row_generators: list[torch.Generator] | None = None,
+    predictions: list[np.ndarray | None] | None = None,
 ) -> GenerateOutput:
     """:class:`Decoder` on a validated request of one or more rows, all in one batch (see :func:`specula.generate`);
-    ``row_generators`` gives each row its own random stream."""
+    ``row_generators`` gives each row its own random stream, ``predictions`` each its prediction's tokens."""
     started = time.perf_counter()
     batch, width = request.input_ids.shape
-    jobs = jobs_of(request, stopping_criteria, row_generators)
-    decoder = Decoder(model, proposer, sampling, batch, adaptive_draft, exact)
+    jobs = jobs_of(request, stopping_criteria, row_generators, predictions)
+    decoder = Decoder(model, proposer, sampling, batch, adaptive_draft, exact,
+                      predictions=any(job.prediction is not None for job in jobs))
     rows = {}
     if request.max_length > width:
         for row, kept in decoder.run(jobs):

@@ -21,7 +21,9 @@ from ..core.sampling import Sampling
 from ..core.stats import GenerateOutput
 from ..proposers.base import Proposer
 from .bridge import decode, jobs_of, prepared
+from ..verifier.support import context_limit, vocab_size
 from .inputs import check_max_new_tokens, check_prompt, eos_ids
+from .predictions import PredictionInput, checked_predictions
 
 
 @torch.inference_mode()
@@ -43,6 +45,7 @@ def generate(
     streamer: BaseStreamer | None = None,
     adaptive_draft: bool = True,
     exact: bool | None = None,
+    prediction: PredictionInput = None,
     **generation_kwargs: Any,
 ) -> GenerateOutput:
     """Decode with ``model``, sped up by speculation, without changing what it generates.
@@ -86,6 +89,11 @@ def generate(
             (the default) chooses: in bf16 and fp16, exact where a row-exact pass costs at most 1.1x an ordinary one
             on this machine and model (measured once, kept: :mod:`specula.verifier.exactness`), in fp32 ordinary
             (its rounding is far below the gaps between logits). ``stats.exactness`` says what was chosen and why.
+        prediction: the output the request expects back, drafted from wherever the output follows it (the file
+            being edited, last run's answer; :mod:`specula.core.prediction`): text (with ``tokenizer=``), token ids,
+            or OpenAI's ``{"type": "content", "content": text}``; for a batch, a list of one per row (``None`` for a
+            row without). The output is still the model's; ``stats.accepted_prediction_tokens`` and
+            ``stats.rejected_prediction_tokens`` count its tokens verified and kept or rejected.
         **generation_kwargs: any other ``model.generate`` argument: ``GenerationConfig`` fields
             (``repetition_penalty=1.2``, ``stop_strings=[...]`` with ``tokenizer=``, ...) or ``generation_config=``.
 
@@ -124,6 +132,7 @@ def generate(
         generator=generator,
         adaptive_draft=adaptive_draft,
         exact=exact,
+        prediction=prediction,
         return_dict_in_generate=True,
         **{name: value for name, value in given.items() if value is not None},
         **generation_kwargs,
@@ -143,6 +152,7 @@ def custom_generate(
     generator: torch.Generator | list[torch.Generator] | None = None,
     adaptive_draft: bool = True,
     exact: bool | None = None,
+    prediction: PredictionInput = None,
     **model_kwargs,
 ) -> torch.LongTensor | GenerateOutput:
     """Decoding method for ``model.generate(custom_generate=specula.custom_generate, proposer=...)``.
@@ -152,14 +162,16 @@ def custom_generate(
     block ends the output exactly there. Returns the sequences, or with ``return_dict_in_generate=True`` a
     :class:`GenerateOutput` (``sequences`` and specula's ``stats``). ``generator`` (a ``torch.Generator`` on the
     model's device, or a list of one per row of a batch) makes sampling independent of torch's global RNG (and,
-    one per row, of the other rows: a seeded request samples the same in any batch); ``adaptive_draft``
-    and ``exact`` as in :func:`specula.generate`.
+    one per row, of the other rows: a seeded request samples the same in any batch); ``adaptive_draft``,
+    ``exact`` and ``prediction`` (text encoded with ``tokenizer``) as in :func:`specula.generate`.
     """
-    del synced_gpus, tokenizer  # one process; the tokenizer already went into the stop-string criteria
+    del synced_gpus  # one process
+    predictions = checked_predictions(prediction, input_ids.shape[0], vocab_size(model), tokenizer,
+                                      context_limit(model))
     request, sampling, generators = prepared(model, input_ids, logits_processor, generation_config, generator,
                                              model_kwargs)
     out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, exact,
-                 generators)
+                 generators, predictions)
     return out if generation_config.return_dict_in_generate else out.sequences
 
 

@@ -54,6 +54,38 @@ def prompt_lookup(tokens: np.ndarray, min_ngram: int, max_ngram: int, max_draft:
 
 
 @njit(cache=True, nogil=True)
+def prediction_lookup(prediction: np.ndarray, context: np.ndarray, expected: int, max_ngram: int) -> tuple[int, int]:
+    """Where in ``prediction`` (the text a request expects back) its output goes on: the position ``p`` whose
+    preceding tokens match the longest suffix of ``context`` (up to ``max_ngram`` tokens), the nearest to
+    ``expected`` (where the output would be had it followed the prediction since it last did) among equally long
+    matches, the later on a tie. Returns ``(p, match length)``; ``p`` always leaves a token to draft
+    (``p < len(prediction)``). Where no suffix matches, ``(expected, 0)`` if ``expected`` leaves a token to draft
+    (the output replaced as many tokens as it wrote: the usual edit), else ``(-1, 0)``.
+
+    Worked example, ``max_ngram=3``::
+
+        prediction = [5, 6, 7, 5, 6, 8, 9]
+        context    = [.., 1, 5, 6]       3-gram [1, 5, 6]: nowhere; 2-gram [5, 6] ends before p = 2 and p = 5
+        expected 4 -> (5, 2): the draft goes on [8, 9]      expected 1 -> (2, 2): [7, 5, 6, 8, 9]
+        context    = [.., 4]             nothing matches: expected 4 -> (4, 0): [6, 8, 9]
+    """
+    best, best_length, best_distance = -1, 0, 0
+    n = context.shape[0]
+    for p in range(1, prediction.shape[0]):
+        length = 0
+        while length < max_ngram and length < p and length < n and prediction[p - 1 - length] == context[n - 1 - length]:
+            length += 1
+        if length == 0:
+            continue
+        distance = abs(p - expected)
+        if length > best_length or (length == best_length and distance <= best_distance):
+            best, best_length, best_distance = p, length, distance
+    if best < 0 and 0 <= expected < prediction.shape[0]:
+        return expected, 0
+    return best, best_length
+
+
+@njit(cache=True, nogil=True)
 def lookup_candidates(
     tokens: np.ndarray, min_ngram: int, max_ngram: int, max_draft: int, max_candidates: int
 ) -> tuple[np.ndarray, np.ndarray]:
