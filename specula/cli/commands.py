@@ -18,7 +18,7 @@ from ..hf.generate import generate
 from ..hf.loading import ModelNotFoundError, load_model
 from ..jobs.answerer import Answerer, Settings
 from ..jobs.answers import AnswerFile, StopOnInterrupt, Tally, report_skipped
-from ..jobs.requests import BadRequest, answer_key, encode, unique_requests
+from ..jobs.requests import BadRequest, answer_key, encode, read_requests, unique_requests
 from ..proposers.registry import proposer_factory
 from ..tools.bench import (
     format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method,
@@ -69,6 +69,12 @@ def _requests(path: Path, strict: bool) -> Iterator[tuple[int, dict | None]]:
         yield number, request
 
 
+def _brings_predictions(path: Path) -> bool:
+    """Whether a request of the file brings a prediction (passes then verify drafts from it, whatever the proposer)."""
+    return any(isinstance(request, dict) and request.get("prediction") is not None
+               for _, request in read_requests(path))
+
+
 def _prompt_padding_id(tokenizer) -> int | None:
     """The id batched prompts are left-padded with: the tokenizer's pad token, else its EOS token."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -76,7 +82,8 @@ def _prompt_padding_id(tokenizer) -> int | None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     sampling_settings = _sampling(args)
-    settings = Settings(args.max_new_tokens, sampling_settings, args.seed, args.exact, args.batch_size)
+    settings = Settings(args.max_new_tokens, sampling_settings, args.seed, args.exact, args.batch_size,
+                        predictions=args.input is not None and _brings_predictions(args.input))
     output = args.answers  # (read by the checks: with --resume, the answers already there)
     if output is not None and output.torn:
         print(f"{args.output}: its last line was cut short when a run stopped; that request is answered again",

@@ -180,9 +180,11 @@ def _jobs_only(model, input_ids, logits_processor, stopping_criteria, generation
     """A ``custom_generate`` that decodes nothing: the requests ``generate`` prepared, for :func:`prepare_jobs`. It
     declares :func:`custom_generate`'s signature (below), so ``generate`` hands it the same arguments."""
     own = inspect.signature(custom_generate).parameters
+    predictions = checked_predictions(kwargs.get("prediction"), input_ids.shape[0], vocab_size(model),
+                                      kwargs.get("tokenizer"), context_limit(model))
     request, sampling, generators = prepared(model, input_ids, logits_processor, generation_config,
                                              kwargs.get("generator"), {k: v for k, v in kwargs.items() if k not in own})
-    return jobs_of(request, stopping_criteria, generators), sampling
+    return jobs_of(request, stopping_criteria, generators, predictions), sampling
 
 
 _jobs_only.__signature__ = inspect.signature(custom_generate)

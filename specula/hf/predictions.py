@@ -7,29 +7,17 @@ import warnings
 import numpy as np
 import torch
 
+from ..jobs.requests import prediction_content
+
 PredictionInput = str | list | tuple | np.ndarray | torch.Tensor | dict | None
-
-
-def unwrapped(prediction: object) -> object:
-    """The content of OpenAI's shape ``{"type": "content", "content": text or [{"type": "text", "text": ...}]}``;
-    anything else as it is."""
-    if not isinstance(prediction, dict):
-        return prediction
-    if prediction.get("type") != "content" or "content" not in prediction:
-        raise ValueError(f'A prediction given as a dict must be OpenAI\'s {{"type": "content", "content": ...}}, got '
-                         f"keys {sorted(prediction)} with type {prediction.get('type')!r}.")
-    content = prediction["content"]
-    if isinstance(content, list):  # text parts
-        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                   for part in content):
-            raise ValueError('A prediction\'s content list must hold {"type": "text", "text": ...} parts.')
-        return "".join(part["text"] for part in content)
-    return content
 
 
 def _one(prediction: object, row: str, vocab: int, tokenizer, limit: int | None) -> np.ndarray | None:
     """One request's prediction as token ids (``None``: it has none), or a ValueError saying what is wrong."""
-    prediction = unwrapped(prediction)
+    try:
+        prediction = prediction_content(prediction)
+    except TypeError as error:
+        raise ValueError(f"The prediction{row}: {error}") from None
     if prediction is None:
         return None
     if isinstance(prediction, str):

@@ -26,14 +26,17 @@ class Settings:
     seed: int | None = None  # request on line n draws from its own generator seeded ``seed + n``
     exact: bool | None = None
     batch_size: int | None = None  # None: the size measured fastest on this machine
+    predictions: bool = False  # whether requests may bring predictions ("prediction")
 
 
-def _stats(stats) -> dict:
+def _stats(stats, predicted: bool) -> dict:
+    """An answer line's stats; with a prediction, its tokens verified and kept or rejected (OpenAI's names)."""
     return {
         "new_tokens": stats.new_tokens, "steps": stats.steps, "accepted": stats.accepted,
         "drafted": stats.drafted, "seconds": round(stats.wall_time_s, 4),
         "exact": None if stats.exactness is None else stats.exactness.exact,
-    }
+    } | ({"accepted_prediction_tokens": stats.accepted_prediction_tokens,
+          "rejected_prediction_tokens": stats.rejected_prediction_tokens} if predicted else {})
 
 
 class Answerer:
@@ -57,6 +60,7 @@ class Answerer:
         try:
             (job,), sampling = prepare_jobs(self.model, encode(self.tokenizer, request).to(self.device),
                                             generator=generator, max_new_tokens=self.settings.max_new_tokens,
+                                            prediction=request.get("prediction"), tokenizer=self.tokenizer,
                                             **self.settings.sampling)
         except ValueError as error:
             self.on_skip(number, str(error))
@@ -76,7 +80,8 @@ class Answerer:
         while (first := next(prepared, None)) is not None:
             if self.slots is None:
                 self.slots = fastest_batch_size(self.model, largest=largest)
-            decoder = Decoder(self.model, self.proposer, first[1], self.slots, exact=self.settings.exact)
+            decoder = Decoder(self.model, self.proposer, first[1], self.slots, exact=self.settings.exact,
+                              predictions=self.settings.predictions)
             self.exactness = decoder.exactness
             jobs = itertools.chain([first], prepared)
             try:
@@ -84,7 +89,8 @@ class Answerer:
                     if row.finished:
                         text = self.tokenizer.decode(row.sequence.ids[len(row.job.prompt) :],
                                                      skip_special_tokens=True)
-                        yield {"id": row.job.key, "text": text, "stats": _stats(row.stats)}
+                        yield {"id": row.job.key, "text": text,
+                               "stats": _stats(row.stats, row.job.prediction is not None)}
             finally:
                 self.passes += decoder.passes
                 self.plain_speedups.append(decoder.plain_speedup())

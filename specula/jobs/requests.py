@@ -1,5 +1,6 @@
 """The one reader of request files (``generate``'s input, benchmark workloads): JSONL, one request a line, with
-``messages`` (chat) or ``prompt`` (raw text), and optionally ``id``."""
+``messages`` (chat) or ``prompt`` (raw text), and optionally ``id`` and ``prediction`` (the output it expects back:
+text, or OpenAI's ``{"type": "content", "content": ...}``)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,27 @@ def read_requests(path: Path) -> Iterator[tuple[int, dict | BadRequest]]:
             yield number, request if problem is None else BadRequest(f"{path}:{number}: {problem}")
 
 
+def prediction_content(prediction: object) -> object:
+    """The content of OpenAI's prediction shape ``{"type": "content", "content": text or [{"type": "text", "text":
+    ...}]}`` (a ``TypeError`` saying what is wrong with another dict); anything else as it is.
+
+    >>> prediction_content({"type": "content", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})
+    'ab'
+    """
+    if not isinstance(prediction, dict):
+        return prediction
+    if prediction.get("type") != "content" or "content" not in prediction:
+        raise TypeError(f'a prediction given as an object must be OpenAI\'s {{"type": "content", "content": ...}}, '
+                        f"got keys {sorted(prediction)}")
+    content = prediction["content"]
+    if isinstance(content, list):  # text parts
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in content):
+            raise TypeError('a prediction\'s "content" list must hold {"type": "text", "text": ...} parts')
+        return "".join(part["text"] for part in content)
+    return content
+
+
 def _request_problem(request: object) -> str | None:
     """Why a line's JSON value is not a request, or None."""
     if not isinstance(request, dict) or not ("messages" in request or "prompt" in request):
@@ -40,6 +62,13 @@ def _request_problem(request: object) -> str | None:
         return '"messages" must be a list of {"role": ..., "content": ...}'
     if "prompt" in request and "messages" not in request and not isinstance(request["prompt"], str):
         return '"prompt" must be a string'
+    if request.get("prediction") is not None:
+        try:
+            content = prediction_content(request["prediction"])
+        except TypeError as error:
+            return f'"prediction": {error}'
+        if not isinstance(content, str):
+            return '"prediction" must be text, or {"type": "content", "content": text}'
     return None
 
 
