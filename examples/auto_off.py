@@ -41,7 +41,7 @@ class AlwaysWrong(Replay):
 def always_wrong_method(model, adaptive: bool):
     outputs: dict[tuple, list[int]] = {}
 
-    def run(prompt: torch.Tensor, max_new_tokens: int):
+    def run(prompt: torch.Tensor, max_new_tokens: int, prediction=None):
         key = (tuple(prompt[0].tolist()), max_new_tokens)
         if key not in outputs:
             outputs[key] = specula.generate(model, prompt, None, max_new_tokens=max_new_tokens).sequences[

@@ -293,10 +293,10 @@ def test_bench_reports_which_methods_repeat_their_output() -> None:
     """`repeatable` is the share of prompts whose output was the same in every repeat."""
     calls = {"n": 0}
 
-    def steady(prompt, max_new_tokens):
+    def steady(prompt, max_new_tokens, prediction=None):
         return [1, 2, 3], 0.1, None
 
-    def wobbly(prompt, max_new_tokens):  # a different last token on every call after the warm-up
+    def wobbly(prompt, max_new_tokens, prediction=None):  # a different last token on every call after the warm-up
         calls["n"] += 1
         return [1, 2, 100 + calls["n"]], 0.1, None
 

@@ -189,15 +189,19 @@ def _method_name(spec: str) -> str:
 
 def _bench_methods(args: argparse.Namespace, model, tokenizer, device: str, sampling: dict, baseline: str) -> dict:
     """The methods bench runs one prompt at a time: model.generate, its prompt lookup (not for models with recurrent
-    state, which HF's assisted generation refuses), each proposer (and with --also-ordinary, with ordinary
-    verification), and (greedy) the oracle."""
+    state, which HF's assisted generation refuses), each proposer (where workload lines carry predictions, also with
+    them; with --also-ordinary, with ordinary verification), and (greedy) the oracle."""
     methods = {baseline: hf_method(model, **sampling)}
     if not getattr(model, "_is_stateful", False):
         methods["hf-prompt-lookup"] = hf_method(model, prompt_lookup_num_tokens=10, **sampling)
     specs = args.proposers.split(",")
+    predicted = any(row.get("prediction") is not None for rows in args.workload_rows.values() for row in rows)
     for spec in specs:
         methods[_method_name(spec)] = specula_method(
             model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling)
+        if predicted:  # (workload lines that carry a prediction: also with it)
+            methods[_method_name(spec) + "+prediction"] = specula_method(
+                model, proposer_factory(spec, tokenizer, model.dtype, device), predicted_with=tokenizer, **sampling)
         if args.also_ordinary:
             methods[_method_name(spec) + "-ordinary"] = specula_method(
                 model, proposer_factory(spec, tokenizer, model.dtype, device), exact=False, **sampling

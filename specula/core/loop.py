@@ -185,11 +185,15 @@ class Decoder:
             positions, mask = job.padded[1:]
         make = functools.partial(CachedModel, self.model, positions, mask, rollback=self.drafts,
                                  capacity=capacity, row_exact=self.row_exact, slots=self.slots)
-        if self.slots == 1 and self._trees and job.padded is None:
+        # (a prediction and a proposer draft a tree of both: neither is worse than alone)
+        trees = self._trees or (job.prediction is not None and self.proposer is not None)
+        if self.slots == 1 and trees and job.padded is None:
             try:
                 return make(ragged=True)
             except UnsupportedModelError as error:
-                warnings.warn(f"{error} So {self.proposer!r}'s trees are cut to their first branch.", stacklevel=5)
+                if self._trees:
+                    warnings.warn(f"{error} So {self.proposer!r}'s trees are cut to their first branch.",
+                                  stacklevel=5)
                 self._trees = False
         return make()
 

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..core.loop import Decoder
-from ..core.stats import TREE_COUNTERS, SpecStats
+from ..core.stats import PREDICTION_COUNTERS, TREE_COUNTERS, SpecStats
 from ..hf.cache_names import cache_in
 from ..hf.generate import generate, prepare_jobs
 from ..hf.inputs import left_padded
@@ -19,8 +19,9 @@ from ..jobs.requests import encode
 from ..proposers.base import Proposer
 from .replay import Replay
 
-# A method turns a prompt into (new token ids, seconds, SpecStats or None).
-Method = Callable[[torch.Tensor, int], tuple[list[int], float, object]]
+# A method turns a prompt, max new tokens and the request's prediction ("prediction" of its workload line, or None;
+# used by methods made with predicted=True) into (new token ids, seconds, SpecStats or None).
+Method = Callable[[torch.Tensor, int, object], tuple[list[int], float, object]]
 # A batch method turns prompts (1-D) into (each row's new token ids, seconds, SpecStats or None).
 # (prompts, max new tokens, batch size) -> (new tokens per prompt, seconds, SpecStats or None)
 BatchMethod = Callable[[list[torch.Tensor], int, int], tuple[list[list[int]], float, object]]
@@ -36,7 +37,7 @@ class HFMethod:
         self.model, self.generate_kwargs = model, {"do_sample": False, **generate_kwargs}
         self.setup: str | None = None
 
-    def __call__(self, prompt: torch.Tensor, max_new_tokens: int):
+    def __call__(self, prompt: torch.Tensor, max_new_tokens: int, prediction: object = None):
         prompt = prompt.to(self.model.device)
         if self.setup is None:
             with self._recording() as seen:
@@ -81,11 +82,15 @@ def hf_method(model: torch.nn.Module, **generate_kwargs) -> HFMethod:
     return HFMethod(model, **generate_kwargs)
 
 
-def specula_method(model: torch.nn.Module, make_proposer: Callable[[], Proposer | None], **generate_kwargs) -> Method:
-    """``specula.generate`` with a fresh proposer per request and extra arguments (e.g. ``do_sample=True``)."""
+def specula_method(model: torch.nn.Module, make_proposer: Callable[[], Proposer | None], predicted_with=None,
+                    **generate_kwargs) -> Method:
+    """``specula.generate`` with a fresh proposer per request and extra arguments (e.g. ``do_sample=True``); given
+    ``predicted_with`` (the tokenizer that encodes predictions), with each request's prediction."""
 
-    def run(prompt: torch.Tensor, max_new_tokens: int):
-        out = generate(model, prompt, make_proposer(), max_new_tokens=max_new_tokens, **generate_kwargs)
+    def run(prompt: torch.Tensor, max_new_tokens: int, prediction: object = None):
+        given = ({"prediction": prediction, "tokenizer": predicted_with}
+                 if predicted_with is not None and prediction is not None else {})
+        out = generate(model, prompt, make_proposer(), max_new_tokens=max_new_tokens, **generate_kwargs, **given)
         return out.sequences[0, prompt.shape[1] :].tolist(), out.stats.wall_time_s, out.stats
 
     return run
@@ -155,7 +160,7 @@ def oracle_method(
                        adaptive_draft=False, **generate_kwargs)
         return out.sequences[0, prompt.shape[1] :].tolist(), out.stats
 
-    def run(prompt: torch.Tensor, max_new_tokens: int):
+    def run(prompt: torch.Tensor, max_new_tokens: int, prediction: object = None):
         key = (tuple(prompt[0].tolist()), max_new_tokens)
         if key not in outputs:
             output = reference(prompt, max_new_tokens)[0]
@@ -188,6 +193,8 @@ class BenchRow:
     tree_steps: int = 0  # steps that sent a tree (last repeat), their draft tokens, and the tokens they accepted
     tree_drafted: int = 0  # beyond their first branches (SpecStats)
     tree_gain: int = 0
+    accepted_prediction_tokens: int = 0  # a row with predictions: their tokens verified and kept / rejected
+    rejected_prediction_tokens: int = 0  # (last repeat, all prompts)
     hf_setup: str | None = None  # a model.generate row: the cache it used, whether it compiled (HFMethod.setup)
     verification: str | None = None  # a specula row: exact or ordinary verification, and why (SpecStats.exactness)
 
@@ -223,7 +230,8 @@ def run_bench(
     for workload, requests in workloads.items():
         totals = {name: dict.fromkeys(_COUNTERS, 0) for name in names}
         for index, request in enumerate(requests):
-            times, outputs, varied = _runs(methods, encode(tokenizer, request), max_new_tokens, repeats, index, seed)
+            times, outputs, varied = _runs(methods, encode(tokenizer, request), max_new_tokens, repeats, index, seed,
+                                           request.get("prediction"))
             if baseline_outputs is not None:
                 baseline_outputs[workload, index] = outputs[baseline][0]
             for name in names:
@@ -237,13 +245,15 @@ def run_bench(
     return rows
 
 
-_COUNTERS = ("tokens", "seconds", "same", "repeatable", "drafted", "accepted", "steps", *TREE_COUNTERS)
+_STATS_COUNTERS = ("drafted", "accepted", "steps", *TREE_COUNTERS, *PREDICTION_COUNTERS)
+_COUNTERS = ("tokens", "seconds", "same", "repeatable", *_STATS_COUNTERS)
 
 
 def _runs(methods: dict[str, Method], prompt: torch.Tensor, max_new_tokens: int, repeats: int, index: int,
-          seed: int | None) -> tuple[dict[str, list[float]], dict[str, tuple[list[int], object]], set[str]]:
-    """Every method on one prompt ``repeats`` times, the order rotated by prompt and repeat: each method's times,
-    its last output and stats, and the methods whose output changed between repeats."""
+          seed: int | None, prediction: object = None
+          ) -> tuple[dict[str, list[float]], dict[str, tuple[list[int], object]], set[str]]:
+    """Every method on one prompt (and its ``prediction``) ``repeats`` times, the order rotated by prompt and
+    repeat: each method's times, its last output and stats, and the methods whose output changed between repeats."""
     names = list(methods)
     times: dict[str, list[float]] = {name: [] for name in names}
     outputs: dict[str, tuple[list[int], object]] = {}
@@ -253,7 +263,7 @@ def _runs(methods: dict[str, Method], prompt: torch.Tensor, max_new_tokens: int,
         for name in names[shift:] + names[:shift]:
             if seed is not None:
                 torch.manual_seed(seed + index)
-            tokens, seconds, stats = methods[name](prompt, max_new_tokens)
+            tokens, seconds, stats = methods[name](prompt, max_new_tokens, prediction)
             times[name].append(seconds)
             if name in outputs and outputs[name][0] != tokens:
                 varied.add(name)
@@ -269,7 +279,7 @@ def _add(total: dict, tokens: list[int], stats: SpecStats | None, seconds: float
     total["same"] += tokens == reference
     total["repeatable"] += repeatable
     if stats is not None:
-        for counter in ("drafted", "accepted", "steps", *TREE_COUNTERS):
+        for counter in _STATS_COUNTERS:
             total[counter] += getattr(stats, counter)
         if stats.exactness is not None:
             total["verification"] = str(stats.exactness)
@@ -285,7 +295,8 @@ def _row(workload: str, name: str, prompts: int, total: dict, base_rate: float, 
         repeatable=total["repeatable"] / prompts if compare_outputs else None,
         acceptance_rate=total["accepted"] / total["drafted"] if total["drafted"] else None,
         tokens_per_step=total["tokens"] / total["steps"] if total["steps"] else None,
-        drafted=total["drafted"], **{counter: total[counter] for counter in TREE_COUNTERS}, hf_setup=hf_setup,
+        drafted=total["drafted"], **{counter: total[counter] for counter in TREE_COUNTERS + PREDICTION_COUNTERS},
+        hf_setup=hf_setup,
         verification=total.get("verification"),
     )
 
@@ -334,8 +345,10 @@ def run_batch_bench(
 
 def format_table(rows: list[BenchRow]) -> str:
     """A plain-text table, one block per workload."""
-    header = (f"{'workload':<11}{'method':<29}{'tok/s':>8}{'speedup':>9}{'identical':>11}{'repeatable':>12}"
-              f"{'accept':>8}{'tok/step':>10}{'trees':>20}")
+    workload_width = max([11] + [len(row.workload) + 2 for row in rows])
+    method_width = max([29] + [len(row.method) + 2 for row in rows])
+    header = (f"{'workload':<{workload_width}}{'method':<{method_width}}{'tok/s':>8}{'speedup':>9}{'identical':>11}"
+              f"{'repeatable':>12}{'accept':>8}{'tok/step':>10}{'trees':>20}")
     lines = [header, "-" * len(header)]
     for row in rows:
         accept = f"{row.acceptance_rate:.0%}" if row.acceptance_rate is not None else "-"
@@ -345,12 +358,18 @@ def format_table(rows: list[BenchRow]) -> str:
         # steps that sent a tree, their mean size, and the tokens they gained over their first branches
         trees = f"{row.tree_steps} x{row.tree_drafted / row.tree_steps:.1f} +{row.tree_gain}" if row.tree_steps else "-"
         lines.append(
-            f"{row.workload:<11}{row.method:<29}{row.tokens_per_s:>8.1f}{row.speedup_vs_hf_greedy:>8.2f}x"
+            f"{row.workload:<{workload_width}}{row.method:<{method_width}}{row.tokens_per_s:>8.1f}"
+            f"{row.speedup_vs_hf_greedy:>8.2f}x"
             f"{identical:>11}{repeatable:>12}{accept:>8}{per_step:>10}{trees:>20}"
         )
     setups = {row.method: row.hf_setup for row in rows if row.hf_setup is not None}
     if setups:
         lines.append("model.generate decoded with: " + "; ".join(f"{name} {setup}" for name, setup in setups.items()))
+    predicted = [row for row in rows if row.accepted_prediction_tokens or row.rejected_prediction_tokens]
+    if predicted:
+        lines.append("prediction tokens verified, accepted / rejected: " + "; ".join(
+            f"{row.workload} {row.method} {row.accepted_prediction_tokens} / {row.rejected_prediction_tokens}"
+            for row in predicted))
     verified = {row.method: row.verification for row in rows if row.verification is not None}
     if verified:
         lines.append("specula verified: " + "; ".join(f"{name} {how}" for name, how in verified.items()))

@@ -4,6 +4,7 @@ without one, their counts in the answer lines; a bad one skips its line only; th
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -73,3 +74,22 @@ def test_ray_workers_take_predictions(model_folder, requests, tmp_path, capsys) 
     for key, row in local.items():
         assert distributed[key]["text"] == row["text"] and set(distributed[key]["stats"]) == set(row["stats"])
     assert distributed["right"]["stats"]["accepted_prediction_tokens"] > 0
+
+
+def test_bench_adds_predicted_rows_where_a_workload_carries_predictions(model_folder, requests, tmp_path,
+                                                                       capsys) -> None:
+    workloads = tmp_path / "workloads"
+    workloads.mkdir()
+    lines = requests.read_text().splitlines()
+    (workloads / "edits.jsonl").write_text("\n".join(lines[:2] + lines[3:]) + "\n")  # (not the bad line)
+    cli.main(["bench", "--workloads", str(workloads), "--model", str(model_folder), "--dtype", "fp32", "--limit", "3",
+              "--repeats", "1", "--proposers", "prompt-lookup,none", "--no-oracle", "--max-new-tokens", str(NEW),
+              "--json", str(tmp_path / "rows.json")])
+    out = capsys.readouterr().out
+    rows = {row["method"]: row for row in json.loads((tmp_path / "rows.json").read_text())}
+    assert {"specula-prompt-lookup+prediction", "specula-none+prediction"} <= set(rows)
+    for name in ("specula-prompt-lookup+prediction", "specula-none+prediction"):
+        assert rows[name]["identical_to_greedy"] == 1.0 and rows[name]["accepted_prediction_tokens"] > 0
+        assert re.search(rf"^edits +{re.escape(name)} ", out, re.M)  # (a row of the table, the name whole)
+    assert rows["specula-prompt-lookup"]["accepted_prediction_tokens"] == 0
+    assert "prediction tokens verified, accepted / rejected: edits specula-prompt-lookup+prediction" in out
