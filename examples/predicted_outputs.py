@@ -9,11 +9,15 @@ old source (greedy: the previous release's answer, untimed), then the bench time
 prediction, with prompt lookup (``specula-prompt-lookup+prediction``) and alone (``specula-none+prediction``).
 The table adds how many prediction tokens were verified and kept or rejected.
 
+``--one-place-edit`` measures the mechanism where the prediction is nearly right: the prediction is then the
+model's own answer about the new source with 8 tokens in its middle replaced by the previous answer's tokens at that
+place (an edit of one place), as a pipeline whose last answer differs from this one in one place has it.
+
 ``--write DIR`` also writes the workload with its predictions (``DIR/release_edits.jsonl``: ``messages`` and
 ``prediction``), for ``specula bench --workloads DIR``.
 
 Usage: python examples/predicted_outputs.py [--model PATH] [--dtype auto|bf16|fp32] [--limit 8] [--repeats 1]
-       [--max-new-tokens 128] [--write DIR]
+       [--max-new-tokens 128] [--one-place-edit] [--write DIR]
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ def messages(source: str) -> list[dict]:
     return [{"role": "user", "content": f"{TASK}\n\n```python\n{textwrap.dedent(source)}```"}]
 
 
+def answer(model, tokenizer, source: str, max_new_tokens: int) -> list[int]:
+    """The model's greedy answer about ``source`` (untimed)."""
+    prompt = encode(tokenizer, {"messages": messages(source)})
+    out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=max_new_tokens)
+    return out.sequences[0, prompt.shape[1] :].tolist()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
@@ -45,15 +56,20 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8, help="functions (of 44)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--one-place-edit", action="store_true",
+                        help="predict this answer with one place edited, not the previous release's answer")
     parser.add_argument("--write", type=Path, default=None, help="also write the workload with its predictions here")
     args = parser.parse_args()
     model, tokenizer = load_model(args.model, dtype={"auto": "auto", "bf16": torch.bfloat16,
                                                      "fp32": torch.float32}[args.dtype])
     rows = []
     for function in map(json.loads, FUNCTIONS.read_text().splitlines()[: args.limit]):
-        previous = encode(tokenizer, {"messages": messages(function["old"])})
-        answer = specula.generate(model, previous, specula.PromptLookup(), max_new_tokens=args.max_new_tokens)
-        text = tokenizer.decode(answer.sequences[0, previous.shape[1] :], skip_special_tokens=True)
+        previous = answer(model, tokenizer, function["old"], args.max_new_tokens)
+        if args.one_place_edit:
+            now = answer(model, tokenizer, function["new"], args.max_new_tokens)
+            middle = len(now) // 2
+            previous = now[:middle] + previous[middle : middle + 8] + now[middle + 8 :]
+        text = tokenizer.decode(previous, skip_special_tokens=True)
         rows.append({"id": function["id"], "messages": messages(function["new"]), "prediction": text})
     if args.write:
         args.write.mkdir(parents=True, exist_ok=True)
