@@ -50,10 +50,11 @@ def test_generate_jsonl_keeps_ids_and_reports_bad_lines(model_folder, tmp_path, 
         assert record["stats"]["new_tokens"] == 12
     err = capsys.readouterr().err
     assert "in.jsonl:2:" in err and "in.jsonl:4:" in err and '"messages"' in err
+    assert "3 requests, " in err and "; 2 skipped (reasons above)" in err  # the summary counts both
     assert "in.jsonl:2: not JSON (Expecting value: line 1 column 1 (char 0))" in err  # not the decoder's words alone
     # Each skipped line on a line of its own, not glued onto the progress bar's ("...req/s]skipped ..."): a bar
     # drawn on a terminal is cleared with "\r" first.
-    skipped = [line for line in re.split(r"[\r\n]", err) if "skipped" in line]
+    skipped = [line for line in re.split(r"[\r\n]", err) if "skipped" in line and " requests, " not in line]
     assert len(skipped) == 2 and all(re.match(r"skipped \S+in\.jsonl:[24]: ", line) for line in skipped), err
     # The text is the model's own greedy continuation.
     model, tokenizer = loading.load_model(model_folder, dtype=torch.float32)
@@ -81,19 +82,51 @@ def test_generate_follows_the_models_generation_config_unless_told(model_folder,
     assert texts[0] != tokenizer.decode(plain, skip_special_tokens=True)
 
 
-def test_strict_checks_every_line_before_decoding(model_folder, tmp_path, monkeypatch) -> None:
+def test_strict_checks_every_line_before_the_model_loads(model_folder, tmp_path, no_model_loading) -> None:
     (tmp_path / "in.jsonl").write_text("\n".join(REQUESTS) + "\n")
-    decoded = []
-    monkeypatch.setattr(specula.core.loop.Decoder, "run", lambda self, jobs: decoded.append(1) or iter(()))
     with pytest.raises(SystemExit, match=r"in.jsonl:2: .*--strict"):
         run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--strict",
                 "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
-    assert not decoded and not (tmp_path / "out.jsonl").exists()
+    assert not (tmp_path / "out.jsonl").exists()
     (tmp_path / "out.jsonl").write_text('{"id": "old"}\n')  # as the help says: nothing written, the file kept
     with pytest.raises(SystemExit, match=r"in.jsonl:2: .*--strict"):
         run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--strict",
                 "--overwrite", "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
-    assert not decoded and (tmp_path / "out.jsonl").read_text() == '{"id": "old"}\n'
+    assert (tmp_path / "out.jsonl").read_text() == '{"id": "old"}\n'
+
+
+def test_strict_checks_what_the_tokenizer_judges_before_decoding(model_folder, tmp_path, monkeypatch) -> None:
+    """A prompt longer than the model's context is found once the model is loaded, still before any decoding."""
+    (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n" + json.dumps({"prompt": "word " * 600}) + "\n")
+    decoded = []
+    monkeypatch.setattr(specula.core.loop.Decoder, "run", lambda self, jobs: decoded.append(1) or iter(()))
+    with pytest.raises(SystemExit, match=r"in.jsonl:2: The prompt has .* tokens .*--strict"):
+        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--strict",
+                "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
+    assert not decoded and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("lines, message", [
+    (["not JSON", '{"no_prompt_here": 1}'], r"no line of --input \S+in.jsonl is a request \(2 bad lines; the first: "
+                                           r"\S+in.jsonl:1: not JSON"),
+    (["", "  "], r"--input \S+in.jsonl holds no requests"),
+])
+def test_a_file_without_a_request_is_an_error_before_the_model_loads(lines, message, tmp_path, no_model_loading,
+                                                                     capsys) -> None:
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl")
+    assert re.match(r"error: " + message, str(stop.value.code)) and not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_run_that_skipped_every_request_is_an_error(model_folder, tmp_path, capsys) -> None:
+    """Good lines the model cannot take (each longer than its context): skipped, and the run exits non-zero."""
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "word " * 600}) + "\nnot JSON\n")
+    with pytest.raises(SystemExit) as stop:
+        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl",
+                "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
+    assert str(stop.value.code).startswith("error: every request was skipped (2, reasons above)")
+    assert capsys.readouterr().err.count("skipped ") == 2
 
 
 @pytest.mark.parametrize("proposer", ["none", "ngram", "prompt-lookup"])
@@ -392,6 +425,48 @@ def test_bench_batch_sizes_add_throughput_rows(model_folder, tmp_path, capsys) -
         assert row["prompts"] == 3 and row["identical_to_greedy"] == 1.0 and row["repeatable"] == 1.0
         assert row["new_tokens"] == rows["hf-greedy"]["new_tokens"]
     assert "specula-prompt-lookup-b3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("stop_at", ["second prompt", "second batch size"])
+def test_ctrl_c_in_bench_prints_what_was_measured_and_exits_130(stop_at, model_folder, tmp_path, capsys,
+                                                                monkeypatch) -> None:
+    """Ctrl-C (KeyboardInterrupt) half-way through a bench: the rows measured so far are printed and written, a
+    workload cut short counts the prompts it finished, one line says it was interrupted, exit status 130."""
+    workloads = tmp_path / "workloads"
+    workloads.mkdir()
+    (workloads / "mixed.jsonl").write_text("\n".join([REQUESTS[0], REQUESTS[2], REQUESTS[5]]) + "\n")
+    runs, batch_runs = bench._runs, bench._batch_rows
+    calls = []
+
+    def interrupted_runs(*args, **kwargs):
+        calls.append("run")
+        if stop_at == "second prompt" and calls.count("run") == 2:
+            raise KeyboardInterrupt
+        return runs(*args, **kwargs)
+
+    def interrupted_batches(*args, **kwargs):
+        calls.append("batch")
+        if calls.count("batch") == 2:
+            raise KeyboardInterrupt
+        yield from batch_runs(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "_runs", interrupted_runs)
+    monkeypatch.setattr(bench, "_batch_rows", interrupted_batches)
+    with pytest.raises(SystemExit) as stop:
+        run_cli("bench", "--workloads", workloads, "--model", model_folder, "--dtype", "fp32", "--limit", 3,
+                "--repeats", 1, "--max-new-tokens", 6, "--proposers", "prompt-lookup", "--no-oracle",
+                "--batch-sizes", "1,2", "--json", tmp_path / "rows.json")
+    assert stop.value.code == 130
+    out, err = capsys.readouterr()
+    assert "interrupted: the table holds what was measured" in err and "Traceback" not in err
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    methods = [row["method"] for row in rows]
+    assert {"hf-greedy", "specula-prompt-lookup"} <= set(methods) and "specula-prompt-lookup" in out
+    if stop_at == "second prompt":
+        assert {row["prompts"] for row in rows} == {1} and not any(method.endswith("-b1") for method in methods)
+    else:
+        assert {row["prompts"] for row in rows} == {3}
+        assert {"hf-greedy-b1", "specula-prompt-lookup-b1"} <= set(methods) and "hf-greedy-b2" not in methods
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ The command line is parsed and checked, and its files read, before torch, transf
 
 from __future__ import annotations
 
+import sys
+
 from ..proposers.registry import available
 from .checks import check, read_files
 from .parser import build_parser
@@ -21,9 +23,13 @@ def main(argv: list[str] | None = None) -> None:
         _list_proposers()
         return
     read_files(args)
-    from .commands import run  # (torch, transformers: once the command line holds)
+    try:
+        from .commands import run  # (torch, transformers: once the command line holds)
 
-    run(args)
+        run(args)
+    except KeyboardInterrupt:  # (where a command has no clean stop of its own: loading, a second Ctrl-C)
+        print("\ninterrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def _list_proposers() -> None:

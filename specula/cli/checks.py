@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..jobs.answers import AnswerFile
-from ..jobs.requests import BadRequest, load_workloads
+from ..jobs.requests import BadRequest, load_workloads, unique_requests
 from ..proposers.registry import check_proposer
 
 
@@ -38,11 +38,31 @@ def read_files(args: argparse.Namespace) -> None:
             args.answers = AnswerFile(args.output, resume=args.resume) if args.input else None
         except ValueError as error:
             usage_error(args, str(error))
+        if args.input:
+            _check_requests(args.input, args.strict)
     if args.command == "bench":
         try:
             args.workload_rows = load_workloads(args.workloads, args.limit)
         except BadRequest as error:
             raise SystemExit(f"error: {error}; fix or remove that line") from None
+
+
+def _check_requests(path: Path, strict: bool) -> None:
+    """Every line of a requests file read before the model loads: an error (one line, status 1) where no line is a
+    request, or, with ``strict``, at the first bad line (what the tokenizer must judge, such as a prompt longer than
+    the model's context, is checked once it is loaded, still before any decoding)."""
+    lines = bad = 0
+    first = None
+    for _, request in unique_requests(path):
+        lines += 1
+        if isinstance(request, BadRequest):
+            if strict:
+                raise SystemExit(f"error: {request} (--strict)")
+            bad, first = bad + 1, first or request
+    if not lines:
+        raise SystemExit(f"error: --input {path} holds no requests (every line is empty)")
+    if bad == lines:
+        raise SystemExit(f"error: no line of --input {path} is a request ({bad} bad lines; the first: {first})")
 
 
 def _generate_problem(args: argparse.Namespace) -> str | None:

@@ -17,11 +17,11 @@ from transformers import TextStreamer
 from ..hf.generate import generate
 from ..hf.loading import ModelNotFoundError, load_model
 from ..jobs.answerer import Answerer, Settings
-from ..jobs.answers import AnswerFile, StopOnInterrupt, Tally, report_skipped
+from ..jobs.answers import AnswerFile, InputOrder, StopOnInterrupt, Tally, report_skipped
 from ..jobs.requests import BadRequest, answer_key, encode, read_requests, unique_requests
 from ..proposers.registry import proposer_factory
 from ..tools.bench import (
-    format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method,
+    BenchInterrupted, format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method,
     specula_method,
 )
 from ..tools.drift import drift
@@ -57,14 +57,12 @@ def _load(args: argparse.Namespace):
     return model, tokenizer, device
 
 
-def _requests(path: Path, strict: bool) -> Iterator[tuple[int, dict | None]]:
-    """(line number, request) for every non-empty line; a bad line is reported on stderr and comes as ``None`` (or,
-    with ``strict``, ends the run)."""
+def _requests(path: Path, tally: Tally | None = None) -> Iterator[tuple[int, dict | None]]:
+    """(line number, request) for every non-empty line; a bad line is reported on stderr (counted in ``tally``) and
+    comes as ``None``."""
     for number, request in unique_requests(path):
         if isinstance(request, BadRequest):
-            if strict:
-                raise SystemExit(f"error: {request} (--strict)")
-            report_skipped(str(request))
+            (tally.skip if tally is not None else report_skipped)(str(request))
             request = None
         yield number, request
 
@@ -116,31 +114,33 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def _generate_file(
     args: argparse.Namespace, model, tokenizer, proposer, settings: Settings, output: AnswerFile
 ) -> None:
-    """Answer every request of --input into --output: written as each ends, bad lines reported and skipped, with
-    --resume the requests already answered skipped, stopped cleanly by Ctrl-C."""
+    """Answer every request of --input into --output, in input order (:class:`InputOrder`): bad lines reported and
+    skipped, with --resume the requests already answered skipped, stopped cleanly by Ctrl-C."""
     tally = Tally()
     lines = sum(1 for line in args.input.open() if line.strip())
     progress = tqdm(total=lines, desc="specula", unit="req")
+    order = InputOrder(output, tally)
 
     def on_skip(number: int, reason: str) -> None:
         if args.strict:
             raise SystemExit(f"error: {args.input}:{number}: {reason} (--strict)")
-        report_skipped(f"{args.input}:{number}: {reason}")
+        tally.skip(f"{args.input}:{number}: {reason}")
+        order.settle(number, None)
         progress.update()
 
     def pending() -> Iterator[tuple[int, dict]]:
-        for number, request in _requests(args.input, args.strict):
+        for number, request in _requests(args.input, tally):
             if request is not None and answer_key(request.get("id", number)) not in output.done:
+                order.expect(number)
                 yield number, request
                 continue
             tally.answered_before += request is not None
             progress.update()
 
     answerer = Answerer(model, tokenizer, proposer, settings, on_skip)
-    with StopOnInterrupt() as stop, output:
-        for answer in answerer(pending(), largest=min(lines, 32), eager=args.strict):
-            output.write(answer)
-            tally.add(answer)
+    with StopOnInterrupt() as stop, output, order:
+        for number, answer in answerer(pending(), largest=min(lines, 32), eager=args.strict):
+            order.settle(number, answer)
             progress.update()
             if stop.requested:
                 break
@@ -162,14 +162,22 @@ def cmd_bench(args: argparse.Namespace) -> None:
     baseline = "hf-sample" if sampled else "hf-greedy"
     progress = tqdm(total=sum(map(len, workloads.values())), desc="specula bench", unit="prompt")
     reference: dict = {}
-    rows = run_bench(
-        _bench_methods(args, model, tokenizer, device, sampling, baseline), tokenizer, workloads,
-        args.max_new_tokens, args.repeats, baseline=baseline, progress=lambda _: progress.update(), outputs=reference,
-        seed=(args.seed or 0) if sampled else None,  # (each prompt's runs seeded alike: identity is checked)
-    )
-    progress.close()
-    rows += _batch_rows(args, model, tokenizer, device, sampling, baseline, workloads, rows,
-                        None if sampled else reference)
+    rows: list = []
+    try:
+        rows += run_bench(
+            _bench_methods(args, model, tokenizer, device, sampling, baseline), tokenizer, workloads,
+            args.max_new_tokens, args.repeats, baseline=baseline, progress=lambda _: progress.update(),
+            outputs=reference, seed=(args.seed or 0) if sampled else None,  # (each prompt's runs seeded alike)
+        )
+        progress.close()
+        rows += _batch_rows(args, model, tokenizer, device, sampling, baseline, workloads, rows,
+                            None if sampled else reference)
+    except BenchInterrupted as stop:  # Ctrl-C: what was measured is kept, shown and written
+        progress.close()
+        rows += stop.rows
+        interrupted = True
+    else:
+        interrupted = False
     dtype_name = DTYPE_NAMES.get(model.dtype, str(model.dtype))
     print(
         f"{Path(args.model or 'SmolLM2-135M-Instruct').name}, {dtype_name}, {device}, up to {args.limit} prompts per "
@@ -177,9 +185,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
         + f"; identical: share of prompts with {baseline}'s exact output"
         + (f" (each prompt's runs seeded alike, from --seed {args.seed or 0}); sampling {sampling}" if sampled else "")
     )
-    print(format_table(rows))
+    if rows:
+        print(format_table(rows))
     if args.json:
         args.json.write_text(json.dumps([dict(row.as_dict(), dtype=dtype_name) for row in rows], indent=1))
+    if interrupted:
+        print(f"interrupted: the table holds what was measured before Ctrl-C ({len(rows)} rows; a workload cut short "
+              "counts the prompts it finished)", file=sys.stderr)
+        raise SystemExit(130)
 
 
 def _method_name(spec: str) -> str:
@@ -223,8 +236,11 @@ def _batch_rows(args: argparse.Namespace, model, tokenizer, device: str, samplin
             batched[f"{_method_name(spec)}-b{size}"] = specula_batch_method(
                 model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling
             )
-        batch_rows += run_batch_bench(batched, tokenizer, workloads, args.max_new_tokens, size, rates, reference,
-                                      args.repeats)
+        try:
+            batch_rows += run_batch_bench(batched, tokenizer, workloads, args.max_new_tokens, size, rates, reference,
+                                          args.repeats)
+        except BenchInterrupted as stop:  # (with the rows of the sizes before)
+            raise BenchInterrupted(batch_rows + stop.rows) from None
     return batch_rows
 
 
@@ -232,7 +248,7 @@ def cmd_drift(args: argparse.Namespace) -> None:
     model, tokenizer, device = _load(args)
     factory = proposer_factory(args.proposer, tokenizer, model.dtype, device)
     reports, started = [], time.perf_counter()
-    for number, request in _requests(args.input, strict=False):
+    for number, request in _requests(args.input):
         if request is None:
             continue
         report = drift(model, encode(tokenizer, request).to(device), factory(), args.max_new_tokens,

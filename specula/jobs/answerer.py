@@ -65,11 +65,13 @@ class Answerer:
         except ValueError as error:
             self.on_skip(number, str(error))
             return None
-        job.key = request.get("id", number)
+        job.key = number, request.get("id", number)
         return job, sampling
 
-    def __call__(self, requests: Iterable[tuple[int, dict]], largest: int = 32, eager: bool = False) -> Iterator[dict]:
-        """Answer records as requests finish (not in input order). ``largest`` bounds the measured batch size;
+    def __call__(self, requests: Iterable[tuple[int, dict]], largest: int = 32, eager: bool = False
+                 ) -> Iterator[tuple[int, dict]]:
+        """(line number, answer record) as requests finish (not in input order: see
+        :class:`specula.jobs.answers.InputOrder`). ``largest`` bounds the measured batch size;
         ``eager`` prepares every request before decoding any. A measured batch size is measured again every
         :data:`REMEASURE` requests (a busy moment at start must not fix it for the whole run); where it changed, the
         requests in flight finish and the rest go on in batches of the new size."""
@@ -89,8 +91,9 @@ class Answerer:
                     if row.finished:
                         text = self.tokenizer.decode(row.sequence.ids[len(row.job.prompt) :],
                                                      skip_special_tokens=True)
-                        yield {"id": row.job.key, "text": text,
-                               "stats": _stats(row.stats, row.job.prediction is not None)}
+                        number, key = row.job.key
+                        yield number, {"id": key, "text": text,
+                                       "stats": _stats(row.stats, row.job.prediction is not None)}
             finally:
                 self.passes += decoder.passes
                 self.plain_speedups.append(decoder.plain_speedup())

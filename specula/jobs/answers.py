@@ -1,5 +1,5 @@
-"""The answers file of a job, which survives a stopped run (:class:`AnswerFile`), the run's summary (:class:`Tally`)
-and a clean stop on Ctrl-C (:class:`StopOnInterrupt`). Nothing here needs torch: the command line reads an answers
+"""The answers file of a job, which survives a stopped run (:class:`AnswerFile`), answers written in their requests'
+order (:class:`InputOrder`), the run's summary (:class:`Tally`) and a clean stop on Ctrl-C (:class:`StopOnInterrupt`). Nothing here needs torch: the command line reads an answers
 file (``--resume``) before it imports anything heavy."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,24 +85,72 @@ class AnswerFile:
         self.close(failed=kind is not None)
 
 
+class InputOrder:
+    """Answers written in the order of their requests' lines, whatever order they finish in (requests decoded in the
+    same passes end as their acceptance has it): an answer waits until every request before it is answered or
+    skipped. On leaving ``with`` (the run ended, was stopped or failed), the answers still waiting are written too,
+    in line order, so none that was made is lost; a resumed run finds them by id.
+
+    ``expect(number)`` as requests are handed out (in line order), ``settle(number, answer)`` as each ends
+    (``None``: skipped). Worked example: 1, 2, 3 expected; 3 settles (waits), 1 settles (1 written), 2 is skipped
+    (3 written)."""
+
+    def __init__(self, output: AnswerFile, tally: "Tally") -> None:
+        self.output, self.tally = output, tally
+        self.expected: deque[int] = deque()  # line numbers handed out and not yet written, in order
+        self.settled: dict[int, dict | None] = {}  # line number -> its answer (None: skipped), waiting for its turn
+
+    def expect(self, number: int) -> None:
+        self.expected.append(number)
+
+    def settle(self, number: int, answer: dict | None) -> None:
+        self.settled[number] = answer
+        while self.expected and self.expected[0] in self.settled:
+            self._write(self.settled.pop(self.expected.popleft()))
+
+    def _write(self, answer: dict | None) -> None:
+        if answer is not None:
+            self.output.write(answer)
+            self.tally.add(answer)
+
+    def __enter__(self) -> "InputOrder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number in sorted(self.settled):
+            self._write(self.settled.pop(number))
+
+
 @dataclass
 class Tally:
-    """What a run did, for its closing line: answers written, tokens made, answers found from an earlier run."""
+    """What a run did, for its closing line: answers written, tokens made, answers found from an earlier run,
+    requests skipped."""
 
     answered: int = 0
     new_tokens: int = 0
     answered_before: int = 0
+    skipped: int = 0
     started: float = field(default_factory=time.perf_counter)
 
     def add(self, answer: dict) -> None:
         self.answered, self.new_tokens = self.answered + 1, self.new_tokens + answer["stats"]["new_tokens"]
 
+    def skip(self, where: str) -> None:
+        """Report a skipped request (``where``: ``path:line: reason``) and count it."""
+        report_skipped(where)
+        self.skipped += 1
+
     def report(self, details: str, output: Path, interrupted: bool) -> None:
-        """Print the summary (``details``: how it ran); after Ctrl-C, say how to go on and exit with status 130."""
+        """Print the summary (``details``: how it ran); after Ctrl-C, say how to go on and exit with status 130.
+        A run that answered nothing because every request was skipped is an error (status 1)."""
+        if self.skipped and not (self.answered or self.answered_before or interrupted):
+            raise SystemExit(f"error: every request was skipped ({self.skipped}, reasons above); nothing was answered "
+                             f"into {output}")
         seconds = time.perf_counter() - self.started
         print(f"{self.answered} requests, {self.new_tokens} new tokens in {seconds:.1f}s "
               f"({self.new_tokens / max(seconds, 1e-9):.1f} tok/s), {details}"
               + (f"; {self.answered_before} answered before (--resume)" if self.answered_before else "")
+              + (f"; {self.skipped} skipped (reasons above)" if self.skipped else "")
               + f" -> {output}", file=sys.stderr)
         if interrupted:
             print(f"interrupted: rerun with --resume to answer the rest into {output}", file=sys.stderr)

@@ -36,7 +36,7 @@ except ImportError as error:  # (the optional extra)
     raise ImportError("specula.jobs.ray needs Ray: pip install 'specula[ray]'") from error
 
 from .answerer import Answerer, Settings
-from .answers import AnswerFile, StopOnInterrupt, Tally, report_skipped
+from .answers import AnswerFile, InputOrder, StopOnInterrupt, Tally
 from ..hf.loading import load_model, resolve_model
 from ..proposers.registry import proposer_factory
 from .requests import BadRequest, answer_key, unique_requests
@@ -51,23 +51,25 @@ class RayWorker:
         torch.set_num_threads(threads)  # the cores Ray gave this worker (its OMP_NUM_THREADS may come too late)
         self.model, tokenizer = load_model(model, dtype=dtype, device=device)
         factory = proposer_factory(proposer, tokenizer, self.model.dtype, device)
-        self.skipped: list[str] = []
+        self.skipped: list[tuple[int, str]] = []  # (line number, reason)
         self.answerer = Answerer(self.model, tokenizer, factory(), settings,
-                                 lambda number, reason: self.skipped.append(f"{number}: {reason}"))
+                                 lambda number, reason: self.skipped.append((number, reason)))
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, list[str]]]:
+    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, list]]:
         """``batch``: columns ``number`` (line numbers) and ``request`` (JSON). Yields a row as each request ends:
-        column ``answer`` (its JSON line), or ``skipped`` (``line: reason``) for one that could not be decoded."""
+        its ``number`` and ``answer`` (its JSON line), or ``skipped`` (the reason) for one that could not be
+        decoded."""
         self.skipped = []
         requests = zip(batch["number"].tolist(), map(json.loads, batch["request"]))
-        for answer in self.answerer(requests, largest=min(RAY_BATCH, 32)):
+        for number, answer in self.answerer(requests, largest=min(RAY_BATCH, 32)):
             yield from self._skipped()
-            yield {"answer": [json.dumps(answer, ensure_ascii=False)], "skipped": [""]}
+            yield {"number": [number], "answer": [json.dumps(answer, ensure_ascii=False)], "skipped": [""]}
         yield from self._skipped()
 
-    def _skipped(self) -> Iterator[dict[str, list[str]]]:
+    def _skipped(self) -> Iterator[dict[str, list]]:
         while self.skipped:
-            yield {"answer": [""], "skipped": [self.skipped.pop(0)]}
+            number, reason = self.skipped.pop(0)
+            yield {"number": [number], "answer": [""], "skipped": [reason]}
 
 
 def generate_with_ray(
@@ -96,7 +98,7 @@ def generate_with_ray(
         worker = {"model": model, "proposer": proposer, "settings": settings or Settings(), "dtype": dtype}
         answers = _answers(requests, worker, workers, gpus_per_worker, cpus_per_worker)
         with stop:
-            _write_answers(answers, output, tally, input_path, stop)
+            _write_answers(answers, requests, output, tally, input_path, stop)
     tally.report(f"{workers} Ray worker{'s' * (workers > 1)}", output.path, stop.requested)
     return tally
 
@@ -109,7 +111,7 @@ def _pending(input_path: str | Path, output: AnswerFile, strict: bool, tally: Ta
         if isinstance(request, BadRequest):
             if strict:
                 raise ValueError(f"{request} (--strict)")
-            report_skipped(str(request))
+            tally.skip(str(request))
         elif answer_key(request.get("id", number)) in output.done:
             tally.answered_before += 1
         else:
@@ -134,20 +136,23 @@ def _answers(requests: list[dict], worker: dict, workers: int, gpus_per_worker: 
     )
 
 
-def _write_answers(answers: "ray.data.Dataset", output: AnswerFile, tally: Tally, input_path: str | Path,
-                   stop: StopOnInterrupt) -> None:
-    """Write the answers as they arrive and report the requests the workers skipped, until all are in or
-    ``stop`` is requested; a worker's error is a ``ValueError`` with its own last line."""
+def _write_answers(answers: "ray.data.Dataset", requests: list[dict], output: AnswerFile, tally: Tally,
+                   input_path: str | Path, stop: StopOnInterrupt) -> None:
+    """Write the answers in input order as they arrive (:class:`InputOrder`) and report the requests the workers
+    skipped, until all are in or ``stop`` is requested; a worker's error is a ``ValueError`` with its own last
+    line."""
+    order = InputOrder(output, tally)
+    for request in requests:
+        order.expect(request["number"])
     try:
-        for row in answers.iter_rows():
-            if row["answer"]:
-                answer = json.loads(row["answer"])
-                output.write(answer)
-                tally.add(answer)
-            else:
-                report_skipped(f"{input_path}:{row['skipped']}")
-            if stop.requested:
-                break
+        with order:
+            for row in answers.iter_rows():
+                answer = json.loads(row["answer"]) if row["answer"] else None
+                if answer is None:
+                    tally.skip(f"{input_path}:{row['number']}: {row['skipped']}")
+                order.settle(row["number"], answer)
+                if stop.requested:
+                    break
     except ray.exceptions.RayError as error:  # the worker's own error, without Ray's machinery around it
         reason = str(error).strip().splitlines()[-1]
         raise ValueError(f"a Ray worker failed ({tally.answered} answers written): {reason}") from None

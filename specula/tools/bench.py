@@ -223,26 +223,50 @@ def run_bench(
     per ``(workload, prompt index)``, for :func:`run_batch_bench`.
     """
     names, baseline_outputs = list(methods), outputs
-    warm = encode(tokenizer, next(iter(workloads.values()))[0])
-    for method in methods.values():  # compile kernels, fill allocator caches
-        method(warm, 4)
-    rows = []
-    for workload, requests in workloads.items():
-        totals = {name: dict.fromkeys(_COUNTERS, 0) for name in names}
-        for index, request in enumerate(requests):
-            times, outputs, varied = _runs(methods, encode(tokenizer, request), max_new_tokens, repeats, index, seed,
-                                           request.get("prediction"))
-            if baseline_outputs is not None:
-                baseline_outputs[workload, index] = outputs[baseline][0]
-            for name in names:
-                _add(totals[name], *outputs[name], statistics.median(times[name]), outputs[baseline][0],
-                     name not in varied)
-            if progress:
-                progress(f"{workload} {index + 1}/{len(requests)}")
-        base_rate = totals[baseline]["tokens"] / totals[baseline]["seconds"]
-        rows += [_row(workload, name, len(requests), totals[name], base_rate, compare_outputs,
-                      getattr(methods[name], "setup", None)) for name in names]
+    rows: list[BenchRow] = []
+    with _interruptible(rows):
+        warm = encode(tokenizer, next(iter(workloads.values()))[0])
+        for method in methods.values():  # compile kernels, fill allocator caches
+            method(warm, 4)
+        for workload, requests in workloads.items():
+            totals = {name: dict.fromkeys(_COUNTERS, 0) for name in names}
+            measured = []  # the prompts measured so far: a bench stopped half-way reports them
+            try:
+                for index, request in enumerate(requests):
+                    times, outputs, varied = _runs(methods, encode(tokenizer, request), max_new_tokens, repeats,
+                                                   index, seed, request.get("prediction"))
+                    if baseline_outputs is not None:
+                        baseline_outputs[workload, index] = outputs[baseline][0]
+                    for name in names:
+                        _add(totals[name], *outputs[name], statistics.median(times[name]), outputs[baseline][0],
+                             name not in varied)
+                    measured.append(index)
+                    if progress:
+                        progress(f"{workload} {index + 1}/{len(requests)}")
+            finally:
+                if measured:
+                    base_rate = totals[baseline]["tokens"] / totals[baseline]["seconds"]
+                    rows += [_row(workload, name, len(measured), totals[name], base_rate, compare_outputs,
+                                  getattr(methods[name], "setup", None)) for name in names]
     return rows
+
+
+class BenchInterrupted(Exception):
+    """Ctrl-C stopped a bench: ``rows`` holds what was measured (a workload cut short: its prompts measured so
+    far)."""
+
+    def __init__(self, rows: list[BenchRow]) -> None:
+        super().__init__(f"interrupted after {len(rows)} rows")
+        self.rows = rows
+
+
+@contextlib.contextmanager
+def _interruptible(rows: list[BenchRow]) -> Iterator[None]:
+    """Ctrl-C within becomes :class:`BenchInterrupted` with ``rows`` as they are then."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise BenchInterrupted(rows) from None
 
 
 _STATS_COUNTERS = ("drafted", "accepted", "steps", *TREE_COUNTERS, *PREDICTION_COUNTERS)
@@ -316,31 +340,41 @@ def run_batch_bench(
     over the summed median seconds of the batches. Speedups are against ``baseline_rates`` (tokens/s of
     ``model.generate`` one prompt at a time, per workload); identity against ``reference`` (per ``(workload, prompt
     index)``, that baseline's outputs), where given."""
-    rows = []
-    for workload, requests in workloads.items():
-        prompts = [encode(tokenizer, request)[0] for request in requests]
-        for name, method in methods.items():
-            runs = [method(prompts, max_new_tokens, batch_size) for _ in range(repeats)]
-            outputs, _, stats = runs[-1]
-            seconds = statistics.median(run[1] for run in runs)
-            tokens = sum(map(len, outputs))
-            repeatable = sum(all(run[0][k] == outputs[k] for run in runs) for k in range(len(prompts)))
-            same = sum(outputs[k] == reference[workload, k] for k in range(len(prompts))) if reference is not None else 0
-            if progress:
-                progress(f"{workload} {name}")
-            rate = tokens / seconds
-            rows.append(BenchRow(
-                workload=workload, method=name, prompts=len(prompts), new_tokens=tokens, seconds=seconds,
-                tokens_per_s=rate, speedup_vs_hf_greedy=rate / baseline_rates[workload],
-                identical_to_greedy=same / len(prompts) if reference is not None else None,
-                repeatable=repeatable / len(prompts),
-                acceptance_rate=stats.acceptance_rate if stats is not None and stats.drafted else None,
-                tokens_per_step=stats.tokens_per_step if stats is not None else None,
-                drafted=stats.drafted if stats is not None else 0,
-                **({counter: getattr(stats, counter) for counter in TREE_COUNTERS} if stats is not None else {}),
-                verification=str(stats.exactness) if stats is not None and stats.exactness is not None else None,
-            ))
+    rows: list[BenchRow] = []
+    with _interruptible(rows):
+        for workload, requests in workloads.items():
+            prompts = [encode(tokenizer, request)[0] for request in requests]
+            for row in _batch_rows(methods, prompts, workload, max_new_tokens, batch_size, baseline_rates[workload],
+                                   reference, repeats, progress):
+                rows.append(row)
     return rows
+
+
+def _batch_rows(methods: dict[str, BatchMethod], prompts: list[torch.Tensor], workload: str, max_new_tokens: int,
+                batch_size: int, baseline_rate: float, reference: dict | None, repeats: int,
+                progress: Callable[[str], None] | None) -> Iterator[BenchRow]:
+    """:func:`run_batch_bench`'s rows of one workload, one method at a time."""
+    for name, method in methods.items():
+        runs = [method(prompts, max_new_tokens, batch_size) for _ in range(repeats)]
+        outputs, _, stats = runs[-1]
+        seconds = statistics.median(run[1] for run in runs)
+        tokens = sum(map(len, outputs))
+        repeatable = sum(all(run[0][k] == outputs[k] for run in runs) for k in range(len(prompts)))
+        same = sum(outputs[k] == reference[workload, k] for k in range(len(prompts))) if reference is not None else 0
+        if progress:
+            progress(f"{workload} {name}")
+        rate = tokens / seconds
+        yield BenchRow(
+            workload=workload, method=name, prompts=len(prompts), new_tokens=tokens, seconds=seconds,
+            tokens_per_s=rate, speedup_vs_hf_greedy=rate / baseline_rate,
+            identical_to_greedy=same / len(prompts) if reference is not None else None,
+            repeatable=repeatable / len(prompts),
+            acceptance_rate=stats.acceptance_rate if stats is not None and stats.drafted else None,
+            tokens_per_step=stats.tokens_per_step if stats is not None else None,
+            drafted=stats.drafted if stats is not None else 0,
+            **({counter: getattr(stats, counter) for counter in TREE_COUNTERS} if stats is not None else {}),
+            verification=str(stats.exactness) if stats is not None and stats.exactness is not None else None,
+        )
 
 
 def format_table(rows: list[BenchRow]) -> str:

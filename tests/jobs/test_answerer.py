@@ -35,7 +35,7 @@ def test_a_measured_batch_size_is_measured_again_during_a_run(monkeypatch, remea
     requests = [(n, {"id": f"r{n}", "prompt": f"the quick brown fox {n} jumps over the lazy dog {n}"})
                 for n in range(10)]
     answers = list(answerer(requests, largest=8))
-    assert sorted(answer["id"] for answer in answers) == sorted(f"r{n}" for n in range(10))
+    assert sorted((number, answer["id"]) for number, answer in answers) == [(n, f"r{n}") for n in range(10)]
     assert measured[0] is False and all(measured[1:]) and len(measured) == 4  # at start, then after 3, 6, 9
     assert built == ([1, 4] if remeasure else [1]) and answerer.slots == (4 if remeasure else 1)
 
