@@ -128,9 +128,11 @@ def _add_generate_parser(commands) -> None:
         "generate", help="generate for a JSONL file of requests, or for one prompt (streamed to stdout)",
         description="Each input line is a JSON object with \"messages\" (a chat, through the model's chat template) "
         "or \"prompt\" (raw text), and optionally \"id\". Each output line keeps the id and adds \"text\" and "
-        "\"stats\" (new_tokens, steps, accepted, drafted, seconds). Bad lines are reported with their line number "
-        "and skipped (--strict: every line is checked first and the run stops at the first bad one, before any "
-        "answer is written; an existing --output is left as it was).",
+        "\"stats\" (new_tokens, steps, accepted, drafted, seconds); answers are written in the order of their "
+        "requests' lines. Bad lines are reported with their line number and skipped (--strict: every line is checked "
+        "before the model loads and the run stops at the first bad one, before any answer is written; an existing "
+        "--output is left as it was). Exit status: 0 when done, 1 on an error (such as a file none of whose requests "
+        "could be answered), 2 for a usage error, 130 after Ctrl-C.",
     )
     _add_generate_files(gen)
     gen.add_argument(
@@ -164,7 +166,9 @@ def _add_generate_files(gen: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt", help="a single prompt; the answer streams to stdout")
     source.add_argument("--raw", action="store_true", help="with --prompt: no chat template")
     source.add_argument(
-        "--strict", action="store_true", help="check every input line first and stop at the first bad one, before decoding"
+        "--strict", action="store_true",
+        help="check every input line before the model loads (the prompt lengths once it is loaded) and stop at the "
+        "first bad one, before decoding"
     )
 
 
@@ -202,12 +206,14 @@ def _add_bench_parser(commands) -> None:
         "each proposer, and (greedy) the oracle, on every *.jsonl in --workloads (lines with \"messages\" or "
         "\"prompt\"), interleaved per "
         "prompt, and prints per workload: tokens/s, speedup vs hf-greedy, whether the output was identical to "
-        "hf-greedy's and the same in every repeat, draft acceptance rate and tokens per target step (medians of --repeats).",
+        "hf-greedy's and the same in every repeat, draft acceptance rate and tokens per target step (medians of --repeats). "
+        "Ctrl-C prints (and with --json writes) the rows measured so far and exits with status 130.",
     )
-    bench.add_argument("--workloads", type=Path, required=True, help="folder of *.jsonl workloads")
+    bench.add_argument("--workloads", type=Path, required=True,
+                       help="folder of *.jsonl workloads (request files, as for generate; e.g. examples)")
     bench.add_argument("--limit", type=_positive_int, default=4, help="prompts per workload (default: 4)")
     bench.add_argument("--repeats", type=_positive_int, default=3,
-                       help="runs per prompt and method; the median counts")
+                       help="runs per prompt and method; the median counts (default: 3)")
     bench.add_argument(
         "--proposers", default="prompt-lookup,ngram",
         help=f"comma-separated specula proposers: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup,ngram)",

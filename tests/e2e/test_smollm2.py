@@ -165,3 +165,16 @@ def test_seeded_sampling_draws_model_generates_tokens(dtype: str) -> None:
             assert out.sequences.tolist() == expected, (name, proposer, adaptive)
             accepted += out.stats.accepted
     assert accepted > 0
+
+
+def test_the_readmes_python_example_runs_as_written(capsys) -> None:
+    """The README's Python quickstart (the embedded default model) runs as it is written and prints the model's
+    greedy continuation and the stats."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = readme.split("### Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    model, tokenizer = smollm2()
+    prompt = tokenizer("Fix the typo:\nteh quick brown fox\nFixed:\n", return_tensors="pt").input_ids
+    expected = hf_greedy(model, prompt, 128, eos_token_id=model.generation_config.eos_token_id)
+    assert tokenizer.decode(expected[0]) in printed and " tok/step), accepted " in printed
