@@ -287,12 +287,11 @@ def test_default_model_generate_and_bench(tmp_path, capsys) -> None:
     run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--max-new-tokens", 16)
     record = json.loads((tmp_path / "out.jsonl").read_text())
     assert record["id"] == 1 and record["text"] and record["stats"]["new_tokens"] > 0
-    workloads = tmp_path / "workloads"
-    workloads.mkdir()
-    (workloads / "repeat.jsonl").write_text((tmp_path / "in.jsonl").read_text())
-    run_cli("bench", "--workloads", workloads, "--limit", 1, "--repeats", 1, "--max-new-tokens", 16,
+    examples = Path(__file__).resolve().parents[1] / "examples"  # (the README's bench: the repository's own requests)
+    run_cli("bench", "--workloads", examples, "--limit", 1, "--repeats", 1, "--max-new-tokens", 16,
             "--dtype", "fp32", "--json", tmp_path / "rows.json")
     rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {row["workload"] for row in rows} == {"requests"} and all(row["prompts"] == 1 for row in rows)
     assert all(row["identical_to_greedy"] == 1.0 for row in rows if row["method"].startswith("specula"))
 
 

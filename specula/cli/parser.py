@@ -251,7 +251,7 @@ def _add_drift_parser(commands) -> None:
     _add_proposer_argument(drift_parser, "as for generate (default: prompt-lookup)")
     drift_parser.add_argument("--adaptive", action="store_true",
                               help="send the drafts the cost model picks (default: every draft the proposer has, up "
-                                   "to 32 tokens, so that passes are verified even where the cost model would send "
+                                   "to 64 tokens, so that passes are verified even where the cost model would send "
                                    "none)")
     _add_exact_argument(drift_parser)
     _add_model_arguments(drift_parser)

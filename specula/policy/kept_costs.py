@@ -26,10 +26,14 @@ ROUNDS = 3
 
 
 class KeptCosts(PassCosts):
-    """A one-row :class:`PassCosts` that holds a kept table: nothing is recorded into it, nothing re-measured."""
+    """A one-row :class:`PassCosts` that holds a kept table: nothing is recorded into it, nothing re-measured, and
+    no draft sent longer than its widest pass measured (a wider one's cost is not known, and never will be)."""
 
     def record(self, tokens: int, seconds: float, tree: bool = False) -> None:
         pass
+
+    def explored_width(self, tree: bool = False) -> int:
+        return min(super().explored_width(tree), WIDTHS[-1] - 1)
 
 
 def kept_pass_costs(model: torch.nn.Module, max_draft: int) -> KeptCosts | None:

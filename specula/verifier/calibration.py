@@ -24,7 +24,7 @@ import torch
 
 TIMING_REPEATS = 5
 CLOCK = time.perf_counter  # what strategies are timed with (tests put a fake clock here)
-CALIBRATION_ROWS = 33  # the widest pass the loop sends (MAX_DRAFT + 1)
+CALIBRATION_ROWS = 33  # the widest pass calibrated (32 drafts); a wider one chunks every linear layer row-exactly
 TIMED_ROWS = 9  # strategies are timed on a typical pass: the last token and 8 drafts ...
 TIMED_KEYS = 700  # ... after this many tokens
 # How specula computes passes: part of every key, changed whenever what a kept measurement measured changes (pass

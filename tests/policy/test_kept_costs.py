@@ -3,12 +3,15 @@ than plain where passes are dear), not the clock (the same output on every run).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from bf16_cases import NEW_TOKENS, model, prompt
 from helpers import Oracle
 
 import specula
 from specula.policy import kept_costs
+from specula.policy.acceptance import RequestAcceptance
+from specula.policy.adaptive import choose_lengths
 from specula.verifier import calibration
 from specula.verifier.runner import CachedModel
 
@@ -71,3 +74,13 @@ def test_the_measurement_times_each_width_against_a_one_token_pass(monkeypatch, 
     costs.record(2, 100.0)  # nothing is recorded into a kept table
     assert costs.ratios()[1] == 1.25
     calibration.forget()
+
+
+def test_no_draft_is_longer_than_the_widest_pass_kept(kept) -> None:
+    """Passes wider than the kept table's widest (33 tokens) were never timed, and are never sent: were a wider one
+    taken to cost what the widest measured does, a long prediction would send 64 drafts where 65 tokens cost twice."""
+    table, _ = kept
+    table[0] = [1.0] * len(kept_costs.WIDTHS)  # every measured width as cheap as one token
+    costs = kept_costs.kept_pass_costs(model("llama"), 64)
+    nearly_sure = np.cumprod(np.full(64, 0.995))  # P_i of 64 drafts, each right 99.5% of the times
+    assert choose_lengths([RequestAcceptance(64, timed=False)], [nearly_sure], costs) == [kept_costs.WIDTHS[-1] - 1]
