@@ -238,12 +238,15 @@ def test_help_of_the_installed_command() -> None:
     bench_help = subprocess.run(["specula", "bench", "--help"], capture_output=True, text=True).stdout
     for option in ("--workloads", "--limit", "--proposers", "--dtype", "--json", "--max-new-tokens"):
         assert option in bench_help
-    # --strict stops before anything is written (test_strict_checks_every_line_before_decoding): the help said
-    # "lines already written stay", as if some were.
-    generate_help = " ".join(generate_help.split())
+    # --strict stops before anything is written (test_strict_checks_every_line_before_the_model_loads): the help
+    # said "lines already written stay", as if some were.
+    generate_help, bench_help = " ".join(generate_help.split()), " ".join(bench_help.split())
     assert "already written stay" not in generate_help
-    assert "(--strict: every line is checked first and the run stops at the first bad one, before any answer is " \
-        "written; an existing --output is left as it was)" in generate_help
+    assert "(--strict: every line is checked before the model loads and the run stops at the first bad one, before " \
+        "any answer is written; an existing --output is left as it was)" in generate_help
+    assert "answers are written in the order of their requests' lines" in generate_help
+    assert "Exit status: 0 when done, 1 on an error" in generate_help and "130 after Ctrl-C" in generate_help
+    assert "Ctrl-C prints (and with --json writes) the rows measured so far and exits with status 130" in bench_help
 
 
 HEAVY = ("torch", "transformers", "numba", "ray")
