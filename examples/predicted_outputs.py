@@ -31,7 +31,7 @@ import torch
 
 import specula
 from specula.hf.loading import load_model
-from specula.jobs.requests import encode
+from specula.jobs.requests import encode, parse_request
 from specula.tools.bench import format_table, hf_method, run_bench, specula_method
 
 FUNCTIONS = Path(__file__).resolve().parent / "workloads" / "release_edits.jsonl"
@@ -70,10 +70,11 @@ def main() -> None:
             middle = len(now) // 2
             previous = now[:middle] + previous[middle : middle + 8] + now[middle + 8 :]
         text = tokenizer.decode(previous, skip_special_tokens=True)
-        rows.append({"id": function["id"], "messages": messages(function["new"]), "prediction": text})
+        rows.append(parse_request({"id": function["id"], "messages": messages(function["new"]), "prediction": text},
+                                  len(rows) + 1))
     if args.write:
         args.write.mkdir(parents=True, exist_ok=True)
-        (args.write / "release_edits.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        (args.write / "release_edits.jsonl").write_text("".join(json.dumps(row.data) + "\n" for row in rows))
     methods = {
         "hf-greedy": hf_method(model),
         "hf-prompt-lookup": hf_method(model, prompt_lookup_num_tokens=10),

@@ -23,6 +23,7 @@ from specula import cli
 from specula.cli import commands
 from specula.hf import loading
 from specula.hf import precision
+from specula.jobs.requests import parse_request
 
 def run_cli(*argv: str) -> None:
     cli.main([str(arg) for arg in argv])
@@ -335,7 +336,7 @@ def test_bench_reports_which_methods_repeat_their_output() -> None:
         calls["n"] += 1
         return [1, 2, 100 + calls["n"]], 0.1, None
 
-    workloads = {"w": [{"prompt": "a"}, {"prompt": "b"}]}
+    workloads = {"w": [parse_request({"prompt": "a"}, 1), parse_request({"prompt": "b"}, 2)]}
     rows = bench.run_bench({"hf-greedy": steady, "wobbly": wobbly}, tiny_tokenizer(), workloads, 3, repeats=2)
     assert {row.method: row.repeatable for row in rows} == {"hf-greedy": 1.0, "wobbly": 0.0}
     assert {row.method: row.identical_to_greedy for row in rows} == {"hf-greedy": 1.0, "wobbly": 0.0}

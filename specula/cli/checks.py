@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..jobs.answers import AnswerFile
-from ..jobs.requests import BadRequest, load_workloads, unique_requests
+from ..jobs.requests import BadRequest, file_shape, load_workloads, model_name, unique_requests
 from ..proposers.registry import check_proposer
 
 
@@ -39,7 +39,7 @@ def read_files(args: argparse.Namespace) -> None:
         except ValueError as error:
             usage_error(args, str(error))
         if args.input:
-            _check_requests(args.input, args.strict)
+            _check_requests(args.input, args.strict, model_name(args.model))
     if args.command == "bench":
         try:
             args.workload_rows = load_workloads(args.workloads, args.limit)
@@ -47,13 +47,18 @@ def read_files(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {error}; fix or remove that line") from None
 
 
-def _check_requests(path: Path, strict: bool) -> None:
-    """Every line of a requests file read before the model loads: an error (one line, status 1) where no line is a
-    request, or, with ``strict``, at the first bad line (what the tokenizer must judge, such as a prompt longer than
-    the model's context, is checked once it is loaded, still before any decoding)."""
+def _check_requests(path: Path, strict: bool, model: str) -> None:
+    """Every line of a requests file read before the model loads: an error (one line, status 1) where the file mixes
+    specula's request lines with OpenAI Batch API lines, where no line is a request, or, with ``strict``, at the
+    first bad line (what the tokenizer must judge, such as a prompt longer than the model's context, is checked once
+    it is loaded, still before any decoding). ``model``: the name requests may give the model."""
+    try:
+        file_shape(path)
+    except ValueError as error:
+        raise SystemExit(f"error: --input {error}") from None
     lines = bad = 0
     first = None
-    for _, request in unique_requests(path):
+    for _, request in unique_requests(path, model):
         lines += 1
         if isinstance(request, BadRequest):
             if strict:

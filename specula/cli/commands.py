@@ -16,9 +16,10 @@ from transformers import TextStreamer
 
 from ..hf.generate import generate
 from ..hf.loading import ModelNotFoundError, load_model
+from ..jobs.answer_lines import error_line
 from ..jobs.answerer import Answerer, Settings
 from ..jobs.answers import AnswerFile, InputOrder, StopOnInterrupt, Tally, report_skipped
-from ..jobs.requests import BadRequest, answer_key, encode, read_requests, unique_requests
+from ..jobs.requests import BadRequest, Request, answer_key, encode, model_name, read_requests, unique_requests
 from ..proposers.registry import proposer_factory
 from ..tools.bench import (
     BenchInterrupted, format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method,
@@ -57,20 +58,9 @@ def _load(args: argparse.Namespace):
     return model, tokenizer, device
 
 
-def _requests(path: Path, tally: Tally | None = None) -> Iterator[tuple[int, dict | None]]:
-    """(line number, request) for every non-empty line; a bad line is reported on stderr (counted in ``tally``) and
-    comes as ``None``."""
-    for number, request in unique_requests(path):
-        if isinstance(request, BadRequest):
-            (tally.skip if tally is not None else report_skipped)(str(request))
-            request = None
-        yield number, request
-
-
 def _brings_predictions(path: Path) -> bool:
     """Whether a request of the file brings a prediction (passes then verify drafts from it, whatever the proposer)."""
-    return any(isinstance(request, dict) and request.get("prediction") is not None
-               for _, request in read_requests(path))
+    return any(isinstance(request, Request) and request.prediction is not None for _, request in read_requests(path))
 
 
 def _prompt_padding_id(tokenizer) -> int | None:
@@ -81,7 +71,8 @@ def _prompt_padding_id(tokenizer) -> int | None:
 def cmd_generate(args: argparse.Namespace) -> None:
     sampling_settings = _sampling(args)
     settings = Settings(args.max_new_tokens, sampling_settings, args.seed, args.exact, args.batch_size,
-                        predictions=args.input is not None and _brings_predictions(args.input))
+                        predictions=args.input is not None and _brings_predictions(args.input),
+                        model_name=model_name(args.model))
     output = args.answers  # (read by the checks: with --resume, the answers already there)
     if output is not None and output.torn:
         print(f"{args.output}: its last line was cut short when a run stopped; that request is answered again",
@@ -115,32 +106,40 @@ def _generate_file(
     args: argparse.Namespace, model, tokenizer, proposer, settings: Settings, output: AnswerFile
 ) -> None:
     """Answer every request of --input into --output, in input order (:class:`InputOrder`): bad lines reported and
-    skipped, with --resume the requests already answered skipped, stopped cleanly by Ctrl-C."""
+    skipped (in a Batch API file, answered with an error line), with --resume the requests already answered
+    skipped, stopped cleanly by Ctrl-C."""
     tally = Tally()
     lines = sum(1 for line in args.input.open() if line.strip())
     progress = tqdm(total=lines, desc="specula", unit="req")
     order = InputOrder(output, tally)
 
-    def on_skip(number: int, reason: str) -> None:
+    def skip(number: int, where: str, reason: str, batch: bool | None, custom_id: str | None) -> None:
+        """A request that is not answered: reported; a Batch API line's is an error line in its place."""
         if args.strict:
-            raise SystemExit(f"error: {args.input}:{number}: {reason} (--strict)")
-        tally.skip(f"{args.input}:{number}: {reason}")
-        order.settle(number, None)
+            raise SystemExit(f"error: {where}{reason} (--strict)")
+        tally.skip(f"{where}{reason}")
+        order.settle(number, error_line(custom_id, reason) if batch else None)
         progress.update()
 
-    def pending() -> Iterator[tuple[int, dict]]:
-        for number, request in _requests(args.input, tally):
-            if request is not None and answer_key(request.get("id", number)) not in output.done:
-                order.expect(number)
-                yield number, request
+    def pending() -> Iterator[Request]:
+        for number, request in unique_requests(args.input, settings.model_name):
+            if request.id is not None and answer_key(request.id) in output.done:
+                tally.answered_before += 1
+                progress.update()
                 continue
-            tally.answered_before += request is not None
-            progress.update()
+            order.expect(number)
+            if isinstance(request, BadRequest):
+                skip(number, "", str(request), request.batch, request.id)
+                continue
+            yield request
+
+    def on_skip(request: Request, reason: str) -> None:
+        skip(request.line, f"{args.input}:{request.line}: ", reason, request.batch, request.id)
 
     answerer = Answerer(model, tokenizer, proposer, settings, on_skip)
     with StopOnInterrupt() as stop, output, order:
-        for number, answer in answerer(pending(), largest=min(lines, 32), eager=args.strict):
-            order.settle(number, answer)
+        for request, answer in answerer(pending(), largest=min(lines, 32), eager=args.strict):
+            order.settle(request.line, answer)
             progress.update()
             if stop.requested:
                 break
@@ -208,7 +207,7 @@ def _bench_methods(args: argparse.Namespace, model, tokenizer, device: str, samp
     if not getattr(model, "_is_stateful", False):
         methods["hf-prompt-lookup"] = hf_method(model, prompt_lookup_num_tokens=10, **sampling)
     specs = args.proposers.split(",")
-    predicted = any(row.get("prediction") is not None for rows in args.workload_rows.values() for row in rows)
+    predicted = any(row.prediction is not None for rows in args.workload_rows.values() for row in rows)
     for spec in specs:
         methods[_method_name(spec)] = specula_method(
             model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling)
@@ -248,12 +247,13 @@ def cmd_drift(args: argparse.Namespace) -> None:
     model, tokenizer, device = _load(args)
     factory = proposer_factory(args.proposer, tokenizer, model.dtype, device)
     reports, started = [], time.perf_counter()
-    for number, request in _requests(args.input):
-        if request is None:
+    for number, request in unique_requests(args.input):
+        if isinstance(request, BadRequest):
+            report_skipped(str(request))
             continue
         report = drift(model, encode(tokenizer, request).to(device), factory(), args.max_new_tokens,
                        exact=args.exact, adaptive_draft=args.adaptive)
-        row = {"id": request.get("id", number), **report.as_dict()}
+        row = {"id": request.id, **report.as_dict()}
         if not report.identical:
             row["tokens"] = [tokenizer.decode([t]) if t is not None else None
                              for t in (report.plain_token, report.speculative_token)]

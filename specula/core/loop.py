@@ -83,13 +83,14 @@ def _checked(proposer: Proposer, draft: object, budget: int, vocab: int, where: 
 
 @dataclasses.dataclass
 class Job:
-    """One request for :class:`Decoder`: a prompt and what ends its output."""
+    """One request for :class:`Decoder`: a prompt, how its tokens are chosen and what ends its output."""
 
     prompt: np.ndarray  # [n] prompt tokens, no padding
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     stopping_criteria: StoppingCriteriaList | None = None
-    generator: torch.Generator | None = None  # its own random stream when sampling (None: the decoder's)
+    # how its tokens are chosen: its own logits processors (built from its own prompt) and random stream
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
     key: object = None  # the caller's name for it (a row of a batch, a line of a file)
     # a left-padded prompt decoded alone, fed as model.generate feeds it: (tokens [L], positions [1, max_length],
     # attention mask [1, max_length])
@@ -101,11 +102,10 @@ class Row:
     """One request being decoded: its sequence, its id for the proposer, what the draft policy keeps for it, its
     counters."""
 
-    def __init__(self, job: Job, drafting: object, sampling: Sampling) -> None:
-        self.job, self.drafting = job, drafting
+    def __init__(self, job: Job, drafting: object) -> None:
+        self.job, self.drafting, self.sampling = job, drafting, job.sampling
         self.request = next(_REQUEST_IDS)
         self.sequence = Sequence(job.prompt, job.max_new_tokens, job.eos_token_ids, job.stopping_criteria)
-        self.sampling = sampling if job.generator is None else dataclasses.replace(sampling, generator=job.generator)
         self.stats = SpecStats(prompt_tokens=len(job.prompt))
         self.prediction = None if job.prediction is None else Prediction(job.prediction)
         self.finished = False
@@ -140,30 +140,32 @@ class Decoder:
     (see :func:`specula.generate` for the arguments).
 
     :meth:`run` is a generator: for every pass it yields, per request, ``(row, kept_tokens)``; ``row.finished``
-    says when a request is done, and a new one takes its place in the same pass as the next step. Each request's
-    prompt is computed alone, as ``model.generate`` computes it; its tokens do not depend on the others in its
+    says when a request is done, and a new one takes its place in the same pass as the next step. Each request is
+    decoded with its own settings (``job.sampling``, its stopping criteria and length), whatever its batch-mates'.
+    Its prompt is computed alone, as ``model.generate`` computes it; its tokens do not depend on the others in its
     batch (bit for bit where verification is row-exact, else up to rounding).
     """
 
     def __init__(
-        self, model: torch.nn.Module, proposer: Proposer | None, sampling: Sampling, slots: int = 1,
-        adaptive_draft: bool = True, exact: bool | None = None, predictions: bool = False,
+        self, model: torch.nn.Module, proposer: Proposer | None, slots: int = 1, adaptive_draft: bool = True,
+        exact: bool | None = None, predictions: bool = False,
     ) -> None:
-        self.model, self.sampling, self.slots = model, sampling, slots
+        self.model, self.slots = model, slots
         self.proposer = None if proposer is None else for_requests(proposer)
         self.drafts = proposer is not None or predictions  # (predictions: jobs may bring them)
         # Draft lengths follow measured timings only where the output cannot depend on them: greedy decoding, and
         # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
         # that round as one-token steps do (or in fp32, far below the gaps between logits). With ordinary passes in
         # bf16/fp16 they follow pass costs measured once per machine and kept (one request at a time), so that a
-        # request decodes the same on every run; with drafts drawn at random, acceptance alone.
+        # request decodes the same on every run; a pass with a row whose drafts are drawn at random (sampled, from
+        # a sampling drafter), acceptance alone.
         verifies = self.drafts or slots > 1  # (else every pass is a one-token step)
         self.exactness = choose(model, exact, verifies)
         self.row_exact = verifies and self.exactness.exact
-        drawn = not sampling.greedy and getattr(proposer, "samples_drafts", False)
-        timed = not drawn and (self.row_exact or not is_half_precision(model))
+        self._draws = getattr(proposer, "samples_drafts", False)  # (under sampling: drafts drawn at random)
+        timed = self.row_exact or not is_half_precision(model)
         setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
-        kept = kept_pass_costs(model, MAX_DRAFT) if adaptive_draft and not timed and not drawn and verifies else None
+        kept = kept_pass_costs(model, MAX_DRAFT) if adaptive_draft and not timed and verifies else None
 
         def costs(rows: int) -> PassCosts | None:  # measured while decoding, or kept (one row), or none
             return shared_pass_costs(model, setting, MAX_DRAFT, rows) if timed else kept if rows == 1 else None
@@ -179,7 +181,6 @@ class Decoder:
             proposer.check_target(model)
         self._target: CachedModel | None = None
         self._trees = getattr(proposer, "proposes_trees", False)  # hold a single request as a batch row
-        self._argmax_only = sampling.greedy and not sampling.processors  # a step takes the logits' argmax only
 
     def _cached_model(self, job: Job, capacity: int) -> CachedModel:
         # position ids as model.generate passes them (some models number tokens wrongly by themselves: Bamba)
@@ -202,7 +203,7 @@ class Decoder:
 
     def _start(self, index: int, job: Job) -> tuple[Row, list[int]]:
         """Make ``job`` row ``index`` of the batch: prefill its prompt alone, take its first token."""
-        row = Row(job, self.policy.start(), self.sampling)
+        row = Row(job, self.policy.start(drawn=self._draws and not job.sampling.greedy))
         row.stats.exactness = self.exactness
         if self.proposer is not None:
             self.proposer.start_request(row.request, row.sequence.ids, row.sampling)
@@ -222,7 +223,7 @@ class Decoder:
         """Estimated speedup of the run so far against plain decoding (one token a row a pass) in the same batches:
         the tokens each step made, at the measured cost of a plain pass over as many rows, against the time the
         steps took (proposing included; prefills count on both sides). ``None`` where passes are not timed
-        (sampling, ``adaptive_draft=False``) or no plain pass was."""
+        (ordinary bf16/fp16 verification, ``adaptive_draft=False``) or no plain pass was."""
         if self._costs is None or not self.step_seconds:
             return None
         plain = self.prefill_seconds
@@ -235,7 +236,7 @@ class Decoder:
 
     def _tokens(self, row: Row, sent: Draft) -> torch.Tensor | None:
         """What logits processors read: the row's sequence followed by the draft it sends."""
-        return row.sequence.with_draft(sent, self.model.device) if self.sampling.reads_tokens else None
+        return row.sequence.with_draft(sent, self.model.device) if row.sampling.reads_tokens else None
 
     @torch.inference_mode()
     def run(self, jobs: Iterable[Job]) -> Iterator[tuple[Row, list[int]]]:
@@ -301,8 +302,9 @@ class Decoder:
         device = self.model.device
         blocks = [torch.cat([torch.from_numpy(row.sequence.ids[-1:]), draft.tokens]).to(device)
                   for row, draft in zip(rows, sent)]
+        argmax_only = all(row.sampling.greedy and not row.sampling.processors for row in rows)  # (logits unused)
         logits = self._target.forward_rows(blocks, [len(block) for block in blocks], [_tree(d) for d in sent],
-                                           self._argmax_only)
+                                           argmax_only)
         outcomes = [accept_draft(row_logits, draft, row.sampling, self._tokens(row, draft))
                     for row, draft, row_logits in zip(rows, sent, logits)]
         self.passes += 1

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -41,15 +42,17 @@ def prepared(model, input_ids, logits_processor, generation_config, generator, m
 
 
 def jobs_of(
-    request: Request, stopping_criteria: StoppingCriteriaList | None = None,
+    request: Request, sampling: Sampling, stopping_criteria: StoppingCriteriaList | None = None,
     row_generators: list[torch.Generator] | None = None, predictions: list[np.ndarray | None] | None = None,
 ) -> list[Job]:
-    """One :class:`Job` per row of ``request`` (its key: the row, ``None`` alone), with its prediction."""
+    """One :class:`Job` per row of ``request`` (its key: the row, ``None`` alone), with its sampling (its own random
+    stream where ``row_generators`` gives one) and prediction."""
     batch, width = request.input_ids.shape
     padded = batch == 1 and request.attention_mask is not None
     return [
         Job(request.prompt(b), request.max_length - width, request.eos_token_ids, stopping_criteria,
-            None if row_generators is None else row_generators[b], key=b if batch > 1 else None,
+            sampling if row_generators is None else dataclasses.replace(sampling, generator=row_generators[b]),
+            key=b if batch > 1 else None,
             padded=(request.input_ids[0], request.positions, request.attention_mask) if padded else None,
             prediction=None if predictions is None else predictions[b])
         for b in range(batch)
@@ -72,8 +75,8 @@ def decode(
     ``row_generators`` gives each row its own random stream, ``predictions`` each its prediction's tokens."""
     started = time.perf_counter()
     batch, width = request.input_ids.shape
-    jobs = jobs_of(request, stopping_criteria, row_generators, predictions)
-    decoder = Decoder(model, proposer, sampling, batch, adaptive_draft, exact,
+    jobs = jobs_of(request, sampling, stopping_criteria, row_generators, predictions)
+    decoder = Decoder(model, proposer, batch, adaptive_draft, exact,
                       predictions=any(job.prediction is not None for job in jobs))
     rows = {}
     if request.max_length > width:

@@ -17,7 +17,6 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
 from ..core.loop import Job
-from ..core.sampling import Sampling
 from ..core.stats import GenerateOutput
 from ..proposers.base import Proposer
 from .bridge import decode, jobs_of, prepared
@@ -175,8 +174,7 @@ def custom_generate(
     return out if generation_config.return_dict_in_generate else out.sequences
 
 
-def _jobs_only(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs
-               ) -> tuple[list[Job], Sampling]:
+def _jobs_only(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs) -> list[Job]:
     """A ``custom_generate`` that decodes nothing: the requests ``generate`` prepared, for :func:`prepare_jobs`. It
     declares :func:`custom_generate`'s signature (below), so ``generate`` hands it the same arguments."""
     own = inspect.signature(custom_generate).parameters
@@ -184,16 +182,17 @@ def _jobs_only(model, input_ids, logits_processor, stopping_criteria, generation
                                       kwargs.get("tokenizer"), context_limit(model))
     request, sampling, generators = prepared(model, input_ids, logits_processor, generation_config,
                                              kwargs.get("generator"), {k: v for k, v in kwargs.items() if k not in own})
-    return jobs_of(request, stopping_criteria, generators, predictions), sampling
+    return jobs_of(request, sampling, stopping_criteria, generators, predictions)
 
 
 _jobs_only.__signature__ = inspect.signature(custom_generate)
 
 
-def prepare_jobs(model: torch.nn.Module, input_ids: torch.Tensor, **generate_kwargs) -> tuple[list[Job], Sampling]:
-    """The requests (one per row of ``input_ids``) and sampling that ``specula.generate(model, input_ids,
-    **generate_kwargs)`` would decode, prepared by ``model.generate`` itself (generation config, logits processors,
-    stopping criteria), for a :class:`specula.core.loop.Decoder` that takes requests as they come."""
+def prepare_jobs(model: torch.nn.Module, input_ids: torch.Tensor, **generate_kwargs) -> list[Job]:
+    """The requests (one per row of ``input_ids``) that ``specula.generate(model, input_ids, **generate_kwargs)``
+    would decode, prepared by ``model.generate`` itself (generation config, logits processors, stopping criteria,
+    each job's :class:`~specula.core.sampling.Sampling`), for a :class:`specula.core.loop.Decoder` that takes requests as they come: jobs
+    prepared with other settings share its passes, each decoded with its own."""
     mask = generate_kwargs.pop("attention_mask", None)
     return model.generate(input_ids, attention_mask=torch.ones_like(input_ids) if mask is None else mask,
                           custom_generate=_jobs_only, **generate_kwargs)

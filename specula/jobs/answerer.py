@@ -1,5 +1,6 @@
-"""Requests decoded into answer records, as ``specula generate`` does it, on this machine or in Ray workers: up to a
-batch of them at a time in the same passes (continuous batching), each as ``specula.generate`` would alone."""
+"""Requests decoded into answer lines, as ``specula generate`` does it, on this machine or in Ray workers: up to a
+batch of them at a time in the same passes (continuous batching), each with its own settings, as
+``specula.generate`` would decode it alone."""
 
 from __future__ import annotations
 
@@ -9,28 +10,53 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.loop import Decoder, Job
+from ..core.loop import Decoder, Job, Row
 from ..hf.generate import prepare_jobs
 from ..policy.batch_size import fastest_batch_size
-from .requests import encode
+from .answer_lines import answer_line
+from .requests import DEFAULT_MODEL_NAME, Request, encode
 
 REMEASURE = 256  # requests between measurements of the batch size, where it is measured (not given)
 
 
 @dataclass
 class Settings:
-    """How every request of a file is decoded (the same for all, wherever they run)."""
+    """The run's defaults, the same wherever its requests run: what a request line does not say for itself (the
+    command line's options)."""
 
     max_new_tokens: int = 256
-    sampling: dict = field(default_factory=dict)  # temperature / top_k / top_p, as generate() takes them
-    seed: int | None = None  # request on line n draws from its own generator seeded ``seed + n``
+    sampling: dict = field(default_factory=dict)  # do_sample / temperature / top_k / top_p, as generate() takes them
+    seed: int | None = None  # a request on line n without its own "seed" draws from a generator seeded ``seed + n``
     exact: bool | None = None
     batch_size: int | None = None  # None: the size measured fastest on this machine
     predictions: bool = False  # whether requests may bring predictions ("prediction")
+    model_name: str = DEFAULT_MODEL_NAME  # what answers call the model (:func:`specula.jobs.requests.model_name`)
+
+
+def generate_options(request: Request, settings: Settings, device: torch.device | str) -> dict:
+    """The ``generate()`` arguments that decode ``request``: its own settings (OpenAI's names) over the run's;
+    what neither gives comes from the model's generation config, as in ``model.generate``."""
+    own = request.options
+    sampling = dict(settings.sampling)
+    if "temperature" in own:
+        sampling = {"do_sample": False} if own["temperature"] == 0 else \
+            {**sampling, "do_sample": True, "temperature": float(own["temperature"])}
+    if "top_k" in own:
+        sampling["top_k"] = max(own["top_k"], 0)  # (-1, vLLM's "every token", is 0 to transformers)
+    if "top_p" in own:
+        sampling["top_p"] = float(own["top_p"])
+    if sampling.get("do_sample") is False:  # (greedy: no sampling settings to warn about)
+        sampling = {"do_sample": False}
+    seed = own.get("seed", None if settings.seed is None else settings.seed + request.line)
+    renamed = {"stop": "stop_strings", "min_tokens": "min_new_tokens", "repetition_penalty": "repetition_penalty"}
+    return {"max_new_tokens": own.get("max_tokens", settings.max_new_tokens), **sampling,
+            # each request its own random stream, so that its answer does not depend on its batch-mates
+            **({} if seed is None else {"generator": [torch.Generator(device).manual_seed(seed)]}),
+            **{renamed[name]: value for name, value in own.items() if name in renamed}}
 
 
 def _stats(stats, predicted: bool) -> dict:
-    """An answer line's stats; with a prediction, its tokens verified and kept or rejected (OpenAI's names)."""
+    """An answer's stats; with a prediction, its tokens verified and kept or rejected (OpenAI's names)."""
     return {
         "new_tokens": stats.new_tokens, "steps": stats.steps, "accepted": stats.accepted,
         "drafted": stats.drafted, "seconds": round(stats.wall_time_s, 4),
@@ -40,12 +66,14 @@ def _stats(stats, predicted: bool) -> dict:
 
 
 class Answerer:
-    """Decodes numbered requests (line number, request) into answer records ``{"id", "text", "stats"}``, up to
-    ``settings.batch_size`` at a time in the same passes, each as ``specula.generate`` would alone; a request that
-    cannot be decoded (e.g. a prompt longer than the model's context) is passed to ``on_skip`` with its reason.
-    Kept across calls, it keeps its proposer (an n-gram predictor keeps learning) and its batch size."""
+    """Decodes requests into answer lines (:mod:`specula.jobs.answer_lines`, in each request's shape), up to
+    ``settings.batch_size`` at a time in the same passes, each with its own settings, as ``specula.generate`` would
+    decode it alone; a request that cannot be decoded (e.g. a prompt longer than the model's context) is passed to
+    ``on_skip`` with its reason. Kept across calls, it keeps its proposer (an n-gram predictor keeps learning) and
+    its batch size."""
 
-    def __init__(self, model, tokenizer, proposer, settings: Settings, on_skip: Callable[[int, str], None]) -> None:
+    def __init__(self, model, tokenizer, proposer, settings: Settings,
+                 on_skip: Callable[[Request, str], None]) -> None:
         self.model, self.tokenizer, self.proposer = model, tokenizer, proposer
         self.settings, self.on_skip = settings, on_skip
         self.device = model.get_input_embeddings().weight.device
@@ -53,55 +81,58 @@ class Answerer:
         self.passes, self.plain_speedups = 0, []  # over every call, for the summary
         self.exactness = None  # how the last call verified
 
-    def _job(self, number: int, request: dict) -> tuple[Job, object] | None:
-        seed = self.settings.seed
-        # each request its own random stream, so its answer does not depend on its batch-mates
-        generator = None if seed is None else [torch.Generator(self.device).manual_seed(seed + number)]
+    def _job(self, request: Request) -> Job | None:
         try:
-            (job,), sampling = prepare_jobs(self.model, encode(self.tokenizer, request).to(self.device),
-                                            generator=generator, max_new_tokens=self.settings.max_new_tokens,
-                                            prediction=request.get("prediction"), tokenizer=self.tokenizer,
-                                            **self.settings.sampling)
+            (job,) = prepare_jobs(self.model, encode(self.tokenizer, request).to(self.device),
+                                  prediction=request.prediction, tokenizer=self.tokenizer,
+                                  **generate_options(request, self.settings, self.device))
         except ValueError as error:
-            self.on_skip(number, str(error))
+            self.on_skip(request, str(error))
             return None
-        job.key = number, request.get("id", number)
-        return job, sampling
+        job.key = request
+        return job
 
-    def __call__(self, requests: Iterable[tuple[int, dict]], largest: int = 32, eager: bool = False
-                 ) -> Iterator[tuple[int, dict]]:
-        """(line number, answer record) as requests finish (not in input order: see
+    def __call__(self, requests: Iterable[Request], largest: int = 32, eager: bool = False
+                 ) -> Iterator[tuple[Request, dict]]:
+        """(request, answer line) as requests finish (not in input order: see
         :class:`specula.jobs.answers.InputOrder`). ``largest`` bounds the measured batch size;
         ``eager`` prepares every request before decoding any. A measured batch size is measured again every
         :data:`REMEASURE` requests (a busy moment at start must not fix it for the whole run); where it changed, the
         requests in flight finish and the rest go on in batches of the new size."""
-        prepared = filter(None, itertools.starmap(self._job, requests))
+        prepared = filter(None, map(self._job, requests))
         if eager:
             prepared = iter(list(prepared))
         measured = self.settings.batch_size is None
         while (first := next(prepared, None)) is not None:
             if self.slots is None:
                 self.slots = fastest_batch_size(self.model, largest=largest)
-            decoder = Decoder(self.model, self.proposer, first[1], self.slots, exact=self.settings.exact,
+            decoder = Decoder(self.model, self.proposer, self.slots, exact=self.settings.exact,
                               predictions=self.settings.predictions)
             self.exactness = decoder.exactness
             jobs = itertools.chain([first], prepared)
             try:
-                for row, _ in decoder.run(self._jobs(jobs, largest) if measured else (job for job, _ in jobs)):
+                for row, _ in decoder.run(self._jobs(jobs, largest) if measured else jobs):
                     if row.finished:
-                        text = self.tokenizer.decode(row.sequence.ids[len(row.job.prompt) :],
-                                                     skip_special_tokens=True)
-                        number, key = row.job.key
-                        yield number, {"id": key, "text": text,
-                                       "stats": _stats(row.stats, row.job.prediction is not None)}
+                        yield row.job.key, self._answer(row)
             finally:
                 self.passes += decoder.passes
                 self.plain_speedups.append(decoder.plain_speedup())
 
-    def _jobs(self, prepared: Iterator[tuple[Job, object]], largest: int) -> Iterator[Job]:
+    def _answer(self, row: Row) -> dict:
+        """The answer line of a finished row: its text ends before a stop string (OpenAI's ``stop``), and it
+        finished for a ``"stop"`` (EOS, a stop string) or for its ``"length"``."""
+        request, output = row.job.key, row.output
+        text = self.tokenizer.decode(output, skip_special_tokens=True)
+        ends = [at for at in (text.find(stop) for stop in request.options.get("stop", ())) if at >= 0]
+        stopped = bool(ends) or (len(output) > 0 and int(output[-1]) in row.job.eos_token_ids)
+        return answer_line(request, text[: min(ends)] if ends else text, "stop" if stopped else "length",
+                           len(row.job.prompt), _stats(row.stats, row.job.prediction is not None),
+                           self.settings.model_name)
+
+    def _jobs(self, prepared: Iterator[Job], largest: int) -> Iterator[Job]:
         """The jobs of ``prepared`` until, measured again after every :data:`REMEASURE` of them, the fastest batch
         size is another than the decoder's: then it becomes ``slots``, and the rest stay in ``prepared``."""
-        for count, (job, _) in enumerate(prepared, start=1):
+        for count, job in enumerate(prepared, start=1):
             yield job
             if count % REMEASURE == 0:
                 size = fastest_batch_size(self.model, largest=largest, again=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .requests import answer_key
+from .answer_lines import completion_tokens, line_key
 
 
 def report_skipped(where: str) -> None:
@@ -47,9 +47,7 @@ class AnswerFile:
             try:
                 if not line.endswith(b"\n"):
                     raise ValueError("no end of line")
-                answer = json.loads(line)
-                if not isinstance(answer, dict) or "id" not in answer:
-                    raise ValueError('not a JSON object with an "id"')
+                key = line_key(json.loads(line))
             except ValueError as error:
                 if number == len(lines):  # only the last line can have been cut short by a stopped run
                     self.torn = True
@@ -58,7 +56,7 @@ class AnswerFile:
                     f"--resume: {self.path}:{number} is not an answer ({error}); this file was not written by "
                     "specula generate. Choose another --output, or --overwrite to start again."
                 ) from None
-            self.done.add(answer_key(answer["id"]))
+            self.done.add(key)
             good += len(line)
         if good < len(data):
             with self.path.open("r+b") as file:
@@ -92,7 +90,7 @@ class InputOrder:
     in line order, so none that was made is lost; a resumed run finds them by id.
 
     ``expect(number)`` as requests are handed out (in line order), ``settle(number, answer)`` as each ends
-    (``None``: skipped). Worked example: 1, 2, 3 expected; 3 settles (waits), 1 settles (1 written), 2 is skipped
+    (``None``: skipped without a line; a Batch API file answers a skipped request with an error line). Worked example: 1, 2, 3 expected; 3 settles (waits), 1 settles (1 written), 2 is skipped
     (3 written)."""
 
     def __init__(self, output: AnswerFile, tally: "Tally") -> None:
@@ -111,7 +109,8 @@ class InputOrder:
     def _write(self, answer: dict | None) -> None:
         if answer is not None:
             self.output.write(answer)
-            self.tally.add(answer)
+            if (tokens := completion_tokens(answer)) is not None:  # (not a Batch API error line)
+                self.tally.add(tokens)
 
     def __enter__(self) -> "InputOrder":
         return self
@@ -132,8 +131,9 @@ class Tally:
     skipped: int = 0
     started: float = field(default_factory=time.perf_counter)
 
-    def add(self, answer: dict) -> None:
-        self.answered, self.new_tokens = self.answered + 1, self.new_tokens + answer["stats"]["new_tokens"]
+    def add(self, new_tokens: int) -> None:
+        """Count an answer of ``new_tokens`` tokens."""
+        self.answered, self.new_tokens = self.answered + 1, self.new_tokens + new_tokens
 
     def skip(self, where: str) -> None:
         """Report a skipped request (``where``: ``path:line: reason``) and count it."""

@@ -35,11 +35,12 @@ try:
 except ImportError as error:  # (the optional extra)
     raise ImportError("specula.jobs.ray needs Ray: pip install 'specula[ray]'") from error
 
+from .answer_lines import error_line
 from .answerer import Answerer, Settings
 from .answers import AnswerFile, InputOrder, StopOnInterrupt, Tally
 from ..hf.loading import load_model, resolve_model
 from ..proposers.registry import proposer_factory
-from .requests import BadRequest, answer_key, unique_requests
+from .requests import BadRequest, Request, answer_key, model_name, parse_request, unique_requests
 
 RAY_BATCH = 64  # requests a worker takes at once, decoded up to settings.batch_size at a time (continuous batching)
 
@@ -53,17 +54,18 @@ class RayWorker:
         factory = proposer_factory(proposer, tokenizer, self.model.dtype, device)
         self.skipped: list[tuple[int, str]] = []  # (line number, reason)
         self.answerer = Answerer(self.model, tokenizer, factory(), settings,
-                                 lambda number, reason: self.skipped.append((number, reason)))
+                                 lambda request, reason: self.skipped.append((request.line, reason)))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, list]]:
-        """``batch``: columns ``number`` (line numbers) and ``request`` (JSON). Yields a row as each request ends:
-        its ``number`` and ``answer`` (its JSON line), or ``skipped`` (the reason) for one that could not be
-        decoded."""
+        """``batch``: columns ``number`` (line numbers) and ``request`` (the line's JSON, checked by the driver).
+        Yields a row as each request ends: its ``number`` and ``answer`` (its JSON line), or ``skipped`` (the
+        reason) for one that could not be decoded."""
         self.skipped = []
-        requests = zip(batch["number"].tolist(), map(json.loads, batch["request"]))
-        for number, answer in self.answerer(requests, largest=min(RAY_BATCH, 32)):
+        requests = [parse_request(json.loads(line), number)
+                    for number, line in zip(batch["number"].tolist(), batch["request"])]
+        for request, answer in self.answerer(requests, largest=min(RAY_BATCH, 32)):
             yield from self._skipped()
-            yield {"number": [number], "answer": [json.dumps(answer, ensure_ascii=False)], "skipped": [""]}
+            yield {"number": [request.line], "answer": [json.dumps(answer, ensure_ascii=False)], "skipped": [""]}
         yield from self._skipped()
 
     def _skipped(self) -> Iterator[dict[str, list]]:
@@ -90,32 +92,35 @@ def generate_with_ray(
     Ctrl-C stops after the answer being written (``SystemExit(130)``), and a rerun with a resumed ``output`` goes on.
     ``model`` and ``dtype`` are what :func:`specula.load_model` takes, ``proposer`` a ``--proposer`` name."""
     tally = Tally()
-    requests = _pending(input_path, output, strict, tally)
+    settings = settings or Settings(model_name=model_name(model))
+    requests = _pending(input_path, output, strict, tally, settings.model_name)
     if not os.environ.get("RAY_ADDRESS"):  # workers on this machine: the model must be here (on a cluster: each node)
         resolve_model(model)
     stop = StopOnInterrupt()
     if requests:
-        worker = {"model": model, "proposer": proposer, "settings": settings or Settings(), "dtype": dtype}
-        answers = _answers(requests, worker, workers, gpus_per_worker, cpus_per_worker)
+        worker = {"model": model, "proposer": proposer, "settings": settings, "dtype": dtype}
+        good = [{"number": number, "request": json.dumps(request.data)} for number, request in requests
+                if isinstance(request, Request)]
+        answers = _answers(good, worker, workers, gpus_per_worker, cpus_per_worker) if good else None
         with stop:
             _write_answers(answers, requests, output, tally, input_path, stop)
     tally.report(f"{workers} Ray worker{'s' * (workers > 1)}", output.path, stop.requested)
     return tally
 
 
-def _pending(input_path: str | Path, output: AnswerFile, strict: bool, tally: Tally) -> list[dict]:
-    """The requests of ``input_path`` still to answer, as rows for Ray Data (``number``, ``request`` as JSON); bad
-    lines reported (or with ``strict``, the first is a ``ValueError``), those answered before counted in ``tally``."""
+def _pending(input_path: str | Path, output: AnswerFile, strict: bool, tally: Tally, model: str
+             ) -> list[tuple[int, Request | BadRequest]]:
+    """(line number, request) for the requests of ``input_path`` still to answer and its bad lines (with ``strict``,
+    the first is a ``ValueError``); those answered before counted in ``tally``. ``model``: the name requests may
+    give the model."""
     requests = []
-    for number, request in unique_requests(input_path):
-        if isinstance(request, BadRequest):
-            if strict:
-                raise ValueError(f"{request} (--strict)")
-            tally.skip(str(request))
-        elif answer_key(request.get("id", number)) in output.done:
+    for number, request in unique_requests(input_path, model):
+        if request.id is not None and answer_key(request.id) in output.done:
             tally.answered_before += 1
+        elif isinstance(request, BadRequest) and strict:
+            raise ValueError(f"{request} (--strict)")
         else:
-            requests.append({"number": number, "request": json.dumps(request)})
+            requests.append((number, request))
     return requests
 
 
@@ -136,21 +141,32 @@ def _answers(requests: list[dict], worker: dict, workers: int, gpus_per_worker: 
     )
 
 
-def _write_answers(answers: "ray.data.Dataset", requests: list[dict], output: AnswerFile, tally: Tally,
-                   input_path: str | Path, stop: StopOnInterrupt) -> None:
-    """Write the answers in input order as they arrive (:class:`InputOrder`) and report the requests the workers
-    skipped, until all are in or ``stop`` is requested; a worker's error is a ``ValueError`` with its own last
-    line."""
+def _write_answers(answers: "ray.data.Dataset | None", requests: list[tuple[int, Request | BadRequest]],
+                   output: AnswerFile,
+                   tally: Tally, input_path: str | Path, stop: StopOnInterrupt) -> None:
+    """Write the answers in input order as they arrive (:class:`InputOrder`) and report the bad lines and the
+    requests the workers skipped (a Batch API line's: an error line in its place), until all are in or ``stop`` is
+    requested; a worker's error is a ``ValueError`` with its own last line."""
     order = InputOrder(output, tally)
-    for request in requests:
-        order.expect(request["number"])
+    lines = dict(requests)  # line number -> its request
+    for number in lines:
+        order.expect(number)
+
+    def skip(number: int, where: str, reason: str) -> None:
+        request = lines[number]
+        tally.skip(f"{where}{reason}")
+        order.settle(number, error_line(request.id, reason) if request.batch else None)
+
     try:
         with order:
-            for row in answers.iter_rows():
-                answer = json.loads(row["answer"]) if row["answer"] else None
-                if answer is None:
-                    tally.skip(f"{input_path}:{row['number']}: {row['skipped']}")
-                order.settle(row["number"], answer)
+            for number, request in lines.items():
+                if isinstance(request, BadRequest):
+                    skip(number, "", str(request))
+            for row in [] if answers is None else answers.iter_rows():
+                if row["answer"]:
+                    order.settle(row["number"], json.loads(row["answer"]))
+                else:
+                    skip(row["number"], f"{input_path}:{row['number']}: ", row["skipped"])
                 if stop.requested:
                     break
     except ray.exceptions.RayError as error:  # the worker's own error, without Ray's machinery around it

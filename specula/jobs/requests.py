@@ -1,36 +1,253 @@
-"""The one reader of request files (``generate``'s input, benchmark workloads): JSONL, one request a line, with
-``messages`` (chat) or ``prompt`` (raw text), and optionally ``id`` and ``prediction`` (the output it expects back:
-text, or OpenAI's ``{"type": "content", "content": ...}``)."""
+"""The one reader of request files (``generate``'s input, benchmark workloads): JSONL, one request a line, in either
+of two shapes, each line checked into a :class:`Request`:
+
+- specula's own: ``{"id", "messages" (a chat) or "prompt" (raw text), "prediction", settings ...}``; fields it does not
+  know are the line's own data (a workload's ``reference``), unless they are a near miss of a setting's name;
+- OpenAI's Batch API: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" or "/v1/completions",
+  "body": {...}}``, the body a chat or text completion request; a body field it does not know is refused, as OpenAI
+  refuses it.
+
+Settings go under OpenAI's chat-completions names (:data:`SETTINGS`); a request field specula cannot honour
+(:data:`DEFAULT_ONLY` away from its default value) makes the line bad, with a reason that names the field: never
+silently ignored. Nothing here needs torch, so the command line reads every line before the model loads.
+"""
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what requests may call the embedded default model
+ENDPOINTS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion"}  # url -> body object
+BATCH_KEYS = ("custom_id", "method", "url", "body")
+SETTINGS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k", "min_tokens",
+            "repetition_penalty")
+# Fields specula honours only at their default (null is the default too), and why it cannot honour another value.
+DEFAULT_ONLY = {
+    "n": (1, "specula makes one answer per request; repeat the line (with its own id and seed) for more"),
+    "best_of": (1, "specula makes one answer per request"),
+    "logprobs": (False, "specula returns no log probabilities"),
+    "top_logprobs": (0, "specula returns no log probabilities"),
+    "echo": (False, "specula returns the answer without its prompt"),
+    "suffix": ("", "specula does not insert text before a suffix"),
+    "stream": (False, "a file's answers are written whole, not streamed"),
+    "stream_options": ({}, "a file's answers are written whole, not streamed"),
+    "tools": ([], "specula does not call tools"),
+    "functions": ([], "specula does not call tools"),
+    "tool_choice": ("none", "specula does not call tools"),
+    "function_call": ("none", "specula does not call tools"),
+    "response_format": ({"type": "text"}, "specula does not constrain the output to a format"),
+    "frequency_penalty": (0, "specula applies no frequency penalty; repetition_penalty is supported"),
+    "presence_penalty": (0, "specula applies no presence penalty; repetition_penalty is supported"),
+    "logit_bias": ({}, "specula applies no logit bias"),
+    "modalities": (["text"], "specula answers in text"),
+    "audio": (None, "specula answers in text"),
+    "reasoning_effort": (None, "specula does not reason apart from its answer"),
+    "verbosity": (None, "specula does not set a verbosity"),
+    "web_search_options": (None, "specula does not search the web"),
+}
+# Fields that do not change an answer: accepted and kept out of its decoding.
+NO_EFFECT = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+             "parallel_tool_calls")
+_OWN_FIELDS = ("id", "messages", "prompt", "prediction", "model")
+_KNOWN = set(SETTINGS) | set(DEFAULT_ONLY) | set(NO_EFFECT) | set(_OWN_FIELDS)
+
 
 class BadRequest(ValueError):
-    """A line of a requests file that is not a request; its message says where (``path:line``) and why."""
+    """A line of a requests file that is not a request; its message says where (``path:line``) and why. ``batch``:
+    whether the line has the Batch API's shape (``None``: neither shape), ``id`` its ``custom_id`` where it could be
+    read, for the error line that answers it."""
+
+    def __init__(self, message: str, id: object = None, batch: bool | None = None) -> None:
+        super().__init__(message)
+        self.id, self.batch = id, batch
 
 
-def read_requests(path: Path) -> Iterator[tuple[int, dict | BadRequest]]:
-    """(line number, request) for every non-empty line of a JSONL file of requests (``generate``'s input, a
-    workload); a line that is not a request comes as a :class:`BadRequest` instead."""
+@dataclass(frozen=True)
+class Request:
+    """One request line, checked. ``options`` holds the settings the line gives itself, under :data:`SETTINGS`'s
+    names, checked for type and range (``stop`` as a list, ``max_completion_tokens`` as ``max_tokens``); what it
+    leaves out comes from the run's defaults."""
+
+    line: int  # its line number in the file
+    id: object  # "id" (a Batch API line: "custom_id"); a line without one: its line number
+    messages: list | None = None  # a chat, through the model's chat template
+    prompt: str | None = None  # raw text (used when there are no messages)
+    prediction: str | None = None  # the output it expects back
+    options: dict = field(default_factory=dict)
+    model: str | None = None  # the model it names, if any
+    url: str | None = None  # a Batch API line's endpoint (None: specula's own shape)
+    data: dict = field(default_factory=dict, repr=False, compare=False)  # the line as read
+
+    @property
+    def batch(self) -> bool:
+        """Whether it is a Batch API line (answered with a Batch API output line)."""
+        return self.url is not None
+
+
+def read_requests(path: Path, model: str | None = None) -> Iterator[tuple[int, Request | BadRequest]]:
+    """(line number, request) for every non-empty line of a JSONL file of requests; a line that is not a request
+    comes as a :class:`BadRequest` instead, as does one that names a model other than ``model`` (the loaded model's
+    name, :func:`model_name`; ``None``: not checked)."""
     with Path(path).open() as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                request = json.loads(line)
+                data = json.loads(line)
             except json.JSONDecodeError as error:  # the decoder's words alone ("Expecting value") do not say it
                 yield number, BadRequest(f"{path}:{number}: not JSON ({error})")
                 continue
-            problem = _request_problem(request)
-            yield number, request if problem is None else BadRequest(f"{path}:{number}: {problem}")
+            yield number, parse_request(data, number, model, where=f"{path}:{number}")
+
+
+def parse_request(data: object, number: int, model: str | None = None, where: str = "") -> Request | BadRequest:
+    """Line ``number``'s JSON value as a :class:`Request`, or a :class:`BadRequest` saying why it is not one
+    (``where`` prefixes its message)."""
+    batch = isinstance(data, dict) and any(key in data for key in BATCH_KEYS)
+    shape = True if batch else False if isinstance(data, dict) and ("messages" in data or "prompt" in data) else None
+    try:
+        request = _batch_request(data, number) if batch else _own_request(data, number)
+        if model is not None and request.model is not None and not names_model(request.model, model):
+            raise _Problem(f'"model" is {request.model!r}, but the loaded model is {model!r}; name it or leave '
+                           '"model" out')
+    except _Problem as problem:
+        custom_id = data.get("custom_id") if batch and isinstance(data.get("custom_id"), str) else None
+        return BadRequest(f"{where}: {problem}" if where else str(problem), custom_id, shape)
+    return request
+
+
+class _Problem(Exception):
+    """Why a line is not a request (becomes a :class:`BadRequest` with its place)."""
+
+
+def _own_request(data: object, number: int) -> Request:
+    if not isinstance(data, dict) or not ("messages" in data or "prompt" in data):
+        raise _Problem('each line must be a JSON object with "messages" (chat) or "prompt" (text), or an OpenAI '
+                       'Batch API request ("custom_id", "method", "url", "body")')
+    for name in data:
+        if name not in _KNOWN and (near := difflib.get_close_matches(name, _KNOWN, n=1, cutoff=0.8)):
+            raise _Problem(f'unknown field "{name}": did you mean "{near[0]}"?')
+    return _request(data, number, data.get("id", number), "messages" in data, None, data)
+
+
+def _batch_request(data: dict, number: int) -> Request:
+    missing = [key for key in BATCH_KEYS if key not in data]
+    if missing:
+        raise _Problem(f"an OpenAI Batch API line needs {', '.join(BATCH_KEYS)}; this one lacks {', '.join(missing)}")
+    if not isinstance(data["custom_id"], str) or not data["custom_id"]:
+        raise _Problem('"custom_id" must be a non-empty string')
+    if data["method"] != "POST":
+        raise _Problem(f'"method" must be "POST", got {data["method"]!r}')
+    if data["url"] not in ENDPOINTS:
+        raise _Problem(f'"url" must be one of {", ".join(ENDPOINTS)} (the endpoints specula answers), got '
+                       f'{data["url"]!r}')
+    body = data["body"]
+    if not isinstance(body, dict):
+        raise _Problem('"body" must be a JSON object: the chat or text completion request')
+    chat = data["url"] == "/v1/chat/completions"
+    needed = "messages" if chat else "prompt"
+    if needed not in body:
+        raise _Problem(f'a {data["url"]} body needs "{needed}"')
+    allowed = _KNOWN - {"id", "prompt" if chat else "messages"}
+    unknown = [name for name in body if name not in allowed]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], allowed, n=1, cutoff=0.8)
+        raise _Problem(f'body: unknown field "{unknown[0]}" for {data["url"]}'
+                       + (f': did you mean "{near[0]}"?' if near else ""))
+    return _request(body, number, data["custom_id"], chat, data["url"], data)
+
+
+def _request(fields: dict, number: int, key: object, chat: bool, url: str | None, data: dict) -> Request:
+    """A :class:`Request` from a request's fields (a line of specula's, or a Batch API body)."""
+    if chat and (not isinstance(fields["messages"], list) or not fields["messages"]):
+        raise _Problem('"messages" must be a non-empty list of {"role": ..., "content": ...}')
+    if not chat and not isinstance(fields["prompt"], str):
+        raise _Problem('"prompt" must be a string (one prompt per line)')
+    if fields.get("model") is not None and not isinstance(fields["model"], str):
+        raise _Problem('"model" must be a string')
+    for name, (default, why) in DEFAULT_ONLY.items():
+        value = fields.get(name)
+        if value is not None and value != default and not (name in ("tool_choice", "function_call") and
+                                                           value == "auto" and not fields.get("tools")):
+            raise _Problem(f'"{name}": {json.dumps(value)[:60]} cannot be honoured: {why}')
+    prediction = fields.get("prediction")
+    if prediction is not None:
+        try:
+            prediction = prediction_content(prediction)
+        except TypeError as error:
+            raise _Problem(f'"prediction": {error}') from None
+        if not isinstance(prediction, str):
+            raise _Problem('"prediction" must be text, or {"type": "content", "content": text}')
+    return Request(number, key, fields["messages"] if chat else None, None if chat else fields["prompt"], prediction,
+                   _options(fields), fields.get("model"), url, data)
+
+
+def _options(fields: dict) -> dict:
+    """The settings a request gives itself (null: not given), checked and normalised."""
+    given = {name: fields[name] for name in SETTINGS if fields.get(name) is not None}
+    limits = {name: given.pop(name) for name in ("max_tokens", "max_completion_tokens") if name in given}
+    if len(set(map(repr, limits.values()))) > 1:
+        raise _Problem(f'"max_tokens" ({limits["max_tokens"]}) and "max_completion_tokens" '
+                       f'({limits["max_completion_tokens"]}) differ; give one')
+    for name, value in limits.items():
+        given["max_tokens"] = _whole(name, value, 1)
+    if "min_tokens" in given:
+        _whole("min_tokens", given["min_tokens"], 0)
+        if given["min_tokens"] > given.get("max_tokens", math.inf):
+            raise _Problem(f'"min_tokens" ({given["min_tokens"]}) is more than "max_tokens" ({given["max_tokens"]})')
+    if "seed" in given and _whole("seed", given["seed"], -(2**63)) >= 2**64:
+        raise _Problem(f'"seed" must be less than 2**64, got {given["seed"]}')
+    if "top_k" in given:
+        _whole("top_k", given["top_k"], -1, " (-1 or 0: every token)")
+    if "temperature" in given and not _number(given["temperature"]) >= 0:
+        raise _Problem(f'"temperature" must be a number >= 0 (0: greedy), got {given["temperature"]!r}')
+    if "top_p" in given and not 0 < _number(given["top_p"]) <= 1:
+        raise _Problem(f'"top_p" must be a number in (0, 1], got {given["top_p"]!r}')
+    if "repetition_penalty" in given and not _number(given["repetition_penalty"]) > 0:
+        raise _Problem(f'"repetition_penalty" must be a number > 0 (1: none), got {given["repetition_penalty"]!r}')
+    if "stop" in given:
+        stop = [given["stop"]] if isinstance(given["stop"], str) else given["stop"]
+        if not isinstance(stop, list) or not all(isinstance(text, str) and text for text in stop):
+            raise _Problem(f'"stop" must be a non-empty string or a list of them, got {json.dumps(given["stop"])}')
+        given["stop"] = stop
+    return given
+
+
+def _whole(name: str, value: object, minimum: int, meaning: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _Problem(f'"{name}" must be a whole number >= {minimum}{meaning}, got {json.dumps(value)}')
+    return value
+
+
+def _number(value: object) -> float:
+    """``value`` as a finite number, else NaN (which fails every range check)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return math.nan
+    return float(value)
+
+
+def model_name(path: str | None) -> str:
+    """What requests may call the model loaded from ``path`` (``None``: the embedded default): the name of its
+    folder, or of its ``.gguf`` file without the suffix."""
+    if path is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(path)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def names_model(asked: str, name: str) -> bool:
+    """Whether a request's ``"model"`` names the model called ``name``: the same name, or a hub-style
+    ``owner/name`` of it (case aside)."""
+    return asked.rstrip("/").rsplit("/", 1)[-1].lower() == name.lower()
 
 
 def prediction_content(prediction: object) -> object:
@@ -54,46 +271,44 @@ def prediction_content(prediction: object) -> object:
     return content
 
 
-def _request_problem(request: object) -> str | None:
-    """Why a line's JSON value is not a request, or None."""
-    if not isinstance(request, dict) or not ("messages" in request or "prompt" in request):
-        return 'each line must be a JSON object with "messages" (chat) or "prompt" (text)'
-    if "messages" in request and not isinstance(request["messages"], list):
-        return '"messages" must be a list of {"role": ..., "content": ...}'
-    if "prompt" in request and "messages" not in request and not isinstance(request["prompt"], str):
-        return '"prompt" must be a string'
-    if request.get("prediction") is not None:
-        try:
-            content = prediction_content(request["prediction"])
-        except TypeError as error:
-            return f'"prediction": {error}'
-        if not isinstance(content, str):
-            return '"prediction" must be text, or {"type": "content", "content": text}'
-    return None
-
-
 def answer_key(request_id: object) -> str:
     """The id of a request or answer as a comparable string (``1`` and ``"1"`` differ, as in the files)."""
     return json.dumps(request_id, sort_keys=True)
 
 
-def unique_requests(path: Path) -> Iterator[tuple[int, dict | BadRequest]]:
-    """:func:`read_requests`, where a request whose id is an earlier line's comes as a
-    :class:`BadRequest` (answers are matched to requests by id: in the output, and by ``--resume``)."""
+def unique_requests(path: Path, model: str | None = None) -> Iterator[tuple[int, Request | BadRequest]]:
+    """:func:`read_requests`, where a request whose id is an earlier line's comes as a :class:`BadRequest`
+    (answers are matched to requests by id: in the output, and by ``--resume``)."""
     first: dict[str, int] = {}  # id -> the line that has it
-    for number, request in read_requests(path):
-        if not isinstance(request, BadRequest):
-            key = answer_key(request.get("id", number))
+    for number, request in read_requests(path, model):
+        if isinstance(request, Request):
+            key = answer_key(request.id)
             if key in first:
-                request = BadRequest(f"{path}:{number}: its id {key} is line {first[key]}'s too; give each request "
-                                     "its own \"id\" (a line without one is known by its line number)")
+                name = "custom_id" if request.batch else "id"
+                request = BadRequest(f"{path}:{number}: its {name} {key} is line {first[key]}'s too; give each "
+                                     f'request its own "{name}"' + ("" if request.batch else
+                                                                   " (a line without one is known by its line number)"),
+                                     None, request.batch)  # (its custom_id: an earlier line's answer has it)
             first.setdefault(key, number)
         yield number, request
 
 
-def load_workloads(directory: Path, limit: int, names: list[str] | None = None) -> dict[str, list[dict]]:
-    """The first ``limit`` rows of every ``*.jsonl`` in ``directory`` (or only ``names``), by workload name; every
-    line of those files is checked first (:class:`BadRequest` names the first bad one)."""
+def file_shape(path: Path) -> bool | None:
+    """Whether the request file holds OpenAI Batch API lines (``True``) or specula's own (``False``; ``None``: no
+    line says); a ``ValueError`` where it mixes the two, naming a line of each."""
+    seen: dict[bool, int] = {}
+    for number, request in read_requests(path):
+        if request.batch is not None:
+            seen.setdefault(request.batch, number)
+    if len(seen) == 2:
+        raise ValueError(f"{path} mixes OpenAI Batch API lines (line {seen[True]}) with specula's own request lines "
+                         f"(line {seen[False]}); one file holds one shape")
+    return next(iter(seen), None)
+
+
+def load_workloads(directory: Path, limit: int, names: list[str] | None = None) -> dict[str, list[Request]]:
+    """The first ``limit`` requests of every ``*.jsonl`` in ``directory`` (or only ``names``), by workload name;
+    every line of those files is checked first (:class:`BadRequest` names the first bad one)."""
     workloads = {}
     for path in sorted(Path(directory).glob("*.jsonl")):
         if names and path.stem not in names:
@@ -107,12 +322,15 @@ def load_workloads(directory: Path, limit: int, names: list[str] | None = None) 
     return workloads
 
 
-def encode(tokenizer, row: dict) -> torch.Tensor:
-    """Token ids of one workload row, through the chat template when it has ``messages``."""
-    if "messages" in row and tokenizer.chat_template is None:
+def encode(tokenizer, request: Request | dict) -> torch.Tensor:
+    """Token ids of one request (a :class:`Request`, or a dict with ``messages`` or ``prompt``), through the chat
+    template when it has messages."""
+    if isinstance(request, dict):
+        request = Request(0, None, request.get("messages"), request.get("prompt"))
+    if request.messages is not None and tokenizer.chat_template is None:
         raise ValueError("this model's tokenizer has no chat template; give \"prompt\" (plain text) instead")
-    if "messages" in row:
+    if request.messages is not None:
         return tokenizer.apply_chat_template(
-            row["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            request.messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
-    return tokenizer(row["prompt"], return_tensors="pt")["input_ids"]
+    return tokenizer(request.prompt, return_tensors="pt")["input_ids"]

@@ -24,8 +24,10 @@ class RequestAcceptance:
         min_chance: a draft token is only sent if the chance that it and all before it are accepted is at least
             this; it stops near-hopeless tokens that would only be sent because a longer pass measured cheaper.
         probe_budget: the share of a one-token step that asking a switched-off proposer for drafts may cost.
-        timed: use measured times. Sampling passes ``False``: a seed must reproduce the output, so no decision may
-            depend on timings (costs are then taken as equal for every length, proposers as free to ask).
+        timed: use measured times of asking its proposer (``False``: taken as free to ask).
+        drawn: its drafts are drawn at random (sampled, from a sampling drafter): how many it sends changes its
+            random draws, so a seed reproduces its output only if no decision depends on timings; a pass with such a
+            row takes every length to cost the same.
         pool: acceptance pooled over the requests of a run (a :class:`RequestAcceptance` the policy feeds every row's
             outcomes): a position's estimate starts from the pool's, with the weight of ``pool_weight`` trials,
             instead of from ``prior``. A new request then drafts as well as the earlier ones did from its first step,
@@ -42,8 +44,9 @@ class RequestAcceptance:
         timed: bool = True,
         pool: "RequestAcceptance | None" = None,
         pool_weight: float = 4.0,
+        drawn: bool = False,
     ) -> None:
-        self.max_draft = max_draft
+        self.max_draft, self.drawn = max_draft, drawn
         self.pool, self.pool_weight = pool, pool_weight
         self.decay = 1.0 - 1.0 / memory
         self.min_chance = min_chance

@@ -115,11 +115,11 @@ class AdaptiveDrafts:
         self.pool = RequestAcceptance(max_draft, memory=48.0, timed=False)  # every request's outcomes, for new ones
         self._probing: int | None = None  # the width this step measures again, chosen with the budgets
 
-    def start(self) -> RequestAcceptance:
-        return RequestAcceptance(self.max_draft, timed=self.timed, pool=self.pool)
+    def start(self, drawn: bool = False) -> RequestAcceptance:
+        return RequestAcceptance(self.max_draft, timed=self.timed and not drawn, pool=self.pool, drawn=drawn)
 
     def budgets(self, states: Sequence[RequestAcceptance], room: Sequence[int]) -> list[int]:
-        asks, self._probing = budgets(states, room, self._costs(len(states)), probe=True)
+        asks, self._probing = budgets(states, room, self._costs(states), probe=True)
         return asks
 
     def trim(self, states: Sequence[RequestAcceptance], drafts: Sequence["Draft"],
@@ -145,13 +145,14 @@ class AdaptiveDrafts:
               width: int | None = None) -> tuple[list[list[int]], float]:
         chances = [state.node_chances(draft) for state, draft in zip(states, drafts)]
         orders = [np.argsort(-chance, kind="stable") for chance in chances]
-        counts, rate, _ = _choice(states, [c[o] for c, o in zip(chances, orders)], self._costs(len(states)), tree,
-                                  width)
+        counts, rate, _ = _choice(states, [c[o] for c, o in zip(chances, orders)], self._costs(states), tree, width)
         return [sorted(order[:count].tolist()) for order, count in zip(orders, counts)], rate
 
-    def _costs(self, rows: int) -> PassCosts | None:
-        """The pass costs the decisions use (``None``: every pass taken to cost the same)."""
-        return self.costs(rows)
+    def _costs(self, states: Sequence[RequestAcceptance]) -> PassCosts | None:
+        """The pass costs the decisions for these rows use (``None``: every pass taken to cost the same, as for a
+        pass with a row whose drafts are drawn at random: how many it sends changes its random draws, so no
+        measured time may decide it)."""
+        return None if any(state.drawn for state in states) else self.costs(len(states))
 
     def learn(self, step: Step) -> None:
         """The pass's time goes into the costs of its number of rows (a tree pass's where one row sent a tree),
@@ -173,7 +174,7 @@ class FixedDrafts:
     def __init__(self, max_draft: int) -> None:
         self.max_draft = max_draft
 
-    def start(self) -> None:
+    def start(self, drawn: bool = False) -> None:
         return None
 
     def budgets(self, states: Sequence[None], room: Sequence[int]) -> list[int]:

@@ -34,8 +34,9 @@ class Step:
 class DraftPolicy(Protocol):
     """How many draft tokens each request asks for and sends (see the module docstring)."""
 
-    def start(self) -> object:
-        """The state of a request that starts now."""
+    def start(self, drawn: bool = False) -> object:
+        """The state of a request that starts now (``drawn``: its drafts are drawn at random, so no decision about
+        them may depend on measured times)."""
 
     def budgets(self, states: Sequence[object], room: Sequence[int]) -> list[int]:
         """Tokens to ask each row's proposer for, with ``room[r]`` draft tokens left before row ``r``'s end."""

@@ -125,13 +125,13 @@ def specula_batch_method(
     --batch-size`` runs a file: one fresh proposer for the run."""
 
     def run(prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int):
-        jobs, sampling = [], None
+        jobs = []
         for key, prompt in enumerate(prompts):
-            (job,), sampling = prepare_jobs(model, prompt[None].to(model.device), max_new_tokens=max_new_tokens,
-                                            **generate_kwargs)
+            (job,) = prepare_jobs(model, prompt[None].to(model.device), max_new_tokens=max_new_tokens,
+                                  **generate_kwargs)
             job.key = key
             jobs.append(job)
-        decoder = Decoder(model, make_proposer(), sampling, batch_size, exact=generate_kwargs.get("exact"))
+        decoder = Decoder(model, make_proposer(), batch_size, exact=generate_kwargs.get("exact"))
         started, rows = time.perf_counter(), {}
         for row, _ in decoder.run(jobs):
             rows[row.job.key] = row
@@ -234,7 +234,7 @@ def run_bench(
             try:
                 for index, request in enumerate(requests):
                     times, outputs, varied = _runs(methods, encode(tokenizer, request), max_new_tokens, repeats,
-                                                   index, seed, request.get("prediction"))
+                                                   index, seed, request.prediction)
                     if baseline_outputs is not None:
                         baseline_outputs[workload, index] = outputs[baseline][0]
                     for name in names:

@@ -54,7 +54,7 @@ def recorded_outputs(
     runs: dict[str, list[tuple[list[int], list[int]]]] = {}
     for workload, rows in load_workloads(workloads, limit).items():
         for row in rows:
-            key = f"{workload}/{row['id']}/{max_new_tokens}"
+            key = f"{workload}/{row.id}/{max_new_tokens}"
             if key not in cached:
                 loaded = loaded or load_model(model, dtype=dtype)
                 prompt = encode(loaded[1], row)

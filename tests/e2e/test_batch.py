@@ -217,14 +217,12 @@ def test_sampling_in_a_batch_keeps_each_rows_distribution() -> None:
 
 
 def test_the_decoder_estimates_its_speedup_over_plain_decoding() -> None:
-    """From the pass costs it measured: well above 1 with drafts that are always right; none with drafts drawn at
-    random (untimed: their lengths change the draws)."""
+    """From the pass costs it measured: well above 1 with drafts that are always right."""
     rows = prompts()
     expected = [alone("llama", row, eos_token_id=[]) for row in rows]
     references = [torch.tensor(row.tolist() + out) for row, out in zip(rows, expected)]
-    sampling = specula.Sampling()
     jobs = [specula.Job(row.numpy(), NEW_TOKENS, key=b) for b, row in enumerate(rows)]
-    decoder = specula.Decoder(model("llama"), Oracle(references, 6), sampling, slots=2)
+    decoder = specula.Decoder(model("llama"), Oracle(references, 6), slots=2)
     outputs = {row.job.key: row.sequence.ids[len(row.job.prompt) :].tolist() for row, _ in decoder.run(jobs)}
     assert [outputs[b] for b in range(len(rows))] == expected  # (two slots for four requests: continuous)
     assert decoder.plain_speedup() is not None
@@ -237,10 +235,29 @@ def test_the_decoder_estimates_its_speedup_over_plain_decoding() -> None:
     decoder._costs = flat
     decoder.prefill_seconds, decoder.step_seconds = 0.0, float(decoder.passes - len(rows))
     assert decoder.plain_speedup() > 3
-    sampled = specula.Decoder(model("llama"), Oracle(references, 6), specula.Sampling(do_sample=True), slots=2)
-    list(sampled.run([specula.Job(row.numpy(), 4, key=b) for b, row in enumerate(rows)]))
+    sampled = specula.Decoder(model("llama"), Oracle(references, 6), slots=2)
+    list(sampled.run([specula.Job(row.numpy(), 4, sampling=specula.Sampling(do_sample=True), key=b)
+                      for b, row in enumerate(rows)]))
     assert sampled.plain_speedup() is not None  # drafts not drawn at random: timed under sampling too
-    drawn = specula.Decoder(model("llama"), NoisyModelDrafter(model("llama"), 2), specula.Sampling(do_sample=True),
-                            slots=2)
-    list(drawn.run([specula.Job(row.numpy(), 4, key=b) for b, row in enumerate(rows)]))
-    assert drawn.plain_speedup() is None
+
+
+def test_a_pass_with_a_row_whose_drafts_are_drawn_at_random_is_sized_without_measured_costs() -> None:
+    """A sampled row of a drafter that draws its drafts (how many it sends changes its random draws) beside a greedy
+    row: every pass it is in weighs no measured cost, so that its seed reproduces it; once it ended, the greedy
+    row's passes follow the measured costs again."""
+    rows = prompts()
+    decoder = specula.Decoder(model("llama"), NoisyModelDrafter(model("llama"), 2), slots=2)
+    weighed = []  # (a row of the pass draws its drafts, the pass was weighed by measured costs)
+    decide = decoder.policy._costs
+
+    def recording(states):
+        costs = decide(states)
+        weighed.append((any(state.drawn for state in states), costs is not None))
+        return costs
+
+    decoder.policy._costs = recording
+    jobs = [specula.Job(rows[0].numpy(), 6, sampling=specula.Sampling(do_sample=True), key="sampled"),
+            specula.Job(rows[1].numpy(), NEW_TOKENS, key="greedy")]
+    list(decoder.run(jobs))
+    assert (True, True) not in weighed
+    assert (True, False) in weighed and (False, True) in weighed

@@ -29,7 +29,7 @@ def prompts() -> list[tuple[str, torch.Tensor]]:
     _, tokenizer = smollm2()
     rows = [row for rows in load_workloads(WORKLOADS, 1).values() for row in rows]
     assert len(rows) >= 5, f"expected the public workloads in {WORKLOADS}"
-    return [(row["id"], encode(tokenizer, row)) for row in rows]
+    return [(row.id, encode(tokenizer, row)) for row in rows]
 
 
 @functools.cache
@@ -88,7 +88,7 @@ def test_bf16_drafts_of_33_tokens_past_700_keys_are_model_generate() -> None:
     sent: passes of 33 tokens whose queries see 650-760 keys. On a 2-core EPYC, queries grouped by 16 key counts
     there (keys padded and masked) made new token 68 'b' where model.generate gives 'com' (a near-tie)."""
     model, tokenizer = smollm2_bf16()
-    row = next(row for rows in load_workloads(WORKLOADS, 1).values() for row in rows if row["id"] == "code_edit/contextlib")
+    row = next(row for rows in load_workloads(WORKLOADS, 1).values() for row in rows if row.id == "code_edit/contextlib")
     prompt = encode(tokenizer, row)
     expected = hf_greedy(model, prompt, 100, eos_token_id=model.generation_config.eos_token_id)
     out = specula.generate(model, prompt, Oracle(expected, 32), max_new_tokens=100, adaptive_draft=False, exact=True)

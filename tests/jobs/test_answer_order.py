@@ -40,9 +40,9 @@ def test_answers_are_written_in_input_order_though_they_finish_out_of_it(early_e
     call = answerer_module.Answerer.__call__
 
     def recording(self, requests, **kwargs):
-        for number, answer in call(self, requests, **kwargs):
-            finished.append(number)
-            yield number, answer
+        for request, answer in call(self, requests, **kwargs):
+            finished.append(request.line)
+            yield request, answer
 
     monkeypatch.setattr(answerer_module.Answerer, "__call__", recording)
     lines = [json.dumps({"id": f"r{n}", "prompt": p}) for n, p in enumerate(PROMPTS)]

@@ -9,6 +9,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 import specula
 from specula.jobs import answerer as answerer_module
 from specula.jobs.answerer import Answerer, Settings
+from specula.jobs.requests import parse_request
 
 
 @pytest.mark.parametrize("remeasure", [True, False])
@@ -23,19 +24,19 @@ def test_a_measured_batch_size_is_measured_again_during_a_run(monkeypatch, remea
         return next(sizes) if remeasure or not again else 1
 
     class Recording(specula.Decoder):
-        def __init__(self, model, proposer, sampling, slots, **kwargs):
+        def __init__(self, model, proposer, slots, **kwargs):
             built.append(slots)
-            super().__init__(model, proposer, sampling, slots, **kwargs)
+            super().__init__(model, proposer, slots, **kwargs)
 
     monkeypatch.setattr(answerer_module, "fastest_batch_size", fastest)
     monkeypatch.setattr(answerer_module, "Decoder", Recording)
     monkeypatch.setattr(answerer_module, "REMEASURE", 3)
     answerer = Answerer(tiny_model("llama"), tiny_tokenizer(), specula.PromptLookup(), Settings(max_new_tokens=6),
                         on_skip=lambda number, reason: None)
-    requests = [(n, {"id": f"r{n}", "prompt": f"the quick brown fox {n} jumps over the lazy dog {n}"})
+    requests = [parse_request({"id": f"r{n}", "prompt": f"the quick brown fox {n} jumps over the lazy dog {n}"}, n)
                 for n in range(10)]
     answers = list(answerer(requests, largest=8))
-    assert sorted((number, answer["id"]) for number, answer in answers) == [(n, f"r{n}") for n in range(10)]
+    assert sorted((request.line, answer["id"]) for request, answer in answers) == [(n, f"r{n}") for n in range(10)]
     assert measured[0] is False and all(measured[1:]) and len(measured) == 4  # at start, then after 3, 6, 9
     assert built == ([1, 4] if remeasure else [1]) and answerer.slots == (4 if remeasure else 1)
 
@@ -45,4 +46,4 @@ def test_a_batch_size_given_is_never_measured(monkeypatch) -> None:
     monkeypatch.setattr(answerer_module, "REMEASURE", 1)
     answerer = Answerer(tiny_model("llama"), tiny_tokenizer(), None, Settings(max_new_tokens=4, batch_size=2),
                         on_skip=lambda number, reason: None)
-    assert len(list(answerer([(n, {"prompt": f"hello {n}"}) for n in range(5)]))) == 5
+    assert len(list(answerer([parse_request({"prompt": f"hello {n}"}, n) for n in range(5)]))) == 5

@@ -37,7 +37,7 @@ def expected() -> list[list[int]]:
 def decode(proposer: specula.Proposer, slots: int = 2) -> list[list[int]]:
     """Each prompt's new tokens, decoded ``slots`` at a time (more prompts than slots: continuous batching)."""
     jobs = [specula.Job(p, NEW_TOKENS, key=k) for k, p in enumerate(prompts())]
-    decoder = specula.Decoder(model(), proposer, specula.Sampling(), slots=slots)
+    decoder = specula.Decoder(model(), proposer, slots=slots)
     rows = {row.job.key: row for row, _ in decoder.run(jobs)}
     return [rows[k].sequence.ids[len(p) :].tolist() for k, p in enumerate(prompts())]
 
@@ -119,7 +119,7 @@ def test_request_proposers_keep_each_request_apart_and_forget_it_when_it_ends(ma
     assert decode(proposer) == expected()
     kept = proposer._recent if isinstance(proposer, specula.NGramPredictor) else proposer.requests
     assert kept == {}
-    run = specula.Decoder(model(), proposer, specula.Sampling(), slots=2).run(
+    run = specula.Decoder(model(), proposer, slots=2).run(
         specula.Job(p, NEW_TOKENS) for p in prompts())
     next(run), next(run), next(run)
     assert len(kept) == 2

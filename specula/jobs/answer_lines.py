@@ -1,0 +1,65 @@
+"""What a run writes for each request, in its line's shape: specula's answer line, or an OpenAI Batch API output
+line (a ``chat.completion`` or ``text_completion`` body, or the Batch API's ``error`` object). Nothing here needs
+torch.
+
+specula's own::
+
+    {"id", "text", "finish_reason", "stats": {"new_tokens", "steps", "accepted", "drafted", "seconds", "exact",
+                                              ["accepted_prediction_tokens", "rejected_prediction_tokens"]}}
+
+Batch API (specula's stats under the body's ``"specula"``)::
+
+    {"id": "batch_req_...", "custom_id", "response": {"status_code": 200, "request_id", "body": {"id", "object",
+     "created", "model", "choices": [...], "usage": {..., ["completion_tokens_details"]}, "specula": stats}},
+     "error": null}
+    {"id": "batch_req_...", "custom_id", "response": null, "error": {"code": "invalid_request", "message"}}
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from .requests import Request, answer_key
+
+
+def answer_line(request: Request, text: str, finish_reason: str, prompt_tokens: int, stats: dict, model: str
+                ) -> dict:
+    """The line answering ``request`` with ``text`` (``finish_reason``: ``"stop"`` or ``"length"``); ``stats`` are
+    specula's (with the prediction's counts where it had one), ``model`` the loaded model's name."""
+    if not request.batch:
+        return {"id": request.id, "text": text, "finish_reason": finish_reason, "stats": stats}
+    chat = request.url == "/v1/chat/completions"
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": stats["new_tokens"],
+             "total_tokens": prompt_tokens + stats["new_tokens"]}
+    if "accepted_prediction_tokens" in stats:  # (OpenAI's names and place for a request with a prediction)
+        usage["completion_tokens_details"] = {name: stats[name] for name in ("accepted_prediction_tokens",
+                                                                              "rejected_prediction_tokens")}
+    choice = {"index": 0, **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
+              "logprobs": None, "finish_reason": finish_reason}
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage, "specula": stats}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.id,
+            "response": {"status_code": 200, "request_id": f"req_{uuid.uuid4().hex}", "body": body}, "error": None}
+
+
+def error_line(custom_id: str | None, message: str) -> dict:
+    """A Batch API output line for a request that was not answered (a bad line, a prompt the model cannot take)."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": {"code": "invalid_request", "message": message}}
+
+
+def completion_tokens(line: dict) -> int | None:
+    """The tokens an answer line's answer has (``None``: an error line)."""
+    if "custom_id" not in line:
+        return line["stats"]["new_tokens"]
+    return None if line.get("response") is None else line["response"]["body"]["usage"]["completion_tokens"]
+
+
+def line_key(line: object) -> str:
+    """The key of the request an output line answers (:func:`answer_key` of its ``id``, a Batch API line's
+    ``custom_id``); ``ValueError`` for what is not an answer line."""
+    if not isinstance(line, dict) or "id" not in line:
+        raise ValueError('not a JSON object with an "id"')
+    return answer_key(line["custom_id"] if "custom_id" in line else line["id"])

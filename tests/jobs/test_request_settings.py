@@ -1,0 +1,126 @@
+"""Every request decodes with its own settings, in any batch: requests of different prompt lengths and settings
+(greedy beside sampled, penalties, stop strings, lengths, a minimum length from the generation config) share passes,
+and each answer is ``model.generate``'s for that request alone, through :class:`specula.Decoder` and through
+``specula generate``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_model, tiny_tokenizer
+
+import specula
+from specula import cli
+from specula.hf import loading
+
+NEW = 12
+SHORT, LONG = "stop here please", ("the quick brown fox jumps over the lazy dog print hello world "
+                                   "def foo(bar, baz): return bar + baz the quick brown fox jumps over")
+
+
+def reference(model, ids: torch.Tensor, seed: int | None = None, **kwargs) -> list[int]:
+    """``model.generate`` on this request alone (seeded with ``torch.manual_seed(seed)`` where given)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **kwargs)
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def eager_to_end():
+    """A tiny Llama whose end-of-sequence token is the long prompt's second greedy token, with a generation config
+    that asks for at least 6 new tokens: a request decoded with another prompt's processors ends after 2."""
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    ids = tokenizer(LONG, return_tensors="pt").input_ids
+    greedy = reference(model, ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    model.generation_config.eos_token_id = greedy[1] if greedy[1] != greedy[0] else greedy[2]
+    model.generation_config.min_new_tokens = 6
+    return model, tokenizer
+
+
+def test_requests_with_their_own_settings_share_passes_each_as_alone(eager_to_end) -> None:
+    model, tokenizer = eager_to_end
+    requests = [  # (prompt, settings, seed)
+        (SHORT, {"do_sample": False}, None),
+        (LONG, {"do_sample": False}, None),  # after a shorter prompt: its minimum length counts from its own
+        (LONG, {"do_sample": True, "temperature": 0.9, "top_k": 20}, 7),
+        (SHORT + " " + LONG, {"do_sample": False, "repetition_penalty": 1.5}, None),
+        (LONG, {"do_sample": False, "min_new_tokens": 0}, None),
+        (LONG, {"do_sample": False, "stop_strings": ["o"], "tokenizer": tokenizer}, None),
+        (SHORT, {"do_sample": True, "top_p": 0.8, "max_new_tokens": 5}, 3),
+    ]
+    jobs, expected = [], []
+    for key, (prompt, settings, seed) in enumerate(requests):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        settings = {"max_new_tokens": NEW, **settings}
+        generator = None if seed is None else [torch.Generator().manual_seed(seed)]
+        (job,) = specula.prepare_jobs(model, ids, generator=generator, **settings)
+        job.key = key
+        jobs.append(job)
+        expected.append(reference(model, ids, seed, **settings))
+    assert len(expected[1]) >= 6 and len(expected[4]) == 2  # (the minimum length matters here)
+    decoder = specula.Decoder(model, specula.PromptLookup(), slots=3)
+    got = {row.job.key: row.output.tolist() for row, _ in decoder.run(jobs) if row.finished}
+    assert [got[key] for key in range(len(requests))] == expected
+
+
+def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) -> None:
+    """Through the command line, in batches of 3, with the run's defaults (--max-new-tokens, --seed) under each
+    line's own: each answer is model.generate's with that line's settings."""
+    model, tokenizer = eager_to_end
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    lines = [
+        ({"prompt": SHORT}, {"do_sample": False}, None),
+        ({"prompt": LONG}, {"do_sample": False}, None),
+        ({"prompt": LONG, "temperature": 0.9, "top_k": 20, "seed": 11}, {"do_sample": True, "temperature": 0.9,
+                                                                          "top_k": 20}, 11),
+        ({"prompt": LONG, "temperature": 1.0, "top_p": 0.9}, {"do_sample": True, "top_p": 0.9}, 100 + 4),
+        ({"prompt": LONG, "max_tokens": 5, "repetition_penalty": 1.5},
+         {"do_sample": False, "max_new_tokens": 5, "repetition_penalty": 1.5}, None),
+        ({"prompt": LONG, "min_tokens": 0}, {"do_sample": False, "min_new_tokens": 0}, None),
+        ({"prompt": SHORT, "max_completion_tokens": 3, "top_k": -1, "temperature": 0.5, "seed": 5},
+         {"do_sample": True, "max_new_tokens": 3, "temperature": 0.5, "top_k": 0}, 5),
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": n, **line}) + "\n" for n, (line, _, _) in
+                                               enumerate(lines)))
+    cli.main([str(arg) for arg in ["generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl",
+                                   "--model", folder, "--dtype", "fp32", "--max-new-tokens", NEW, "--seed", 100,
+                                   "--temperature", 0, "--batch-size", 3]])
+    answers = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [answer["id"] for answer in answers] == list(range(len(lines)))
+    for (line, settings, seed), answer in zip(lines, answers):
+        ids = tokenizer(line["prompt"], return_tensors="pt").input_ids
+        tokens = reference(model, ids, seed, **{"max_new_tokens": NEW, **settings})
+        assert answer["text"] == tokenizer.decode(tokens, skip_special_tokens=True), line
+        assert answer["stats"]["new_tokens"] == len(tokens)
+        eos = model.generation_config.eos_token_id
+        assert answer["finish_reason"] == ("stop" if tokens[-1] == eos else "length")
+
+
+def test_a_stop_string_ends_the_answer_before_it(eager_to_end, tmp_path) -> None:
+    """OpenAI's "stop": generation stops at the first stop string, and the answer's text ends just before it."""
+    model, tokenizer = eager_to_end
+    ids = tokenizer(LONG, return_tensors="pt").input_ids
+    whole = tokenizer.decode(reference(model, ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=0,
+                                       eos_token_id=None), skip_special_tokens=True)
+    start = next(i for i in range(3, len(whole)) if whole.index(whole[i : i + 3]) == i)
+    stop = whole[start : start + 3]  # (first found after a token or more)
+    folder, eos = tmp_path / "model", model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None  # (saved without one: the stop string ends it)
+    try:
+        model.save_pretrained(folder)
+    finally:
+        model.generation_config.eos_token_id = eos
+    tokenizer.save_pretrained(folder)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": LONG, "stop": stop, "min_tokens": 0}) + "\n"
+                                       + json.dumps({"id": "b", "prompt": LONG, "stop": ["0123456789"], "min_tokens": 0})
+                                       + "\n")
+    cli.main([str(arg) for arg in ["generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl",
+                                   "--model", folder, "--dtype", "fp32", "--max-new-tokens", NEW, "--temperature", 0]])
+    a, b = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert a["text"] == whole[: whole.index(stop)] and a["finish_reason"] == "stop"
+    assert b["text"] == whole and b["finish_reason"] == "length"
