@@ -25,3 +25,13 @@ def model_folder(tmp_path_factory):
     return folder
 
 
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Any attempt to load a model fails the test loudly."""
+    from specula.cli import commands
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the files were checked")
+    monkeypatch.setattr(commands, "load_model", refuse)

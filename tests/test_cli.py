@@ -472,14 +472,6 @@ def test_ctrl_c_in_bench_prints_what_was_measured_and_exits_130(stop_at, model_f
         assert {"hf-greedy-b1", "specula-prompt-lookup-b1"} <= set(methods) and "hf-greedy-b2" not in methods
 
 
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    """Any attempt to load a model fails the test loudly."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the files were checked")
-    monkeypatch.setattr(commands, "load_model", refuse)
-
-
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--input", "{tmp}/missing.jsonl", "--output", "{tmp}/out.jsonl"], "missing.jsonl: no such file"),
     (["generate", "--input", "{tmp}", "--output", "{tmp}/out.jsonl"], ": not a file"),

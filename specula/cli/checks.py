@@ -32,14 +32,14 @@ def usage_error(args: argparse.Namespace, problem: str) -> NoReturn:
 def read_files(args: argparse.Namespace) -> None:
     """Read what the command needs from its files before anything heavy is imported, onto ``args``: the answers
     already in ``--output`` (``args.answers``; ``--resume``: a file that is not answers is a usage error) and every
-    workload line of ``bench`` (``args.workload_rows``)."""
+    workload line of ``bench`` (``args.workload_rows``), and whether --input is an OpenAI Batch API file
+    (``args.batch_api``)."""
     if args.command == "generate":
         try:
             args.answers = AnswerFile(args.output, resume=args.resume) if args.input else None
         except ValueError as error:
             usage_error(args, str(error))
-        if args.input:
-            _check_requests(args.input, args.strict, model_name(args.model))
+        args.batch_api = _check_requests(args.input, args.strict, model_name(args.model)) if args.input else None
     if args.command == "bench":
         try:
             args.workload_rows = load_workloads(args.workloads, args.limit)
@@ -47,13 +47,14 @@ def read_files(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {error}; fix or remove that line") from None
 
 
-def _check_requests(path: Path, strict: bool, model: str) -> None:
+def _check_requests(path: Path, strict: bool, model: str) -> bool:
     """Every line of a requests file read before the model loads: an error (one line, status 1) where the file mixes
     specula's request lines with OpenAI Batch API lines, where no line is a request, or, with ``strict``, at the
     first bad line (what the tokenizer must judge, such as a prompt longer than the model's context, is checked once
-    it is loaded, still before any decoding). ``model``: the name requests may give the model."""
+    it is loaded, still before any decoding). ``model``: the name requests may give the model. Returns whether
+    it is a Batch API file."""
     try:
-        file_shape(path)
+        batch_api = bool(file_shape(path))
     except ValueError as error:
         raise SystemExit(f"error: --input {error}") from None
     lines = bad = 0
@@ -68,6 +69,7 @@ def _check_requests(path: Path, strict: bool, model: str) -> None:
         raise SystemExit(f"error: --input {path} holds no requests (every line is empty)")
     if bad == lines:
         raise SystemExit(f"error: no line of --input {path} is a request ({bad} bad lines; the first: {first})")
+    return batch_api
 
 
 def _generate_problem(args: argparse.Namespace) -> str | None:

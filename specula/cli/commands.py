@@ -113,12 +113,12 @@ def _generate_file(
     progress = tqdm(total=lines, desc="specula", unit="req")
     order = InputOrder(output, tally)
 
-    def skip(number: int, where: str, reason: str, batch: bool | None, custom_id: str | None) -> None:
-        """A request that is not answered: reported; a Batch API line's is an error line in its place."""
+    def skip(number: int, where: str, reason: str, custom_id: str | None) -> None:
+        """A request that is not answered: reported; in a Batch API file, an error line in its place."""
         if args.strict:
             raise SystemExit(f"error: {where}{reason} (--strict)")
         tally.skip(f"{where}{reason}")
-        order.settle(number, error_line(custom_id, reason) if batch else None)
+        order.settle(number, error_line(custom_id, reason) if args.batch_api else None)
         progress.update()
 
     def pending() -> Iterator[Request]:
@@ -129,12 +129,12 @@ def _generate_file(
                 continue
             order.expect(number)
             if isinstance(request, BadRequest):
-                skip(number, "", str(request), request.batch, request.id)
+                skip(number, "", str(request), request.id)
                 continue
             yield request
 
     def on_skip(request: Request, reason: str) -> None:
-        skip(request.line, f"{args.input}:{request.line}: ", reason, request.batch, request.id)
+        skip(request.line, f"{args.input}:{request.line}: ", reason, request.id)
 
     answerer = Answerer(model, tokenizer, proposer, settings, on_skip)
     with StopOnInterrupt() as stop, output, order:

@@ -40,7 +40,7 @@ from .answerer import Answerer, Settings
 from .answers import AnswerFile, InputOrder, StopOnInterrupt, Tally
 from ..hf.loading import load_model, resolve_model
 from ..proposers.registry import proposer_factory
-from .requests import BadRequest, Request, answer_key, model_name, parse_request, unique_requests
+from .requests import BadRequest, Request, answer_key, file_shape, model_name, parse_request, unique_requests
 
 RAY_BATCH = 64  # requests a worker takes at once, decoded up to settings.batch_size at a time (continuous batching)
 
@@ -147,15 +147,14 @@ def _write_answers(answers: "ray.data.Dataset | None", requests: list[tuple[int,
     """Write the answers in input order as they arrive (:class:`InputOrder`) and report the bad lines and the
     requests the workers skipped (a Batch API line's: an error line in its place), until all are in or ``stop`` is
     requested; a worker's error is a ``ValueError`` with its own last line."""
-    order = InputOrder(output, tally)
+    order, batch_api = InputOrder(output, tally), file_shape(input_path)
     lines = dict(requests)  # line number -> its request
     for number in lines:
         order.expect(number)
 
     def skip(number: int, where: str, reason: str) -> None:
-        request = lines[number]
         tally.skip(f"{where}{reason}")
-        order.settle(number, error_line(request.id, reason) if request.batch else None)
+        order.settle(number, error_line(lines[number].id, reason) if batch_api else None)
 
     try:
         with order:

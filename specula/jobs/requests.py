@@ -219,6 +219,8 @@ def _options(fields: dict) -> dict:
         if not isinstance(stop, list) or not all(isinstance(text, str) and text for text in stop):
             raise _Problem(f'"stop" must be a non-empty string or a list of them, got {json.dumps(given["stop"])}')
         given["stop"] = stop
+        if not stop:  # (an empty list: no stop string)
+            del given["stop"]
     return given
 
 
