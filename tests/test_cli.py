@@ -245,7 +245,9 @@ def test_help_of_the_installed_command() -> None:
     assert "already written stay" not in generate_help
     assert "(--strict: every line is checked before the model loads and the run stops at the first bad one, before " \
         "any answer is written; an existing --output is left as it was)" in generate_help
-    assert "answers are written in the order of their requests' lines" in generate_help
+    assert "Answers are written in the order of their requests' lines" in generate_help
+    assert "own settings under OpenAI's names (max_tokens, temperature" in generate_help
+    assert "A file of OpenAI Batch API lines (custom_id, method, url, body) is answered with Batch API" in generate_help
     assert "Exit status: 0 when done, 1 on an error" in generate_help and "130 after Ctrl-C" in generate_help
     assert "Ctrl-C prints (and with --json writes) the rows measured so far and exits with status 130" in bench_help
 

@@ -156,6 +156,10 @@ def _generate_file(
 def cmd_bench(args: argparse.Namespace) -> None:
     sampling = _sampling(args)
     workloads = args.workload_rows  # (every line checked before the model loads)
+    own = sum(bool(request.options) for rows in workloads.values() for request in rows)
+    if own:
+        print(f"note: {own} workload lines give settings of their own (max_tokens, temperature ...); bench decodes "
+              "every line with its command line's, the same for every method", file=sys.stderr)
     model, tokenizer, device = _load(args)
     sampled = sampling["do_sample"]  # (bench's --temperature is never unset)
     baseline = "hf-sample" if sampled else "hf-greedy"

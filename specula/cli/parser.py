@@ -127,9 +127,13 @@ def _add_generate_parser(commands) -> None:
     gen = commands.add_parser(
         "generate", help="generate for a JSONL file of requests, or for one prompt (streamed to stdout)",
         description="Each input line is a JSON object with \"messages\" (a chat, through the model's chat template) "
-        "or \"prompt\" (raw text), and optionally \"id\". Each output line keeps the id and adds \"text\" and "
-        "\"stats\" (new_tokens, steps, accepted, drafted, seconds); answers are written in the order of their "
-        "requests' lines. Bad lines are reported with their line number and skipped (--strict: every line is checked "
+        "or \"prompt\" (raw text), optionally \"id\", \"prediction\" and its own settings under OpenAI's names "
+        "(max_tokens, temperature, top_p, top_k, seed, stop, min_tokens, repetition_penalty: the options below are "
+        "their defaults); a field it cannot honour (n > 1, logprobs, tools ...) makes a bad line. Each output line "
+        "keeps the id and adds \"text\", \"finish_reason\" and \"stats\" (new_tokens, steps, accepted, drafted, "
+        "seconds). A file of OpenAI Batch API lines (custom_id, method, url, body) is answered with Batch API output "
+        "lines, a bad line with an error line. Answers are written in the order of their requests' lines. Bad lines "
+        "are reported with their line number and skipped (--strict: every line is checked "
         "before the model loads and the run stops at the first bad one, before any answer is written; an existing "
         "--output is left as it was). Exit status: 0 when done, 1 on an error (such as a file none of whose requests "
         "could be answered), 2 for a usage error, 130 after Ctrl-C.",

@@ -14,7 +14,7 @@ from ..core.loop import Decoder, Job, Row
 from ..hf.generate import prepare_jobs
 from ..policy.batch_size import fastest_batch_size
 from .answer_lines import answer_line
-from .requests import DEFAULT_MODEL_NAME, Request, encode
+from .requests import Request, encode, model_name
 
 REMEASURE = 256  # requests between measurements of the batch size, where it is measured (not given)
 
@@ -30,7 +30,7 @@ class Settings:
     exact: bool | None = None
     batch_size: int | None = None  # None: the size measured fastest on this machine
     predictions: bool = False  # whether requests may bring predictions ("prediction")
-    model_name: str = DEFAULT_MODEL_NAME  # what answers call the model (:func:`specula.jobs.requests.model_name`)
+    model_name: str | None = None  # what answers call the model (None: its folder's name, :func:`model_name`)
 
 
 def generate_options(request: Request, settings: Settings, device: torch.device | str) -> dict:
@@ -78,6 +78,8 @@ class Answerer:
         self.settings, self.on_skip = settings, on_skip
         self.device = model.get_input_embeddings().weight.device
         self.slots = settings.batch_size
+        self.model_name = settings.model_name or (model_name(model.name_or_path) if model.name_or_path else
+                                                  model.config.model_type)
         self.passes, self.plain_speedups = 0, []  # over every call, for the summary
         self.exactness = None  # how the last call verified
 
@@ -127,7 +129,7 @@ class Answerer:
         stopped = bool(ends) or (len(output) > 0 and int(output[-1]) in row.job.eos_token_ids)
         return answer_line(request, text[: min(ends)] if ends else text, "stop" if stopped else "length",
                            len(row.job.prompt), _stats(row.stats, row.job.prediction is not None),
-                           self.settings.model_name)
+                           self.model_name)
 
     def _jobs(self, prepared: Iterator[Job], largest: int) -> Iterator[Job]:
         """The jobs of ``prepared`` until, measured again after every :data:`REMEASURE` of them, the fastest batch

@@ -20,6 +20,7 @@ the same path; this process reads the requests and writes the answers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -92,7 +93,9 @@ def generate_with_ray(
     Ctrl-C stops after the answer being written (``SystemExit(130)``), and a rerun with a resumed ``output`` goes on.
     ``model`` and ``dtype`` are what :func:`specula.load_model` takes, ``proposer`` a ``--proposer`` name."""
     tally = Tally()
-    settings = settings or Settings(model_name=model_name(model))
+    settings = settings or Settings()
+    if settings.model_name is None:
+        settings = dataclasses.replace(settings, model_name=model_name(model))
     requests = _pending(input_path, output, strict, tally, settings.model_name)
     if not os.environ.get("RAY_ADDRESS"):  # workers on this machine: the model must be here (on a cluster: each node)
         resolve_model(model)

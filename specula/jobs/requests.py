@@ -130,12 +130,12 @@ class _Problem(Exception):
 
 
 def _own_request(data: object, number: int) -> Request:
+    for name in data if isinstance(data, dict) else ():
+        if name not in _KNOWN and (near := difflib.get_close_matches(name, _KNOWN, n=1, cutoff=0.8)):
+            raise _Problem(f'unknown field "{name}": did you mean "{near[0]}"?')
     if not isinstance(data, dict) or not ("messages" in data or "prompt" in data):
         raise _Problem('each line must be a JSON object with "messages" (chat) or "prompt" (text), or an OpenAI '
                        'Batch API request ("custom_id", "method", "url", "body")')
-    for name in data:
-        if name not in _KNOWN and (near := difflib.get_close_matches(name, _KNOWN, n=1, cutoff=0.8)):
-            raise _Problem(f'unknown field "{name}": did you mean "{near[0]}"?')
     return _request(data, number, data.get("id", number), "messages" in data, None, data)
 
 

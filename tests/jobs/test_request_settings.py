@@ -13,7 +13,8 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 import specula
 from specula import cli
-from specula.hf import loading
+from specula.tools import bench
+from specula.tools import bench
 
 NEW = 12
 SHORT, LONG = "stop here please", ("the quick brown fox jumps over the lazy dog print hello world "
@@ -124,3 +125,11 @@ def test_a_stop_string_ends_the_answer_before_it(eager_to_end, tmp_path) -> None
     a, b = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert a["text"] == whole[: whole.index(stop)] and a["finish_reason"] == "stop"
     assert b["text"] == whole and b["finish_reason"] == "length"
+
+
+def test_bench_batch_rows_decode_each_prompt_with_its_own_processors(eager_to_end) -> None:
+    """specula bench's batch rows: a longer prompt after a shorter one keeps the minimum length of its own."""
+    model, tokenizer = eager_to_end
+    prompts = [tokenizer(text, return_tensors="pt").input_ids[0] for text in (SHORT, LONG, SHORT + " " + LONG)]
+    outputs, _, _ = bench.specula_batch_method(model, specula.PromptLookup, do_sample=False)(prompts, NEW, 3)
+    assert outputs == [reference(model, prompt[None], max_new_tokens=NEW, do_sample=False) for prompt in prompts]
