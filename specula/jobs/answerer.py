@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from jinja2 import TemplateError
 
 from ..core.loop import Decoder, Job, Row
 from ..hf.generate import prepare_jobs
@@ -88,7 +89,7 @@ class Answerer:
             (job,) = prepare_jobs(self.model, encode(self.tokenizer, request).to(self.device),
                                   prediction=request.prediction, tokenizer=self.tokenizer,
                                   **generate_options(request, self.settings, self.device))
-        except ValueError as error:
+        except (ValueError, TemplateError) as error:  # (the chat template's own refusal: roles out of order ...)
             self.on_skip(request, str(error))
             return None
         job.key = request

@@ -168,10 +168,12 @@ def _batch_request(data: dict, number: int) -> Request:
 
 def _request(fields: dict, number: int, key: object, chat: bool, url: str | None, data: dict) -> Request:
     """A :class:`Request` from a request's fields (a line of specula's, or a Batch API body)."""
-    if chat and (not isinstance(fields["messages"], list) or not fields["messages"]):
-        raise _Problem('"messages" must be a non-empty list of {"role": ..., "content": ...}')
-    if not chat and not isinstance(fields["prompt"], str):
-        raise _Problem('"prompt" must be a string (one prompt per line)')
+    prompt = fields.get("prompt")
+    if not chat and isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # (OpenAI's list of prompts, of one)
+    if not chat and not isinstance(prompt, str):
+        raise _Problem('"prompt" must be a string: one prompt per line (several make several answers, and token '
+                       'ids are not read: give the text)')
     if fields.get("model") is not None and not isinstance(fields["model"], str):
         raise _Problem('"model" must be a string')
     for name, (default, why) in DEFAULT_ONLY.items():
@@ -187,8 +189,35 @@ def _request(fields: dict, number: int, key: object, chat: bool, url: str | None
             raise _Problem(f'"prediction": {error}') from None
         if not isinstance(prediction, str):
             raise _Problem('"prediction" must be text, or {"type": "content", "content": text}')
-    return Request(number, key, fields["messages"] if chat else None, None if chat else fields["prompt"], prediction,
-                   _options(fields), fields.get("model"), url, data)
+    return Request(number, key, _messages(fields["messages"]) if chat else None, None if chat else prompt,
+                   prediction, _options(fields), fields.get("model"), url, data)
+
+
+def _messages(messages: object) -> list[dict]:
+    """A chat as chat templates read it: each message's text parts joined into its ``content``, OpenAI's
+    ``developer`` role as ``system`` (what templates know it as).
+
+    >>> _messages([{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]}])
+    [{'role': 'system', 'content': 'Be brief.'}]
+    """
+    if not isinstance(messages, list) or not messages:
+        raise _Problem('"messages" must be a non-empty list of {"role": ..., "content": ...}')
+    chat = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _Problem(f'"messages"[{index}] must be an object with a "role" and a "content"')
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                       for part in content):
+                raise _Problem(f'"messages"[{index}]: specula reads text only; its content parts must be '
+                               '{"type": "text", "text": ...}')
+            content = "".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise _Problem(f'"messages"[{index}] must have a "content": text, or a list of text parts')
+        chat.append({**message, "role": "system" if message["role"] == "developer" else message["role"],
+                     "content": content})
+    return chat
 
 
 def _options(fields: dict) -> dict:

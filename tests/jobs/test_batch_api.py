@@ -12,8 +12,10 @@ import pytest
 import torch
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
+from tiny_models import tiny_model, tiny_tokenizer
 
 from specula import cli
+from specula.jobs.answerer import Answerer, Settings
 from specula.hf import loading
 from specula.jobs.requests import BadRequest, Request, file_shape, model_name, parse_request
 
@@ -62,6 +64,10 @@ def batch_line(custom_id: str, body: dict, url: str = "/v1/chat/completions") ->
     ({"model": 3}, '"model" must be a string'),
     ({"prediction": {"type": "content"}}, '"prediction": a prediction given as an object'),
     ({"messages": []}, '"messages" must be a non-empty list'),
+    ({"messages": [{"role": "user", "content": None}]}, '"messages"\\[0\\] must have a "content": text'),
+    ({"messages": [{"content": "hi"}]}, '"messages"\\[0\\] must be an object with a "role"'),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     '"messages"\\[0\\]: specula reads text only'),
 ])
 @pytest.mark.parametrize("shape", ["own", "batch"])
 def test_a_field_specula_cannot_honour_makes_a_bad_line_naming_it(fields, problem, shape) -> None:
@@ -108,6 +114,28 @@ def test_what_a_line_may_carry() -> None:
     assert isinstance(request, Request) and request.batch and request.id == "q" and request.prompt == "x"
     assert request.options == {"seed": 3} and request.model == "my-model"
     assert model_name("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    parts = parse_request({"messages": [{"role": "developer", "content": [{"type": "text", "text": "Be "},
+                                                                          {"type": "text", "text": "brief."}]},
+                                        {"role": "user", "content": "hi", "name": "ann"}]}, 1)
+    assert parts.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi",
+                                                                            "name": "ann"}]
+    one = parse_request(batch_line("a", {"prompt": ["just one"]}, "/v1/completions"), 1)
+    assert isinstance(one, Request) and one.prompt == "just one"
+    two = parse_request(batch_line("a", {"prompt": ["one", "two"]}, "/v1/completions"), 1)
+    assert isinstance(two, BadRequest) and "one prompt per line" in str(two)
+
+
+def test_a_chat_its_template_refuses_is_skipped_with_the_templates_reason() -> None:
+    """A chat template that raises (roles out of order, as many do) skips that request only, saying why."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools "
+                               "here') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    skipped = []
+    answerer = Answerer(tiny_model("llama"), tokenizer, None, Settings(max_new_tokens=3, batch_size=2),
+                        on_skip=lambda request, reason: skipped.append((request.id, reason)))
+    lines = [chat("hello", id="fine"), {"id": "tool", "messages": [{"role": "tool", "content": "42"}]}]
+    answers = list(answerer([parse_request(line, n) for n, line in enumerate(lines, 1)]))
+    assert [answer["id"] for _, answer in answers] == ["fine"] and skipped == [("tool", "no tools here")]
 
 
 def test_a_file_mixing_the_shapes_is_an_error_before_the_model_loads(tmp_path, no_model_loading) -> None:
