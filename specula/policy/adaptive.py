@@ -78,9 +78,8 @@ def _choice(
     rates = expected / (seconds + sum(row.draft_seconds for row in rows))
     best = int(np.argmax(rates))  # the first maximum: ties go to fewer tokens
     probed = None
-    if width == -1 and costs is not None:
-        probed = costs.probe(best, expected, rates)
-        probed = None if probed == best else probed
+    if width == -1:  # (untimed, every cost is the same: nothing to measure again)
+        probed = None if costs is None or (probe := costs.probe(best, expected, rates)) == best else probe
     elif width is not None:
         probed = min(width, longest)
     chosen = best if probed is None else probed

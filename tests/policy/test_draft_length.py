@@ -286,6 +286,17 @@ def test_a_batch_pads_its_rows_to_the_widest_and_sends_none_where_passes_cost_by
     assert budgets([sure, unsure], [10, 10], linear)[0] == [1, 1]  # not sent, but probed while asking is cheap
 
 
+def test_untimed_passes_send_drafts_by_acceptance_alone() -> None:
+    """Where no pass cost weighs (a batch with a row whose drafts are drawn at random, or pass costs unknown for its
+    rows): each row asks for and sends what its acceptance gives a chance, nothing measured again."""
+    policy = AdaptiveDrafts(8, timed=False, costs=lambda rows: None)
+    states = [policy.start(), policy.start(drawn=True)]
+    asks = policy.budgets(states, [10, 10])
+    assert asks == [5, 5]  # (the prior halves per position: 4 tokens above min_chance, and one more to learn from)
+    drafts = [Draft(list(range(3, 8))), Draft([3, 4])]
+    assert [len(pick) for pick in policy.trim(states, drafts, [0.0, 0.0])] == [4, 2]
+
+
 def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch) -> None:
     target = tiny_model("llama", seed=5)
     tables = {}
