@@ -156,7 +156,7 @@ class Decoder:
         # Draft lengths follow measured timings only where the output cannot depend on them: greedy decoding, and
         # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
         # that round as one-token steps do (or in fp32, far below the gaps between logits). With ordinary passes in
-        # bf16/fp16 they follow pass costs measured once per machine and kept (one request at a time), so that a
+        # bf16/fp16 they follow pass costs measured once per machine and kept (by rows and tokens), so that a
         # request decodes the same on every run; a pass with a row whose drafts are drawn at random (sampled, from
         # a sampling drafter), acceptance alone.
         verifies = self.drafts or slots > 1  # (else every pass is a one-token step)
@@ -165,10 +165,14 @@ class Decoder:
         self._draws = getattr(proposer, "samples_drafts", False)  # (under sampling: drafts drawn at random)
         timed = self.row_exact or not is_half_precision(model)
         setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
-        kept = kept_pass_costs(model, MAX_DRAFT) if adaptive_draft and not timed and verifies else None
+        kept = functools.cache(functools.partial(kept_pass_costs, model, MAX_DRAFT))
+        if adaptive_draft and not timed and verifies:
+            for rows in range(1, slots + 1):  # (measured now, where they were not kept: not in a pass)
+                kept(rows)
 
-        def costs(rows: int) -> PassCosts | None:  # measured while decoding, or kept (one row), or none
-            return shared_pass_costs(model, setting, MAX_DRAFT, rows) if timed else kept if rows == 1 else None
+        def costs(rows: int) -> PassCosts | None:  # measured while decoding, or kept, or none
+            return shared_pass_costs(model, setting, MAX_DRAFT, rows) if timed else kept(rows) \
+                if adaptive_draft and verifies else None
 
         self.policy: DraftPolicy = (AdaptiveDrafts(MAX_DRAFT, timed, costs) if adaptive_draft
                                     else FixedDrafts(MAX_DRAFT))

@@ -7,7 +7,9 @@ a pass over 8 tokens costs several one-token steps would be slower than plain de
 decided from a table of pass costs measured once per machine and model (passes over 1, 2, 3, 5, 9, 17 and 33 tokens
 after :data:`CONTEXT` tokens, timed in rounds, the lower median of each width's ratio to the one-token pass) and kept
 with the calibrations (:mod:`specula.verifier.calibration`): later runs on the machine read the same table, so they
-decide alike.
+decide alike. Batches read tables of their own (:data:`ROWS`: passes of 2, 4 and 8 rows, up to 17 tokens a row,
+after :data:`BATCH_CONTEXT` tokens each, against a one-token pass of as many rows): a batch of another size reads the
+table of the next fewer rows.
 """
 
 from __future__ import annotations
@@ -20,61 +22,85 @@ from ..verifier.exactness import model_key
 from ..verifier.support import UnsupportedModelError, vocab_size
 from .costs import PassCosts, lower_median
 
-CONTEXT = 256  # tokens of cache the timed passes follow
-WIDTHS = (1, 2, 3, 5, 9, 17, 33)  # tokens per timed pass
+CONTEXT = 256  # tokens of cache the timed passes of one row follow
+BATCH_CONTEXT = 1024  # ... of several rows (files' requests: retrieved passages, code to edit, articles)
+WIDTHS = (1, 2, 3, 5, 9, 17, 33)  # tokens a row per timed pass (several rows: up to 17)
+ROWS = (1, 2, 4, 8)  # rows of the timed passes
 ROUNDS = 3
 
 
 class KeptCosts(PassCosts):
-    """A one-row :class:`PassCosts` that holds a kept table: nothing is recorded into it, nothing re-measured, and
-    no draft sent longer than its widest pass measured (a wider one's cost is not known, and never will be)."""
+    """A :class:`PassCosts` that holds a kept table: nothing is recorded into it, nothing re-measured, and no draft
+    sent longer than its widest pass measured (``widest`` tokens a row: a wider one's cost is not known, and never
+    will be)."""
+
+    def __init__(self, rows: int, size: int, widest: int) -> None:
+        super().__init__(rows, size)
+        self.widest = widest
 
     def record(self, tokens: int, seconds: float, tree: bool = False) -> None:
         pass
 
     def explored_width(self, tree: bool = False) -> int:
-        return min(super().explored_width(tree), WIDTHS[-1] - 1)
+        return min(super().explored_width(tree), self.widest - 1)
 
 
-def kept_pass_costs(model: torch.nn.Module, max_draft: int) -> KeptCosts | None:
-    """The kept pass costs of ``model`` on this machine (measured on first use), as one-row costs for drafts of up to
-    ``max_draft`` tokens; ``None`` where its passes cannot be timed so."""
+def _context(rows: int) -> int:
+    """The tokens of cache each row of the timed passes of ``rows`` rows follows."""
+    return CONTEXT if rows == 1 else BATCH_CONTEXT
+
+
+def widths(rows: int) -> tuple[int, ...]:
+    """The tokens a row of the timed passes of ``rows`` rows."""
+    return WIDTHS if rows == 1 else WIDTHS[:-1]
+
+
+def kept_pass_costs(model: torch.nn.Module, max_draft: int, rows: int = 1) -> KeptCosts | None:
+    """The kept pass costs of ``model`` on this machine (measured on first use), as costs of passes of ``rows`` rows
+    (from the table of the most :data:`ROWS` that are not more) for drafts of up to ``max_draft`` tokens a row;
+    ``None`` where its passes cannot be timed so."""
+    measured = max(count for count in ROWS if count <= rows)
     weight = next(model.parameters())
     key = calibration_key(weight.device, "pass costs", model_key(model), weight.dtype,
-                          model.config._attn_implementation, CONTEXT)
-    ratios = calibration.shared().get(key, lambda: _measure(model))
+                          model.config._attn_implementation, _context(measured), *([measured] if measured > 1 else []))
+    ratios = calibration.shared().get(key, lambda: _measure(model, measured))
     if ratios is None:
         return None
-    costs = KeptCosts(1, max_draft + 2)
-    for tokens, ratio in zip(WIDTHS, ratios):
-        if tokens < costs.size:
-            PassCosts.record(costs, tokens, ratio)
+    costs = KeptCosts(rows, rows * (max_draft + 1) + 1, widths(measured)[-1])
+    for width, ratio in zip(widths(measured), ratios):
+        if rows * width < costs.size:
+            PassCosts.record(costs, rows * width, ratio)
     return costs
 
 
 @torch.inference_mode()
-def _measure(model: torch.nn.Module) -> list[float] | None:
-    """Each of :data:`WIDTHS`' pass cost over a one-token pass's, ordinary verification."""
+def _measure(model: torch.nn.Module, rows: int = 1) -> list[float] | None:
+    """The cost of a pass of ``rows`` rows over each of :func:`widths` tokens a row, over a one-token pass's,
+    ordinary verification."""
     from ..verifier.runner import CachedModel
 
     device = model.get_input_embeddings().weight.device
-    passes = (ROUNDS + 1) * len(WIDTHS)  # (each keeps its first token, as the loop's passes do)
-    ids = torch.randint(3, vocab_size(model), (CONTEXT + passes + max(WIDTHS),),
+    timed = widths(rows)
+    passes = (ROUNDS + 1) * len(timed)  # (each keeps its first token, as the loop's passes do)
+    context = _context(rows)
+    ids = torch.randint(3, vocab_size(model), (context + passes + max(timed),),
                         generator=torch.Generator().manual_seed(0)).to(device)
-    seconds: dict[int, list[float]] = {width: [] for width in WIDTHS}
+    seconds: dict[int, list[float]] = {width: [] for width in timed}
     try:
-        target = CachedModel(model, None, None, rollback=True, capacity=len(ids) + 1)
-        target.start_row(0, ids[:CONTEXT])
+        target = CachedModel(model, None, None, rollback=True, capacity=len(ids) + 1, slots=rows)
+        for row in range(rows):
+            target.start_row(row, ids[:context])
+        at = context  # (every row's cached tokens)
         for _ in range(ROUNDS + 1):  # (the first round warms up)
-            for width in WIDTHS:
-                at = target.cached_tokens
+            for width in timed:
                 started = calibration.CLOCK()
-                target.forward_rows([ids[at : at + width]], [width], argmax_only=True)
+                target.forward_rows([ids[at : at + width]] * rows, [width] * rows, argmax_only=True)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 seconds[width].append(calibration.CLOCK() - started)
-                target.keep_rows([1])
+                target.keep_rows([1] * rows)
+                at += 1
     except UnsupportedModelError:  # (a model the loop refuses, or whose state cannot be rolled back so)
         return None
-    ratios = [[s / one for s, one in zip(seconds[width][1:], seconds[1][1:])] for width in WIDTHS]
+    ratios = [[s / one for s, one in zip(seconds[width][1:], seconds[1][1:])] for width in timed]
     return [round(lower_median(r), 3) for r in ratios]

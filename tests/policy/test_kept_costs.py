@@ -4,6 +4,7 @@ than plain where passes are dear), not the clock (the same output on every run).
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 from bf16_cases import NEW_TOKENS, model, prompt
 from helpers import Oracle
@@ -22,7 +23,7 @@ def kept(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "calibrations.json"))
     calibration.forget()
     table, measured = [None], []
-    monkeypatch.setattr(kept_costs, "_measure", lambda m: measured.append(m) or table[0])
+    monkeypatch.setattr(kept_costs, "_measure", lambda m, rows=1: measured.append(m) or table[0])
     yield table, measured
     calibration.forget()
 
@@ -84,3 +85,49 @@ def test_no_draft_is_longer_than_the_widest_pass_kept(kept) -> None:
     costs = kept_costs.kept_pass_costs(model("llama"), 64)
     nearly_sure = np.cumprod(np.full(64, 0.995))  # P_i of 64 drafts, each right 99.5% of the times
     assert choose_lengths([RequestAcceptance(64, timed=False)], [nearly_sure], costs) == [kept_costs.WIDTHS[-1] - 1]
+
+
+def test_batches_send_drafts_where_their_kept_wide_passes_are_cheap_and_none_where_dear(kept) -> None:
+    """Ordinary bf16 batches size their drafts from kept tables of passes of as many rows (two rows and three read
+    the two-row table): where a pass over several tokens a row costs ten one-token passes, none are sent; where it
+    costs what one does, the rows send what they have."""
+    table, measured = kept
+    model_ = model("llama")
+    prompts = [prompt()[0, :length] for length in (300, 200, 120)]
+    references = [model_.generate(p[None], attention_mask=torch.ones_like(p[None]), do_sample=False,
+                                  max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0) for p in prompts]
+
+    def drafted() -> int:
+        decoder = specula.Decoder(model_, Oracle(references, 8), slots=3, exact=False)
+        rows = [row for row, _ in decoder.run([specula.Job(p.numpy(), NEW_TOKENS, key=k) for k, p in enumerate(prompts)])
+                if row.finished]
+        assert len(rows) == 3
+        return sum(row.stats.drafted for row in rows)
+
+    table[0] = [1.0] + [10.0] * (len(kept_costs.WIDTHS) - 1)
+    assert drafted() == 0 and len(measured) == 2  # (the one-row table and the two-row one, measured once each)
+    calibration.forget()
+    calibration.shared().known.clear()
+    table[0] = [1.0] * len(kept_costs.WIDTHS)
+    assert drafted() > NEW_TOKENS
+
+
+def test_a_batch_table_times_its_rows_against_a_one_token_pass_of_as_many(monkeypatch, tmp_path) -> None:
+    """On a fake clock where a pass costs 1 + (its tokens beyond one a row) / 8, the four-row table holds exactly
+    that, up to 17 tokens a row; five rows read it, scaled to their own passes."""
+    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "calibrations.json"))
+    calibration.forget()
+    now = [0.0]
+    forward_rows = CachedModel.forward_rows
+
+    def timed(self, blocks, num_logits, *args, **kwargs):
+        now[0] += 1.0 + (len(blocks[0]) - 1) * len(blocks) / 8
+        return forward_rows(self, blocks, num_logits, *args, **kwargs)
+
+    monkeypatch.setattr(CachedModel, "forward_rows", timed)
+    monkeypatch.setattr(calibration, "CLOCK", lambda: now[0])
+    costs = kept_costs.kept_pass_costs(model("llama"), 32, rows=5)
+    widths = kept_costs.widths(4)
+    assert widths[-1] == 17 and costs.explored_width() == 16
+    assert costs.ratios()[[5 * w - 5 for w in widths]].tolist() == [1 + (w - 1) * 4 / 8 for w in widths]
+    calibration.forget()
