@@ -13,7 +13,9 @@ from jinja2 import TemplateError
 
 from ..core.loop import Decoder, Job, Row
 from ..hf.generate import prepare_jobs
-from ..policy.batch_size import fastest_batch_size
+from ..verifier.row_exact import is_half_precision
+from ..policy.batch_size import fastest_batch_size, kept_batch_size
+from ..verifier.exactness import choose
 from .answer_lines import answer_line
 from .requests import Request, encode, model_name
 
@@ -79,6 +81,8 @@ class Answerer:
         self.settings, self.on_skip = settings, on_skip
         self.device = model.get_input_embeddings().weight.device
         self.slots = settings.batch_size
+        # the batch size changes what a request decodes to (ordinary bf16/fp16): measured once and kept, not per run
+        self.kept = settings.batch_size is None and is_half_precision(model) and not choose(model, settings.exact).exact
         self.model_name = settings.model_name or (model_name(model.name_or_path) if model.name_or_path else
                                                   model.config.model_type)
         self.passes, self.plain_speedups = 0, []  # over every call, for the summary
@@ -101,14 +105,16 @@ class Answerer:
         :class:`specula.jobs.answers.InputOrder`). ``largest`` bounds the measured batch size;
         ``eager`` prepares every request before decoding any. A measured batch size is measured again every
         :data:`REMEASURE` requests (a busy moment at start must not fix it for the whole run); where it changed, the
-        requests in flight finish and the rest go on in batches of the new size."""
+        requests in flight finish and the rest go on in batches of the new size. Where the batch size changes the
+        answers (ordinary bf16/fp16 verification), it is the one measured once on this machine and kept."""
         prepared = filter(None, map(self._job, requests))
         if eager:
             prepared = iter(list(prepared))
-        measured = self.settings.batch_size is None
+        measured = self.settings.batch_size is None and not self.kept
         while (first := next(prepared, None)) is not None:
             if self.slots is None:
-                self.slots = fastest_batch_size(self.model, largest=largest)
+                self.slots = (kept_batch_size(self.model, largest) if self.kept else
+                              fastest_batch_size(self.model, largest=largest))
             decoder = Decoder(self.model, self.proposer, self.slots, exact=self.settings.exact,
                               predictions=self.settings.predictions)
             self.exactness = decoder.exactness

@@ -7,6 +7,9 @@ import time
 
 import torch
 
+from ..verifier import calibration
+from ..verifier.calibration import calibration_key
+from ..verifier.exactness import model_key
 from ..verifier.runner import CachedModel
 from .costs import lower_median
 from ..verifier.support import UnsupportedModelError
@@ -67,6 +70,16 @@ def fastest_batch_size(
         size = min(2 * size, largest)
     profile.batch_size = (largest, best)
     return best
+
+
+def kept_batch_size(model: torch.nn.Module, largest: int = 32) -> int:
+    """:func:`fastest_batch_size`, measured once per machine and model and kept with the calibrations: where the
+    batch size changes what a request decodes to (ordinary bf16/fp16 verification rounds by the rows of a pass), it
+    must not follow the load of the moment, so every run on the machine takes the same."""
+    weight = next(model.parameters())
+    key = calibration_key(weight.device, "batch size", model_key(model), weight.dtype,
+                          model.config._attn_implementation, largest)
+    return calibration.shared().get(key, lambda: fastest_batch_size(model, largest, again=True))
 
 
 def _relative_rate(target: CachedModel, alone: CachedModel, token: torch.Tensor, rounds: int = 3) -> float:
