@@ -42,9 +42,13 @@ REQUESTS = [
 def test_generate_jsonl_keeps_ids_and_reports_bad_lines(model_folder, tmp_path, capsys) -> None:
     (tmp_path / "in.jsonl").write_text("\n".join(REQUESTS) + "\n")
     run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl",
-            "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 12)
+            "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 12, "--json", tmp_path / "run.json")
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [record["id"] for record in records] == ["copy", "chat", 6]  # no id: the line number
+    summary = json.loads((tmp_path / "run.json").read_text())  # (the run's summary, from the answers' stats)
+    assert summary["requests"] == 3 and summary["skipped"] == 2 and summary["new_tokens"] == 36
+    assert summary["tokens_per_pass_per_request"] == round(36 / sum(record["stats"]["steps"] for record in records), 3)
+    assert summary["batch_sizes"] and summary["verification"].startswith("ordinary verification (fp32")
     for record in records:
         assert isinstance(record["text"], str)
         assert set(record["stats"]) == {"new_tokens", "steps", "accepted", "drafted", "seconds", "exact"}

@@ -82,8 +82,9 @@ def _generate_problem(args: argparse.Namespace) -> str | None:
         return "--input needs --output FILE"
     if args.resume and args.overwrite:
         return "--resume keeps the answers in --output, --overwrite replaces them: give one of them"
-    if args.prompt is not None and (args.resume or args.ray):
-        return f"{'--resume' if args.resume else '--ray'} works on files: give --input FILE and --output FILE"
+    if args.prompt is not None and (args.resume or args.ray or args.json):
+        flag = "--resume" if args.resume else "--ray" if args.ray else "--json"
+        return f"{flag} works on files: give --input FILE and --output FILE"
     return None
 
 

@@ -83,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         with output:
             generate_with_ray(args.input, output, args.model, args.proposer, settings, dtype=DTYPES[args.dtype],
                               workers=args.workers, gpus_per_worker=args.gpus_per_worker,
-                              cpus_per_worker=args.cpus_per_worker, strict=args.strict)
+                              cpus_per_worker=args.cpus_per_worker, strict=args.strict, json_path=args.json)
         return
     model, tokenizer, device = _load(args)
     proposer = proposer_factory(args.proposer, tokenizer, model.dtype, device)()  # kept across requests
@@ -144,13 +144,16 @@ def _generate_file(
             if stop.requested:
                 break
     progress.close()
-    estimates = [value for value in answerer.plain_speedups if value]
+    sizes = sorted(set(answerer.sizes))
+    estimate = answerer.plain_speedup()
     tally.report(
-        f"batches of {answerer.slots}, {tally.new_tokens / max(answerer.passes, 1):.2f} tokens per target pass"
-        + (f", ~{estimates[0]:.2f}x plain decoding of the same batches (estimated from measured pass costs)"
-           if len(estimates) == 1 else "")
+        f"batches of {' and '.join(map(str, sizes)) or answerer.slots}"
+        + (f", ~{estimate[0]:.2f}x plain decoding of the same batches (estimated from {estimate[1]})"
+           if estimate else "")
         + (f"; {answerer.exactness}" if answerer.exactness is not None else ""),
-        args.output, stop.requested)
+        args.output, stop.requested, args.json, batch_sizes=sizes,
+        plain_speedup=None if estimate is None else round(estimate[0], 3),
+        verification=None if answerer.exactness is None else str(answerer.exactness))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

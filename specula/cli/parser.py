@@ -167,6 +167,11 @@ def _add_generate_files(gen: argparse.ArgumentParser) -> None:
         help="keep the answers already in --output and answer only the requests whose id it lacks (after a stopped "
         "run: a torn last line is redone)",
     )
+    source.add_argument(
+        "--json", type=Path, default=None,
+        help="with --input: also write the run's summary as JSON (requests, new tokens, seconds, tokens per pass per "
+        "request, batch sizes, the estimated speedup against plain decoding, verification)",
+    )
     source.add_argument("--prompt", help="a single prompt; the answer streams to stdout")
     source.add_argument("--raw", action="store_true", help="with --prompt: no chat template")
     source.add_argument(

@@ -179,8 +179,9 @@ class Decoder:
         self.vocab = vocab_size(model)
         self.passes = 0  # target forward passes, prefills included
         self.prefill_seconds = self.step_seconds = 0.0  # time in prefills, and in steps (proposing included)
-        self._costs = costs if timed else None
+        self._costs, self._timed = costs, timed
         self._made: dict[int, int] = {}  # tokens the steps made, by the rows they had
+        self._units = [0.0, 0.0]  # untimed: the steps as plain passes of as many rows, and as the kept costs price them
         if proposer is not None:
             proposer.check_target(model)
         self._target: CachedModel | None = None
@@ -223,12 +224,16 @@ class Decoder:
         self.prefill_seconds += time.perf_counter() - started
         return row, kept
 
-    def plain_speedup(self) -> float | None:
-        """Estimated speedup of the run so far against plain decoding (one token a row a pass) in the same batches:
-        the tokens each step made, at the measured cost of a plain pass over as many rows, against the time the
-        steps took (proposing included; prefills count on both sides). ``None`` where passes are not timed
-        (ordinary bf16/fp16 verification, ``adaptive_draft=False``) or no plain pass was."""
-        if self._costs is None or not self.step_seconds:
+    def plain_comparison(self) -> tuple[float, float, str] | None:
+        """What the run's steps would have cost as plain decoding (one token a row a pass) in the same batches, what
+        they cost, in one unit, and where the costs come from. Timed passes: seconds, the tokens each step made at
+        the measured cost of a plain pass over as many rows, against the time the steps took (proposing included;
+        prefills count on both sides). Ordinary bf16/fp16: plain passes of as many rows, each step priced by the
+        kept pass costs (:mod:`specula.policy.kept_costs`). ``None`` where neither is known (``adaptive_draft=False``,
+        no plain pass timed, nothing decoded)."""
+        if not self._timed:
+            return (*self._units, "kept pass costs") if self._units[1] else None
+        if not self.step_seconds:
             return None
         plain = self.prefill_seconds
         for rows, made in self._made.items():
@@ -236,7 +241,13 @@ class Decoder:
             if cost is None:
                 return None
             plain += made / rows * cost
-        return plain / (self.prefill_seconds + self.step_seconds)
+        return plain, self.prefill_seconds + self.step_seconds, "measured pass costs"
+
+    def plain_speedup(self) -> float | None:
+        """Estimated speedup of the run so far against plain decoding in the same batches
+        (:meth:`plain_comparison`)."""
+        comparison = self.plain_comparison()
+        return None if comparison is None else comparison[0] / comparison[1]
 
     def _tokens(self, row: Row, sent: Draft) -> torch.Tensor | None:
         """What logits processors read: the row's sequence followed by the draft it sends."""
@@ -321,7 +332,11 @@ class Decoder:
             seconds = None
         width = max(map(len, blocks))  # (every row is computed this wide)
         self.policy.learn(Step([row.drafting for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds))
-        self._made[len(rows)] = self._made.get(len(rows), 0) + sum(map(len, outcomes))
+        made = sum(map(len, outcomes))
+        self._made[len(rows)] = self._made.get(len(rows), 0) + made
+        if not self._timed and (costs := self._costs(len(rows))) is not None:
+            self._units[0] += made / len(rows)
+            self._units[1] += float(costs.seconds()[len(blocks) * width - len(blocks)])
         return outcomes
 
     def _advance(self, rows: list[Row | None], outcomes: list[list[int]], sent: list[Draft]):

@@ -50,11 +50,11 @@ def error_line(custom_id: str | None, message: str) -> dict:
             "error": {"code": "invalid_request", "message": message}}
 
 
-def completion_tokens(line: dict) -> int | None:
-    """The tokens an answer line's answer has (``None``: an error line)."""
+def answer_stats(line: dict) -> dict | None:
+    """specula's stats of an answer line's answer (``None``: an error line)."""
     if "custom_id" not in line:
-        return line["stats"]["new_tokens"]
-    return None if line.get("response") is None else line["response"]["body"]["usage"]["completion_tokens"]
+        return line["stats"]
+    return None if line.get("response") is None else line["response"]["body"]["specula"]
 
 
 def line_key(line: object) -> str:

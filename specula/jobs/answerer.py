@@ -85,7 +85,8 @@ class Answerer:
         self.kept = settings.batch_size is None and is_half_precision(model) and not choose(model, settings.exact).exact
         self.model_name = settings.model_name or (model_name(model.name_or_path) if model.name_or_path else
                                                   model.config.model_type)
-        self.passes, self.plain_speedups = 0, []  # over every call, for the summary
+        self.sizes: list[int] = []  # the batch sizes that ran, for the summary
+        self.comparisons = []  # each decoder's Decoder.plain_comparison(), for the summary
         self.exactness = None  # how the last call verified
 
     def _job(self, request: Request) -> Job | None:
@@ -124,8 +125,17 @@ class Answerer:
                     if row.finished:
                         yield row.job.key, self._answer(row)
             finally:
-                self.passes += decoder.passes
-                self.plain_speedups.append(decoder.plain_speedup())
+                self.sizes.append(self.slots)
+                self.comparisons.append(decoder.plain_comparison())
+
+    def plain_speedup(self) -> tuple[float, str] | None:
+        """The estimated speedup of every call so far against plain decoding in the same batches, and where the
+        costs it weighs come from (:meth:`specula.Decoder.plain_comparison`); ``None`` where one decoder's is not
+        known."""
+        if not self.comparisons or None in self.comparisons:
+            return None
+        return (sum(plain for plain, _, _ in self.comparisons) / sum(cost for _, cost, _ in self.comparisons),
+                self.comparisons[0][2])
 
     def _answer(self, row: Row) -> dict:
         """The answer line of a finished row: its text ends before a stop string (OpenAI's ``stop``), and it

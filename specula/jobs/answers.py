@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .answer_lines import completion_tokens, line_key
+from .answer_lines import answer_stats, line_key
 
 
 def report_skipped(where: str) -> None:
@@ -109,8 +109,8 @@ class InputOrder:
     def _write(self, answer: dict | None) -> None:
         if answer is not None:
             self.output.write(answer)
-            if (tokens := completion_tokens(answer)) is not None:  # (not a Batch API error line)
-                self.tally.add(tokens)
+            if (stats := answer_stats(answer)) is not None:  # (not a Batch API error line)
+                self.tally.add(stats)
 
     def __enter__(self) -> "InputOrder":
         return self
@@ -122,33 +122,50 @@ class InputOrder:
 
 @dataclass
 class Tally:
-    """What a run did, for its closing line: answers written, tokens made, answers found from an earlier run,
-    requests skipped."""
+    """What a run did, for its closing line: answers written, the tokens they have and the passes each was in,
+    answers found from an earlier run, requests skipped."""
 
     answered: int = 0
     new_tokens: int = 0
+    passes: int = 0  # over every answer: the passes it was in (its prefill too)
     answered_before: int = 0
     skipped: int = 0
     started: float = field(default_factory=time.perf_counter)
 
-    def add(self, new_tokens: int) -> None:
-        """Count an answer of ``new_tokens`` tokens."""
-        self.answered, self.new_tokens = self.answered + 1, self.new_tokens + new_tokens
+    def add(self, stats: dict) -> None:
+        """Count an answer of these stats (``new_tokens``, ``steps``)."""
+        self.answered, self.new_tokens = self.answered + 1, self.new_tokens + stats["new_tokens"]
+        self.passes += stats["steps"]
+
+    def summary(self, **more) -> dict:
+        """What the run did, as ``--json`` writes it (``more``: how it ran)."""
+        seconds = time.perf_counter() - self.started
+        return {"requests": self.answered, "new_tokens": self.new_tokens, "seconds": round(seconds, 3),
+                "tokens_per_second": round(self.new_tokens / max(seconds, 1e-9), 2),
+                # plain decoding makes one token a request a pass: what drafts gave is what this is above 1
+                "tokens_per_pass_per_request": round(self.new_tokens / self.passes, 3) if self.passes else None,
+                "answered_before": self.answered_before, "skipped": self.skipped, **more}
 
     def skip(self, where: str) -> None:
         """Report a skipped request (``where``: ``path:line: reason``) and count it."""
         report_skipped(where)
         self.skipped += 1
 
-    def report(self, details: str, output: Path, interrupted: bool) -> None:
-        """Print the summary (``details``: how it ran); after Ctrl-C, say how to go on and exit with status 130.
-        A run that answered nothing because every request was skipped is an error (status 1)."""
+    def report(self, details: str, output: Path, interrupted: bool, json_path: Path | None = None, **more) -> None:
+        """Print the summary (``details``: how it ran; with ``json_path``, also write :meth:`summary` with ``more``
+        there); after Ctrl-C, say how to go on and exit with status 130. A run that answered nothing because every
+        request was skipped is an error (status 1)."""
         if self.skipped and not (self.answered or self.answered_before or interrupted):
             raise SystemExit(f"error: every request was skipped ({self.skipped}, reasons above); nothing was answered "
                              f"into {output}")
-        seconds = time.perf_counter() - self.started
-        print(f"{self.answered} requests, {self.new_tokens} new tokens in {seconds:.1f}s "
-              f"({self.new_tokens / max(seconds, 1e-9):.1f} tok/s), {details}"
+        summary = self.summary(**more)
+        if json_path is not None:
+            json_path.write_text(json.dumps(summary, indent=1) + "\n")
+        per_pass = summary["tokens_per_pass_per_request"]
+        print(f"{self.answered} requests, {self.new_tokens} new tokens in {summary['seconds']:.1f}s "
+              f"({summary['tokens_per_second']:.1f} tok/s)"
+              + (f", {per_pass:.2f} tokens per pass per request (plain decoding: 1)" if per_pass else "")
+              + f", {details}"
               + (f"; {self.answered_before} answered before (--resume)" if self.answered_before else "")
               + (f"; {self.skipped} skipped (reasons above)" if self.skipped else "")
               + f" -> {output}", file=sys.stderr)

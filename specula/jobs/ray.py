@@ -87,10 +87,12 @@ def generate_with_ray(
     gpus_per_worker: float = 0,
     cpus_per_worker: int | None = None,
     strict: bool = False,
+    json_path: Path | None = None,
 ) -> Tally:
     """Answer every request of ``input_path`` not yet in ``output`` with ``workers`` Ray workers; returns what it
     did. Bad lines are reported (``strict``: ``ValueError`` at the first, before any worker starts);
-    Ctrl-C stops after the answer being written (``SystemExit(130)``), and a rerun with a resumed ``output`` goes on.
+    Ctrl-C stops after the answer being written (``SystemExit(130)``), and a rerun with a resumed ``output`` goes on;
+    ``json_path``: also write the run's summary there (:meth:`Tally.summary`).
     ``model`` and ``dtype`` are what :func:`specula.load_model` takes, ``proposer`` a ``--proposer`` name."""
     tally = Tally()
     settings = settings or Settings()
@@ -107,7 +109,8 @@ def generate_with_ray(
         answers = _answers(good, worker, workers, gpus_per_worker, cpus_per_worker) if good else None
         with stop:
             _write_answers(answers, requests, output, tally, input_path, stop)
-    tally.report(f"{workers} Ray worker{'s' * (workers > 1)}", output.path, stop.requested)
+    tally.report(f"{workers} Ray worker{'s' * (workers > 1)}", output.path, stop.requested, json_path,
+                 workers=workers)
     return tally
 
 

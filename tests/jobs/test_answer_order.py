@@ -64,7 +64,7 @@ def test_input_order_waits_for_earlier_lines_and_writes_the_rest_when_stopped(tm
     output, tally = AnswerFile(tmp_path / "out.jsonl"), Tally()
 
     def answer(n: int) -> dict:
-        return {"id": n, "text": "", "stats": {"new_tokens": n}}
+        return {"id": n, "text": "", "stats": {"new_tokens": n, "steps": n}}
 
     def ids() -> list[int]:
         output.file.flush()
@@ -83,3 +83,13 @@ def test_input_order_waits_for_earlier_lines_and_writes_the_rest_when_stopped(tm
         assert ids() == [1, 3]
     assert [json.loads(line)["id"] for line in output.path.read_text().splitlines()] == [1, 3, 6]
     assert tally.answered == 3 and tally.new_tokens == 10
+
+
+def test_the_summary_counts_tokens_per_pass_per_request() -> None:
+    """Plain decoding makes one token a request a pass; what drafts gave is what the summary's figure is above 1."""
+    tally = Tally()
+    tally.add({"new_tokens": 10, "steps": 4})
+    tally.add({"new_tokens": 6, "steps": 6})
+    summary = tally.summary(batch_sizes=[2])
+    assert summary["tokens_per_pass_per_request"] == 1.6 and summary["requests"] == 2
+    assert summary["new_tokens"] == 16 and summary["batch_sizes"] == [2]

@@ -131,3 +131,22 @@ def test_a_batch_table_times_its_rows_against_a_one_token_pass_of_as_many(monkey
     assert widths[-1] == 17 and costs.explored_width() == 16
     assert costs.ratios()[[5 * w - 5 for w in widths]].tolist() == [1 + (w - 1) * 4 / 8 for w in widths]
     calibration.forget()
+
+
+def test_the_speedup_over_plain_decoding_is_estimated_from_the_kept_costs(kept) -> None:
+    """Ordinary bf16, untimed: each step counts as the plain passes of as many rows its tokens would have taken,
+    against what the kept table prices it at (here a pass over n tokens a row costs 1 + (n - 1) / 8 plain ones)."""
+    table, _ = kept
+    table[0] = [1 + (width - 1) / 8 for width in kept_costs.WIDTHS]
+    model_ = model("llama")
+    reference = model_.generate(prompt(), attention_mask=torch.ones_like(prompt()), do_sample=False,
+                                max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0)
+    decoder = specula.Decoder(model_, Oracle(reference, 8), exact=False)
+    steps = []  # (tokens the pass computed, tokens it made)
+    learn = decoder.policy.learn
+    decoder.policy.learn = lambda step: steps.append((step.tokens, sum(map(len, step.new_tokens)))) or learn(step)
+    list(decoder.run([specula.Job(prompt()[0].numpy(), NEW_TOKENS)]))
+    plain, cost, source = decoder.plain_comparison()
+    assert source == "kept pass costs" and plain == sum(made for _, made in steps)
+    assert cost == pytest.approx(sum(np.interp(tokens, kept_costs.WIDTHS, table[0]) for tokens, _ in steps))
+    assert decoder.plain_speedup() == pytest.approx(plain / cost) and decoder.plain_speedup() > 1
