@@ -150,3 +150,15 @@ def test_the_speedup_over_plain_decoding_is_estimated_from_the_kept_costs(kept) 
     assert source == "kept pass costs" and plain == sum(made for _, made in steps)
     assert cost == pytest.approx(sum(np.interp(tokens, kept_costs.WIDTHS, table[0]) for tokens, _ in steps))
     assert decoder.plain_speedup() == pytest.approx(plain / cost) and decoder.plain_speedup() > 1
+
+
+@pytest.mark.parametrize("rows, widest", [(1, 32), (3, 16), (8, 16)])
+def test_a_gpu_like_profile_sends_the_widest_drafts_measured(kept, rows, widest) -> None:
+    """Wide passes at the price of one (an accelerator far from full), exactness dear (ordinary bf16): one row and
+    batches send every draft token that is nearly sure, up to the widest pass their tables measured."""
+    table, _ = kept
+    table[0] = [1.0] * len(kept_costs.WIDTHS)
+    costs = kept_costs.kept_pass_costs(model("llama"), 64, rows=rows)
+    nearly_sure = np.cumprod(np.full(64, 0.995))
+    states = [RequestAcceptance(64, timed=False) for _ in range(rows)]
+    assert choose_lengths(states, [nearly_sure] * rows, costs) == [widest] * rows
