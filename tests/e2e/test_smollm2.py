@@ -168,13 +168,17 @@ def test_seeded_sampling_draws_model_generates_tokens(dtype: str) -> None:
 
 
 def test_the_readmes_python_example_runs_as_written(capsys) -> None:
-    """The README's Python quickstart (the embedded default model) runs as it is written and prints the model's
-    greedy continuation and the stats."""
+    """The README's Python quickstart (the embedded default model, in the dtype load_model() picks here) runs as it
+    is written and prints the stats and the model's greedy continuation: the same on every run, and model.generate's
+    where verification is exact or the dtype fp32 (in ordinary bf16 it may leave it at a near-tie)."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     example = readme.split("### Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(example, "README.md", "exec"), {})
     printed = capsys.readouterr().out
-    model, tokenizer = smollm2()
+    model, tokenizer = load_model()
     prompt = tokenizer("Fix the typo:\nteh quick brown fox\nFixed:\n", return_tensors="pt").input_ids
-    expected = hf_greedy(model, prompt, 128, eos_token_id=model.generation_config.eos_token_id)
-    assert tokenizer.decode(expected[0]) in printed and " tok/step), accepted " in printed
+    again = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=128)
+    assert tokenizer.decode(again.sequences[0]) in printed and " tok/step), accepted " in printed
+    if again.stats.exactness.exact or model.dtype == torch.float32:
+        expected = hf_greedy(model, prompt, 128, eos_token_id=model.generation_config.eos_token_id)
+        assert torch.equal(again.sequences, expected)
