@@ -29,7 +29,7 @@ TIMED_ROWS = 9  # strategies are timed on a typical pass: the last token and 8 d
 TIMED_KEYS = 700  # ... after this many tokens
 # How specula computes passes: part of every key, changed whenever what a kept measurement measured changes (pass
 # costs and the cost of exactness follow how ordinary passes are computed), so that none outlives its subject.
-PASSES = 2
+PASSES = 3
 
 
 def device_name(device: torch.device) -> str:

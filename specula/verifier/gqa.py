@@ -1,13 +1,17 @@
-"""Ordinary verification passes attend over a model's key/value heads as they are, not repeated.
+"""Ordinary verification passes attend over a model's key/value heads without copying them.
 
 With grouped-query attention (fewer key/value heads than query heads) and a mask, as every pass over several tokens
 after a filled cache has, transformers' SDPA function copies each key/value head once per query head that shares it
-(``repeat_kv``) before calling the kernel: a copy of the layer's cache in every layer of every pass. SDPA computes
-the same attention without it (``enable_gqa``): on a 2-core AVX2 EPYC (fp32, 9 query heads over 3 key/value heads
-of 64, 8 queries after 661 keys) 0.50 ms a layer with the copies, 0.34 ms without, and the same bits. One-token steps
-have no copy to save (transformers folds their query heads), so only ordinary passes over several tokens on a CPU
-attend so (``CachedModel``), and only for head geometries where it is faster on this machine (timed once, kept with
-the calibrations: :mod:`specula.verifier.calibration`). Row-exact passes compute attention their own way.
+(``repeat_kv``) before calling the kernel: a copy of the layer's cache in every layer of every pass. Two ways compute
+the same attention without it: SDPA over the heads as they are (``enable_gqa``), or the query heads of each
+key/value head folded into one head of ``group x n`` queries (what transformers does for one-token steps), which
+torch's CPU flash kernel computes in far fewer, larger blocks. Which is cheapest depends on the machine, the dtype
+and the rows of a pass (on a 2-core EPYC with AVX512_BF16, SmolLM2's 9 query heads over 3 key/value heads, 8 rows of
+5 queries after 1200 keys in bf16: folded 1.3 ms a layer, ``enable_gqa`` 2.1, repeated 3.0; see docs/hardware.md).
+So it is timed once per head geometry, dtype and kind of pass (one row or several) and kept with the calibrations
+(:mod:`specula.verifier.calibration`). One-token steps have no copy to save (transformers folds their query heads),
+so only ordinary passes over several tokens on a CPU attend so (``CachedModel``). Row-exact passes compute attention
+their own way.
 """
 
 from __future__ import annotations
@@ -23,43 +27,59 @@ from .calibration import TIMED_KEYS, TIMED_ROWS, calibration_key, cheapest
 
 # Arguments of HF's SDPA function that change what it computes beyond masked attention: left to it.
 _EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "sinks")
-_FASTER: dict[tuple, bool] = {}  # this process's answers by head geometry (the calibrations file keeps them)
+TIMED_BATCH = 4  # rows of the timed passes of several rows
+_WAYS: dict[tuple, str] = {}  # this process's answers by head geometry and kind of pass (the calibrations keep them)
 
 
-def _unrepeated(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                scaling: float | None) -> torch.Tensor:
-    """SDPA over ``key`` and ``value`` as they are (``[B, kv_heads, keys, dim]``; ``query``: ``[B, heads, n, dim]``),
-    in the layout transformers' attention functions return (``[B, n, heads, dim]``)."""
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                                           enable_gqa=True)
+def _grouped(way: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+             scaling: float | None) -> torch.Tensor:
+    """Masked SDPA of ``query`` (``[B, heads, n, dim]``) over ``key`` and ``value`` as they are (``[B, kv_heads, keys,
+    dim]``; ``mask``: ``[B, 1, n, keys]``), ``way`` "unrepeated" (``enable_gqa``) or "folded" (each key/value head's
+    query heads as one head of their queries), in the layout transformers' attention functions return (``[B, n,
+    heads, dim]``). Folded, query ``i`` of head ``kv * group + g`` is row ``g * n + i`` of head ``kv``, so the mask
+    repeats whole: with 2 queries and 3 heads per group, rows 0-5 take the mask's rows 0, 1, 0, 1, 0, 1."""
+    if way == "folded":
+        batch, heads, n, dim = query.shape
+        group = heads // key.shape[1]
+        folded = query.reshape(batch, key.shape[1], group * n, dim)  # [B, kv_heads, group * n, dim]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            folded, key, value, attn_mask=mask.repeat(1, 1, group, 1), scale=scaling,  # mask: [B, 1, group * n, keys]
+        ).reshape(batch, heads, n, dim)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                               enable_gqa=True)
     return out.transpose(1, 2).contiguous()
 
 
-def _faster(module: torch.nn.Module, sdpa: Callable, query: torch.Tensor, key: torch.Tensor,
-            scaling: float | None) -> bool:
-    """Whether attention over unrepeated key/value heads is faster than ``sdpa`` (transformers') here for this head
-    geometry, timed on ``TIMED_ROWS`` queries after ``TIMED_KEYS`` keys (once per machine)."""
-    geometry = (query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device.type, scaling)
-    if geometry not in _FASTER:
-        heads, kv_heads, dim, dtype, _, _ = geometry
+def _way(module: torch.nn.Module, sdpa: Callable, query: torch.Tensor, key: torch.Tensor,
+         scaling: float | None) -> str:
+    """The cheapest way here for this head geometry and kind of pass: "repeated" (transformers' ``sdpa``),
+    "unrepeated" or "folded", timed on ``TIMED_ROWS`` queries a row after ``TIMED_KEYS`` keys, one row or
+    ``TIMED_BATCH`` (once per machine)."""
+    rows = 1 if query.shape[0] == 1 else TIMED_BATCH
+    geometry = (query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device.type, scaling, rows)
+    if geometry not in _WAYS:
+        heads, kv_heads, dim, dtype, _, _, _ = geometry
 
-        def calibrate() -> bool:
+        def calibrate() -> str:
             generator = torch.Generator().manual_seed(0)
-            q, k, v = (torch.randn(1, h, rows, dim, generator=generator).to(dtype)
-                       for h, rows in ((heads, TIMED_ROWS), (kv_heads, TIMED_KEYS), (kv_heads, TIMED_KEYS)))
-            mask = torch.ones(TIMED_ROWS, TIMED_KEYS, dtype=torch.bool).tril(TIMED_KEYS - TIMED_ROWS)[None, None]
+            q, k, v = (torch.randn(rows, h, length, dim, generator=generator).to(dtype)
+                       for h, length in ((heads, TIMED_ROWS), (kv_heads, TIMED_KEYS), (kv_heads, TIMED_KEYS)))
+            mask = torch.ones(TIMED_ROWS, TIMED_KEYS, dtype=torch.bool).tril(TIMED_KEYS - TIMED_ROWS)
+            mask = mask.expand(rows, 1, -1, -1)
             return cheapest({"repeated": lambda: sdpa(module, q, k, v, mask, scaling=scaling),
-                             "unrepeated": lambda: _unrepeated(q, k, v, mask, scaling)}) == "unrepeated"
+                             **{way: lambda way=way: _grouped(way, q, k, v, mask, scaling)
+                                for way in ("unrepeated", "folded")}})
 
-        key_name = calibration_key(query.device, "unrepeated kv heads", heads, kv_heads, dim, dtype, scaling)
-        _FASTER[geometry] = calibration.shared().get(key_name, calibrate)
-    return _FASTER[geometry]
+        key_name = calibration_key(query.device, "grouped attention", heads, kv_heads, dim, dtype, scaling, rows)
+        _WAYS[geometry] = calibration.shared().get(key_name, calibrate)
+    return _WAYS[geometry]
 
 
 @contextlib.contextmanager
 def unrepeated_kv_heads() -> Iterator[None]:
-    """Within the block, a model with ``sdpa`` attention attends over its key/value heads as they are wherever
-    a masked call on a CPU over several queries would repeat them and that is faster here; otherwise (and for
+    """Within the block, a model with ``sdpa`` attention attends without repeating its key/value heads wherever a
+    masked call on a CPU over several queries would repeat them and another way is faster here; otherwise (and for
     every call with extras such as a position bias, softcapping or sinks) transformers' own SDPA function."""
     mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
     saved = mapping.get("sdpa")
@@ -67,11 +87,14 @@ def unrepeated_kv_heads() -> Iterator[None]:
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         # query: [B, heads, n, dim]; key, value: [B, kv_heads, keys, dim]; attention_mask: [B, 1, n, keys]
-        if (attention_mask is None or query.shape[2] == 1 or query.shape[1] == key.shape[1] or dropout
-                or query.device.type != "cpu" or any(kwargs.get(name) is not None for name in _EXTRAS)
-                or not _faster(module, sdpa, query, key, scaling)):
+        way = "repeated"
+        if not (attention_mask is None or attention_mask.shape[1] != 1 or query.shape[2] == 1
+                or query.shape[1] == key.shape[1] or dropout or query.device.type != "cpu"
+                or any(kwargs.get(name) is not None for name in _EXTRAS)):
+            way = _way(module, sdpa, query, key, scaling)
+        if way == "repeated":
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        return _unrepeated(query, key, value, attention_mask, scaling), None
+        return _grouped(way, query, key, value, attention_mask, scaling), None
 
     mapping["sdpa"] = attention
     try:

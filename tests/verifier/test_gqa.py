@@ -1,6 +1,6 @@
-"""Ordinary passes over several tokens attend over the key/value heads as they are: the same attention as
-transformers' SDPA function with the heads repeated, only where timed faster here, never in one-token steps or
-row-exact passes."""
+"""Ordinary passes over several tokens attend without repeating the key/value heads (over them as they are, or with
+each one's query heads folded into one): the same attention as transformers' SDPA function with the heads repeated,
+only where timed faster here, never in one-token steps or row-exact passes."""
 
 from __future__ import annotations
 
@@ -20,13 +20,15 @@ from specula.verifier.runner import CachedModel
 PROMPT = torch.tensor([[1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8] * 2])
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    """The query shapes of attention computed over unrepeated key/value heads (each taken as faster)."""
+@pytest.fixture(params=["unrepeated", "folded"])
+def calls(monkeypatch, request):
+    """The query shapes of attention computed without repeating the key/value heads (each way in turn taken as the
+    fastest)."""
     seen = []
-    inner = gqa_module._unrepeated
-    monkeypatch.setattr(gqa_module, "_faster", lambda *args: True)
-    monkeypatch.setattr(gqa_module, "_unrepeated", lambda q, *rest: seen.append(tuple(q.shape)) or inner(q, *rest))
+    inner = gqa_module._grouped
+    monkeypatch.setattr(gqa_module, "_way", lambda *args: request.param)
+    monkeypatch.setattr(gqa_module, "_grouped",
+                        lambda way, q, *rest: seen.append(tuple(q.shape)) or inner(way, q, *rest))
     return seen
 
 
@@ -41,6 +43,22 @@ def test_the_same_logits_as_with_repeated_heads(name, calls) -> None:
         runner.start_row(0, PROMPT[0, :20])
         logits.append(runner.forward_rows([PROMPT[0, 20:28]], [8])[0])
     assert calls and all(shape[2] == 8 for shape in calls)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_batch_of_trees_the_same_as_with_repeated_heads(calls) -> None:
+    """Rows of different lengths, one a tree (every query its own mask row): each query keeps its own mask row
+    when its heads are folded."""
+    model = tiny_model("llama")
+    logits = []
+    for unrepeated in (False, True):
+        runner = CachedModel(model, None, None, rollback=True, capacity=64, row_exact=False, slots=2)
+        runner.unrepeated = unrepeated
+        runner.start_row(0, PROMPT[0, :20])
+        runner.start_row(1, PROMPT[0, 3:14])
+        logits.append(torch.cat(runner.forward_rows([PROMPT[0, 20:26], PROMPT[0, 14:18]], [6, 4],
+                                                    trees=[[-1, 0, 0, 1, 2, 4], None])))
+    assert calls and all(shape[:3] == (2, model.config.num_attention_heads, 6) for shape in calls)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-6, atol=1e-6)
 
 
@@ -60,28 +78,28 @@ def test_ordinary_passes_over_several_tokens_only(calls) -> None:
 
 
 def test_left_to_transformers_where_not_faster(monkeypatch, tmp_path) -> None:
-    """A machine where attention over unrepeated heads is slower (a fake clock charges it more) keeps transformers'
-    SDPA function; the answer is kept with the calibrations."""
+    """A machine where attention without repeated heads is slower either way (a fake clock charges both more) keeps
+    transformers' SDPA function; the answer is kept with the calibrations."""
     monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "calibrations.json"))
     calibration.forget()
-    monkeypatch.setattr(gqa_module, "_FASTER", {})
+    monkeypatch.setattr(gqa_module, "_WAYS", {})
     now = [0.0]
     monkeypatch.setattr(calibration, "CLOCK", lambda: now[0])
-    inner, seen = gqa_module._unrepeated, []
+    inner, seen = gqa_module._grouped, []
 
-    def dear(q, *rest):
+    def dear(way, q, *rest):
         now[0] += 1.0
         seen.append(q.shape[2])
-        return inner(q, *rest)
+        return inner(way, q, *rest)
 
-    monkeypatch.setattr(gqa_module, "_unrepeated", dear)
+    monkeypatch.setattr(gqa_module, "_grouped", dear)
     model = tiny_model("llama")
     runner = CachedModel(model, None, None, rollback=True, capacity=64, row_exact=False)
     runner.start_row(0, PROMPT[0, :20])
     runner.forward_rows([PROMPT[0, 20:28]], [8])
     timed = len(seen)
-    assert timed == calibration.TIMING_REPEATS + 1  # (the calibration's own calls: a warm-up and the timed ones)
-    assert any("unrepeated kv heads" in key and value is False for key, value in calibration.shared().known.items())
+    assert timed == 2 * (calibration.TIMING_REPEATS + 1)  # (the calibration's own calls: a warm-up, the timed ones)
+    assert any("grouped attention" in key and value == "repeated" for key, value in calibration.shared().known.items())
     runner.forward_rows([PROMPT[0, 28:32]], [4])
     assert len(seen) == timed
     calibration.forget()
