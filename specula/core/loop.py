@@ -193,7 +193,8 @@ class Decoder:
         if job.padded is not None:
             positions, mask = job.padded[1:]
         make = functools.partial(CachedModel, self.model, positions, mask, rollback=self.drafts,
-                                 capacity=capacity, row_exact=self.row_exact, slots=self.slots)
+                                 capacity=capacity, row_exact=self.row_exact, slots=self.slots,
+                                 cheap_steps=not self.exactness.exact)
         # (a prediction and a proposer draft a tree of both: neither is worse than alone)
         trees = self._trees or (job.prediction is not None and self.proposer is not None)
         if self.slots == 1 and trees and job.padded is None:

@@ -38,15 +38,16 @@ def fastest_batch_size(
     if not again and profile.batch_size is not None and profile.batch_size[0] >= largest:
         return profile.batch_size[1]
     device = model.get_input_embeddings().weight.device
+    exact = choose(model, None).exact
     try:
         target = CachedModel(model, None, None, rollback=True, capacity=context + 16 * largest + 1,
-                             row_exact=choose(model, None).exact, slots=largest)
+                             row_exact=exact, slots=largest, cheap_steps=not exact)
     except UnsupportedModelError:
         return 1
     text = torch.randint(0, vocab_size(model), (context + 16 * largest,), generator=torch.Generator().manual_seed(0))
     spare = _spare_bytes(device)
     alone = CachedModel(model, None, None, rollback=True, capacity=context + 16 * largest + 1,
-                        row_exact=target.row_exact is not None, ragged=True)  # (what each size is weighed against)
+                        row_exact=exact, ragged=True, cheap_steps=not exact)  # (what each size is weighed against)
     alone.start_row(0, text.to(device))
     best, best_rate, size = 1, 0.0, 1
     target.start_row(0, text.to(device))  # the longest row, whose prefixes the others take

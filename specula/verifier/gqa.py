@@ -1,17 +1,18 @@
-"""Ordinary verification passes attend over a model's key/value heads without copying them.
+"""Ordinary passes attend over a model's key/value heads without copying them, the cheapest way on this machine.
 
 With grouped-query attention (fewer key/value heads than query heads) and a mask, as every pass over several tokens
 after a filled cache has, transformers' SDPA function copies each key/value head once per query head that shares it
 (``repeat_kv``) before calling the kernel: a copy of the layer's cache in every layer of every pass. Two ways compute
 the same attention without it: SDPA over the heads as they are (``enable_gqa``), or the query heads of each
-key/value head folded into one head of ``group x n`` queries (what transformers does for one-token steps), which
-torch's CPU flash kernel computes in far fewer, larger blocks. Which is cheapest depends on the machine, the dtype
-and the rows of a pass (on a 2-core EPYC with AVX512_BF16, SmolLM2's 9 query heads over 3 key/value heads, 8 rows of
-5 queries after 1200 keys in bf16: folded 1.3 ms a layer, ``enable_gqa`` 2.1, repeated 3.0; see docs/hardware.md).
-So it is timed once per head geometry, dtype and kind of pass (one row or several) and kept with the calibrations
-(:mod:`specula.verifier.calibration`). One-token steps have no copy to save (transformers folds their query heads),
-so only ordinary passes over several tokens on a CPU attend so (``CachedModel``). Row-exact passes compute attention
-their own way.
+key/value head folded into one head of ``group x n`` queries (what transformers does for one-token steps with a
+mask), which torch's CPU flash kernel computes in far fewer, larger blocks. A one-token step without a mask (one
+request) transformers computes over the heads as they are; folded it can cost a quarter as much. Which way is
+cheapest depends on the machine, the dtype and the pass (on a 2-core EPYC with AVX512_BF16, SmolLM2's 9 query heads
+over 3 key/value heads in bf16: 8 rows of 5 queries after 1200 keys, folded 1.3 ms a layer, ``enable_gqa`` 2.1,
+repeated 3.0; one query after 1200 keys, folded 0.15 ms, ``enable_gqa`` 0.64; see docs/hardware.md). So it is timed
+once per head geometry, dtype and kind of pass (one query; several, one row or several) and kept with the
+calibrations (:mod:`specula.verifier.calibration`). Only ordinary passes on a CPU attend so (``CachedModel``): the
+one-token steps of exact decoding stay ``model.generate``'s own, and row-exact passes compute attention their own way.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ _WAYS: dict[tuple, str] = {}  # this process's answers by head geometry and kind
 
 def _grouped(way: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
              scaling: float | None) -> torch.Tensor:
-    """Masked SDPA of ``query`` (``[B, heads, n, dim]``) over ``key`` and ``value`` as they are (``[B, kv_heads, keys,
-    dim]``; ``mask``: ``[B, 1, n, keys]``), ``way`` "unrepeated" (``enable_gqa``) or "folded" (each key/value head's
+    """SDPA of ``query`` (``[B, heads, n, dim]``) over ``key`` and ``value`` as they are (``[B, kv_heads, keys,
+    dim]``; ``mask``: ``[B, 1, n, keys]`` or ``None``), ``way`` "unrepeated" (``enable_gqa``) or "folded" (each key/value head's
     query heads as one head of their queries), in the layout transformers' attention functions return (``[B, n,
     heads, dim]``). Folded, query ``i`` of head ``kv * group + g`` is row ``g * n + i`` of head ``kv``, so the mask
     repeats whole: with 2 queries and 3 heads per group, rows 0-5 take the mask's rows 0, 1, 0, 1, 0, 1."""
@@ -42,8 +43,8 @@ def _grouped(way: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         batch, heads, n, dim = query.shape
         group = heads // key.shape[1]
         folded = query.reshape(batch, key.shape[1], group * n, dim)  # [B, kv_heads, group * n, dim]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            folded, key, value, attn_mask=mask.repeat(1, 1, group, 1), scale=scaling,  # mask: [B, 1, group * n, keys]
+        out = torch.nn.functional.scaled_dot_product_attention(  # (mask: [B, 1, group * n, keys])
+            folded, key, value, attn_mask=None if mask is None else mask.repeat(1, 1, group, 1), scale=scaling,
         ).reshape(batch, heads, n, dim)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
@@ -55,32 +56,37 @@ def _way(module: torch.nn.Module, sdpa: Callable, query: torch.Tensor, key: torc
          scaling: float | None) -> str:
     """The cheapest way here for this head geometry and kind of pass: "repeated" (transformers' ``sdpa``),
     "unrepeated" or "folded", timed on ``TIMED_ROWS`` queries a row after ``TIMED_KEYS`` keys, one row or
-    ``TIMED_BATCH`` (once per machine)."""
+    ``TIMED_BATCH``, or on one query without a mask (once per machine)."""
+    queries = 1 if query.shape[2] == 1 else TIMED_ROWS
     rows = 1 if query.shape[0] == 1 else TIMED_BATCH
-    geometry = (query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device.type, scaling, rows)
+    geometry = (query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device.type, scaling, rows, queries)
     if geometry not in _WAYS:
-        heads, kv_heads, dim, dtype, _, _, _ = geometry
+        heads, kv_heads, dim, dtype = geometry[:4]
 
         def calibrate() -> str:
             generator = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(rows, h, length, dim, generator=generator).to(dtype)
-                       for h, length in ((heads, TIMED_ROWS), (kv_heads, TIMED_KEYS), (kv_heads, TIMED_KEYS)))
-            mask = torch.ones(TIMED_ROWS, TIMED_KEYS, dtype=torch.bool).tril(TIMED_KEYS - TIMED_ROWS)
-            mask = mask.expand(rows, 1, -1, -1)
+                       for h, length in ((heads, queries), (kv_heads, TIMED_KEYS), (kv_heads, TIMED_KEYS)))
+            mask = None
+            if queries > 1:
+                mask = torch.ones(queries, TIMED_KEYS, dtype=torch.bool).tril(TIMED_KEYS - queries)
+                mask = mask.expand(rows, 1, -1, -1)
+            ways = ("folded",) if queries == 1 else ("unrepeated", "folded")  # (one query: transformers' is unrepeated)
             return cheapest({"repeated": lambda: sdpa(module, q, k, v, mask, scaling=scaling),
-                             **{way: lambda way=way: _grouped(way, q, k, v, mask, scaling)
-                                for way in ("unrepeated", "folded")}})
+                             **{way: lambda way=way: _grouped(way, q, k, v, mask, scaling) for way in ways}})
 
-        key_name = calibration_key(query.device, "grouped attention", heads, kv_heads, dim, dtype, scaling, rows)
+        key_name = calibration_key(query.device, "grouped attention", heads, kv_heads, dim, dtype, scaling, rows,
+                                   queries)
         _WAYS[geometry] = calibration.shared().get(key_name, calibrate)
     return _WAYS[geometry]
 
 
 @contextlib.contextmanager
 def unrepeated_kv_heads() -> Iterator[None]:
-    """Within the block, a model with ``sdpa`` attention attends without repeating its key/value heads wherever a
-    masked call on a CPU over several queries would repeat them and another way is faster here; otherwise (and for
-    every call with extras such as a position bias, softcapping or sinks) transformers' own SDPA function."""
+    """Within the block, a model with ``sdpa`` attention on a CPU attends the cheapest way here (see the module
+    docstring) in masked calls over several queries and in one-token steps without a mask; otherwise (a batch's
+    one-token steps, which transformers folds itself, and every call with extras such as a position bias,
+    softcapping or sinks) transformers' own SDPA function."""
     mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
     saved = mapping.get("sdpa")
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -88,9 +94,10 @@ def unrepeated_kv_heads() -> Iterator[None]:
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         # query: [B, heads, n, dim]; key, value: [B, kv_heads, keys, dim]; attention_mask: [B, 1, n, keys]
         way = "repeated"
-        if not (attention_mask is None or attention_mask.shape[1] != 1 or query.shape[2] == 1
-                or query.shape[1] == key.shape[1] or dropout or query.device.type != "cpu"
-                or any(kwargs.get(name) is not None for name in _EXTRAS)):
+        one_token_step = query.shape[2] == 1 and attention_mask is None and query.shape[0] == 1
+        masked = attention_mask is not None and attention_mask.shape[1] == 1 and query.shape[2] > 1
+        if ((one_token_step or masked) and query.shape[1] != key.shape[1] and not dropout
+                and query.device.type == "cpu" and all(kwargs.get(name) is None for name in _EXTRAS)):
             way = _way(module, sdpa, query, key, scaling)
         if way == "repeated":
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -210,6 +210,9 @@ class CachedModel:
             (:meth:`start_row`) and every row keeps its own length; ``positions`` and ``attention_mask`` are unused.
         ragged: hold the rows so (own masks and position ids), also with one slot: what verifying a tree of drafts
             takes. Default: with more than one slot.
+        cheap_steps: one-token steps after a filled cache attend the cheapest way on this machine
+            (:mod:`specula.verifier.gqa`), not as ``model.generate``'s do: for ordinary verification, whose output
+            need not have ``model.generate``'s bits.
     """
 
     def __init__(
@@ -222,6 +225,7 @@ class CachedModel:
         row_exact: bool = False,
         slots: int = 1,
         ragged: bool | None = None,
+        cheap_steps: bool = False,
     ) -> None:
         check_standard_cache(model)
         self.model, self.capacity, self.can_roll_back = model, capacity, rollback
@@ -255,6 +259,7 @@ class CachedModel:
         # the thread count may change, must not follow the clock)
         self.threads = None if row_exact or is_half_precision(model) else thread_choice(model)
         self.unrepeated = model.config._attn_implementation == "sdpa" and self.device.type == "cpu"
+        self.cheap_steps = cheap_steps and self.unrepeated and not row_exact
         self.slots = slots
         self.ragged = slots > 1 if ragged is None else ragged  # rows keep their own lengths (also when rows leave)
         self.takes_trees = self.ragged  # (recurrent layers: stepped, each token from its parent's state)
@@ -381,11 +386,13 @@ class CachedModel:
             self._undo = (snapshot(self.cache), token_ids) if token_ids.shape[0] > 1 else None
         multi_token_on_gpu = token_ids.shape[0] > 1 and token_ids.device.type == "cuda"
         exact = self.row_exact is not None and verifies
+        step = start > 0 and token_ids.shape[0] == 1 and self.cheap_steps
         try:
             with (
                 sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu and not exact else contextlib.nullcontext(),
                 self.row_exact.applied(self.cache, argmax_only=argmax_only) if exact else _as_they_are() as finish,
                 self._ordinary((1, len(token_ids))) if verifies and not exact else contextlib.nullcontext(),
+                unrepeated_kv_heads() if step else contextlib.nullcontext(),
                 self.stepwise.applied(self.cache) if self.stepwise and verifies else contextlib.nullcontext(),
                 self.indexers.applied() if self.indexers and verifies else contextlib.nullcontext(),
             ):
@@ -444,9 +451,11 @@ class CachedModel:
             self.stepwise.forget()
         parents = _parents(trees, n) if trees and any(tree is not None for tree in trees) else None  # [B][n]
         fast = not one_token_step and not self.row_exact  # (an ordinary pass over several tokens)
+        step = one_token_step and self.cheap_steps
         with (
             exact as finish,
             self._ordinary((len(blocks), n)) if fast else contextlib.nullcontext(),
+            unrepeated_kv_heads() if step else contextlib.nullcontext(),
             self.stepwise.applied(self.cache, parents) if stepwise else contextlib.nullcontext(),
         ):
             logits = finish(self.model(**inputs).logits)[:, -keep:]  # [B, keep, vocab]

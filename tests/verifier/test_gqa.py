@@ -111,3 +111,19 @@ def test_the_model_attention_is_restored() -> None:
     with unrepeated_kv_heads():
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
+
+
+def test_one_token_steps_of_ordinary_decoding_only(calls) -> None:
+    """Ordinary decoding's one-token steps attend the cheapest way too (a proposer with nothing to send: every pass
+    is one); plain decoding and exact decoding keep model.generate's own steps."""
+    model = copy.deepcopy(tiny_model("llama"))
+    expected = hf_greedy(model, PROMPT, 12, eos_token_id=[])
+    out = specula.generate(model, PROMPT, Oracle(expected, 0), max_new_tokens=12, eos_token_id=[], exact=False)
+    assert out.sequences.tolist() == expected.tolist()
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 11 * layers and all(shape[:3] == (1, model.config.num_attention_heads, 1) for shape in calls)
+    calls.clear()
+    for exact in (None, True):
+        specula.generate(model, PROMPT, None if exact is None else Oracle(expected, 0), max_new_tokens=12,
+                         eos_token_id=[], exact=exact)
+    assert calls == []
