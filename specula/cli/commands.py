@@ -148,7 +148,7 @@ def _generate_file(
     estimate = answerer.plain_speedup()
     tally.report(
         f"batches of {' and '.join(map(str, sizes)) or answerer.slots}"
-        + (f", ~{estimate[0]:.2f}x plain decoding of the same batches (estimated from {estimate[1]})"
+        + (f", ~{estimate[0]:.2f}x plain decoding of the same requests (estimated from {estimate[1]})"
            if estimate else "")
         + (f"; {answerer.exactness}" if answerer.exactness is not None else ""),
         args.output, stop.requested, args.json, batch_sizes=sizes,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -180,8 +181,8 @@ class Decoder:
         self.passes = 0  # target forward passes, prefills included
         self.prefill_seconds = self.step_seconds = 0.0  # time in prefills, and in steps (proposing included)
         self._costs, self._timed = costs, timed
-        self._made: dict[int, int] = {}  # tokens the steps made, by the rows they had
-        self._units = [0.0, 0.0]  # untimed: the steps as plain passes of as many rows, and as the kept costs price them
+        self._needs: dict[int, int] = {}  # by request, in the order they started: plain passes after its prefill
+        self._priced: dict[int, list[float]] = {}  # by rows: steps' passes in seconds, and in plain passes of as many
         if proposer is not None:
             proposer.check_target(model)
         self._target: CachedModel | None = None
@@ -226,23 +227,20 @@ class Decoder:
         return row, kept
 
     def plain_comparison(self) -> tuple[float, float, str] | None:
-        """What the run's steps would have cost as plain decoding (one token a row a pass) in the same batches, what
-        they cost, in one unit, and where the costs come from. Timed passes: seconds, the tokens each step made at
-        the measured cost of a plain pass over as many rows, against the time the steps took (proposing included;
-        prefills count on both sides). Ordinary bf16/fp16: plain passes of as many rows, each step priced by the
-        kept pass costs (:mod:`specula.policy.kept_costs`). ``None`` where neither is known (``adaptive_draft=False``,
-        no plain pass timed, nothing decoded)."""
-        if not self._timed:
-            return (*self._units, "kept pass costs") if self._units[1] else None
-        if not self.step_seconds:
+        """What the run would have cost as plain decoding (one token a row a pass) of the same requests in batches of
+        as many rows, and what it cost, in seconds (prefills and proposing included), and where the pass costs come
+        from. Plain decoding is replayed (:func:`_plain_passes`: each request's tokens after its prefill, rows leaving
+        and joining as they would); a plain pass of ``r`` rows costs what this run's passes of ``r`` rows took over
+        what the pass costs (measured, or kept in ordinary bf16/fp16) say they cost in plain passes of as many rows
+        (between the rows that ran, interpolated). ``None`` where nothing was priced (``adaptive_draft=False``, no
+        pass, none of their costs known)."""
+        price = {rows: seconds / plain for rows, (seconds, plain) in sorted(self._priced.items()) if plain}
+        if not price:
             return None
-        plain = self.prefill_seconds
-        for rows, made in self._made.items():
-            cost = self._costs(rows).plain()
-            if cost is None:
-                return None
-            plain += made / rows * cost
-        return plain, self.prefill_seconds + self.step_seconds, "measured pass costs"
+        passes = _plain_passes(list(self._needs.values()), self.slots)
+        plain = sum(count * float(np.interp(rows, list(price), list(price.values()))) for rows, count in passes.items())
+        return (self.prefill_seconds + plain, self.prefill_seconds + self.step_seconds,
+                "measured pass costs" if self._timed else "kept pass costs")
 
     def plain_speedup(self) -> float | None:
         """Estimated speedup of the run so far against plain decoding in the same batches
@@ -333,11 +331,12 @@ class Decoder:
             seconds = None
         width = max(map(len, blocks))  # (every row is computed this wide)
         self.policy.learn(Step([row.drafting for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds))
-        made = sum(map(len, outcomes))
-        self._made[len(rows)] = self._made.get(len(rows), 0) + made
-        if not self._timed and (costs := self._costs(len(rows))) is not None:
-            self._units[0] += made / len(rows)
-            self._units[1] += float(costs.seconds()[len(blocks) * width - len(blocks)])
+        costs = self._costs(len(rows))
+        if seconds is not None and costs is not None and costs.plain():  # (for the summary's estimate)
+            priced = self._priced.setdefault(len(rows), [0.0, 0.0])  # this pass in seconds, and in plain passes
+            tree = any(draft.is_tree for draft in sent)
+            priced[0] += seconds
+            priced[1] += float(costs.seconds(tree)[len(blocks) * (width - 1)]) / costs.plain()
         return outcomes
 
     def _advance(self, rows: list[Row | None], outcomes: list[list[int]], sent: list[Draft]):
@@ -356,8 +355,28 @@ class Decoder:
         return kept
 
     def _finish(self, row: Row) -> None:
+        self._needs[row.request] = len(row.output) - 1
         if self.proposer is not None:
             self.proposer.stop_request(row.request)
+
+
+def _plain_passes(needs: list[int], slots: int) -> collections.Counter:
+    """How many passes of each number of rows plain decoding takes for requests needing ``needs`` one-token passes
+    each after their prefills, started in this order in ``slots`` slots (a finished request's slot taken by the next
+    before the following pass). Worked example: needs [3, 1, 2] in 2 slots: a pass of 2 rows (3 -> 2, 1 done), then
+    of 2 (2 -> 1, and the third joins: 2 -> 1), then of 2 (both done): {2: 3}; in 1 slot, {1: 6}.
+
+    >>> _plain_passes([3, 1, 2], 2), _plain_passes([3, 1, 2], 1)
+    (Counter({2: 3}), Counter({1: 6}))
+    """
+    waiting, running, passes = iter(needs), [], collections.Counter()
+    while True:
+        while len(running) < slots and (need := next(waiting, None)) is not None:
+            running += [need] if need > 0 else []  # (a request done with its prefill takes no pass)
+        if not running:
+            return passes
+        passes[len(running)] += 1
+        running = [need - 1 for need in running if need > 1]
 
 
 def _tree(draft: Draft) -> list[int] | None:

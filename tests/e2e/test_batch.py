@@ -13,7 +13,7 @@ from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, chi_square_p_value, 
 from tiny_models import VOCAB, tiny_model
 
 import specula
-from specula.policy.costs import PassCosts
+from specula.core import loop
 from specula.verifier.runner import UnsupportedModelError
 from specula.core.loop import MAX_DRAFT
 
@@ -226,19 +226,30 @@ def test_the_decoder_estimates_its_speedup_over_plain_decoding() -> None:
     outputs = {row.job.key: row.sequence.ids[len(row.job.prompt) :].tolist() for row, _ in decoder.run(jobs)}
     assert [outputs[b] for b in range(len(rows))] == expected  # (two slots for four requests: continuous)
     assert decoder.plain_speedup() is not None
-    # Were every pass to cost what a plain one does, the estimate would be the tokens a row makes per pass.
-    def flat(rows: int) -> PassCosts:
-        costs = PassCosts(rows, rows * (MAX_DRAFT + 1) + 1)
-        costs.record(rows, 1.0)
-        return costs
-
-    decoder._costs = flat
+    # Were every pass to cost a second whatever its rows and tokens, the estimate would be plain decoding's passes
+    # (a token a row a pass, two rows at a time) over the passes the run took.
+    decoder._priced = {2: [1.0, 1.0]}
     decoder.prefill_seconds, decoder.step_seconds = 0.0, float(decoder.passes - len(rows))
+    plain_passes = sum(len(out) - 1 for out in expected) / 2
+    assert decoder.plain_speedup() == pytest.approx(plain_passes / (decoder.passes - len(rows)))
     assert decoder.plain_speedup() > 3
     sampled = specula.Decoder(model("llama"), Oracle(references, 6), slots=2)
     list(sampled.run([specula.Job(row.numpy(), 4, sampling=specula.Sampling(do_sample=True), key=b)
                       for b, row in enumerate(rows)]))
     assert sampled.plain_speedup() is not None  # drafts not drawn at random: timed under sampling too
+
+
+def test_the_estimate_replays_plain_decoding_of_the_same_requests() -> None:
+    """Known stats: requests needing 4, 1, 4 and 2 passes after their prefills, two slots. Plain decoding takes
+    passes of 2 rows (4|1, then 3|4 ... ) and a last one of 1 row; a pass of 2 rows is priced at 2 s, of 1 row
+    at 1 s (passes of 1 and 3 rows ran: interpolated)."""
+    decoder = specula.Decoder(model("llama"), None, slots=2)
+    decoder._needs = {0: 4, 1: 1, 2: 4, 3: 2}
+    assert loop._plain_passes(list(decoder._needs.values()), 2) == {2: 5, 1: 1}
+    decoder._priced = {1: [3.0, 3.0], 3: [6.0, 2.0]}  # (1 s, and 3 s a plain pass)
+    decoder.prefill_seconds, decoder.step_seconds = 2.0, 4.0
+    assert decoder.plain_comparison()[:2] == pytest.approx((2.0 + 5 * 2.0 + 1 * 1.0, 2.0 + 4.0))
+    assert decoder.plain_speedup() == pytest.approx(13 / 6)
 
 
 def test_a_pass_with_a_row_whose_drafts_are_drawn_at_random_is_sized_without_measured_costs() -> None:

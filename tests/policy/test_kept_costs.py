@@ -134,21 +134,26 @@ def test_a_batch_table_times_its_rows_against_a_one_token_pass_of_as_many(monkey
 
 
 def test_the_speedup_over_plain_decoding_is_estimated_from_the_kept_costs(kept) -> None:
-    """Ordinary bf16, untimed: each step counts as the plain passes of as many rows its tokens would have taken,
-    against what the kept table prices it at (here a pass over n tokens a row costs 1 + (n - 1) / 8 plain ones)."""
+    """Ordinary bf16, untimed: a plain pass is priced at what the run's passes took over what the kept table says
+    they cost in plain passes (here a pass over n tokens costs 1 + (n - 1) / 8 plain ones), and plain decoding of the
+    request takes one such pass a token after its prefill."""
     table, _ = kept
     table[0] = [1 + (width - 1) / 8 for width in kept_costs.WIDTHS]
     model_ = model("llama")
     reference = model_.generate(prompt(), attention_mask=torch.ones_like(prompt()), do_sample=False,
                                 max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0)
     decoder = specula.Decoder(model_, Oracle(reference, 8), exact=False)
-    steps = []  # (tokens the pass computed, tokens it made)
+    steps = []  # (tokens the pass computed, its seconds)
     learn = decoder.policy.learn
-    decoder.policy.learn = lambda step: steps.append((step.tokens, sum(map(len, step.new_tokens)))) or learn(step)
+    decoder.policy.learn = lambda step: steps.append((step.tokens, step.seconds)) or learn(step)
     list(decoder.run([specula.Job(prompt()[0].numpy(), NEW_TOKENS)]))
     plain, cost, source = decoder.plain_comparison()
-    assert source == "kept pass costs" and plain == sum(made for _, made in steps)
-    assert cost == pytest.approx(sum(np.interp(tokens, kept_costs.WIDTHS, table[0]) for tokens, _ in steps))
+    steps = [(tokens, seconds) for tokens, seconds in steps if seconds is not None]  # (not those that calibrated)
+    price = sum(seconds for _, seconds in steps) / sum(np.interp(tokens, kept_costs.WIDTHS, table[0])
+                                                      for tokens, _ in steps)
+    assert source == "kept pass costs" and steps
+    assert plain == pytest.approx(decoder.prefill_seconds + (NEW_TOKENS - 1) * price)
+    assert cost == pytest.approx(decoder.prefill_seconds + decoder.step_seconds)
     assert decoder.plain_speedup() == pytest.approx(plain / cost) and decoder.plain_speedup() > 1
 
 
