@@ -243,7 +243,7 @@ class Decoder:
                 "measured pass costs" if self._timed else "kept pass costs")
 
     def plain_speedup(self) -> float | None:
-        """Estimated speedup of the run so far against plain decoding in the same batches
+        """Estimated speedup of the run so far against plain decoding of the same requests
         (:meth:`plain_comparison`)."""
         comparison = self.plain_comparison()
         return None if comparison is None else comparison[0] / comparison[1]

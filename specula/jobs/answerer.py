@@ -129,7 +129,7 @@ class Answerer:
                 self.comparisons.append(decoder.plain_comparison())
 
     def plain_speedup(self) -> tuple[float, str] | None:
-        """The estimated speedup of every call so far against plain decoding in the same batches, and where the
+        """The estimated speedup of every call so far against plain decoding of the same requests, and where the
         costs it weighs come from (:meth:`specula.Decoder.plain_comparison`); ``None`` where one decoder's is not
         known."""
         if not self.comparisons or None in self.comparisons:
