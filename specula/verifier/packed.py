@@ -6,7 +6,11 @@ operand, which for a few rows is far from that: on a 2-core AVX2 EPYC (fp32) Smo
 for one row and 45 ms for 8. oneDNN's linear with the weight reordered once into its own blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``) takes 10 ms for 8. :class:`PackedLinears` computes the linear layers
 of a verification pass so, where that is faster on this machine for that weight's shape (timed once, kept with the
-row-exact calibrations: :mod:`specula.verifier.calibration`); one-token steps and prefills stay the model's own.
+row-exact calibrations: :mod:`specula.verifier.calibration`); prefills stay the model's own. One-token steps
+round otherwise packed, so only ordinary decoding's (``CachedModel(cheap_steps=True)``) take packed weights, for
+the shapes where one row is faster packed here too (in bf16 on the EPYC with AVX512_BF16, SmolLM2's LM head 1.8 ms
+against 3.5 ms, Qwen2.5-Coder-1.5B's MLP a quarter of its time; on the AVX2 EPYC in fp32 oneDNN re-lays out the
+weight at every one-row call, far dearer: there they stay the model's own).
 
 The packed copies cost memory (as much as the weights they copy): layers are packed only while the copies take at
 most an eighth of the free memory. Where oneDNN cannot pack a dtype (bf16 without AVX512-BW or AVX-NE-CONVERT),
@@ -50,18 +54,19 @@ def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None):
 
 
 @torch.inference_mode()
-def _faster_packed(layer: nn.Linear, packed: torch.Tensor) -> bool:
-    """Whether a pass of ``TIMED_ROWS`` rows through ``layer`` is faster packed (timed once per shape and dtype on
-    this machine, remembered)."""
+def _faster_packed(layer: nn.Linear, packed: torch.Tensor, rows: int = TIMED_ROWS) -> bool:
+    """Whether ``rows`` rows through ``layer`` are faster packed (timed once per shape and dtype on this machine,
+    remembered): ``TIMED_ROWS`` for a pass, 1 for a one-token step."""
     weight = layer.weight
 
     def calibrate() -> bool:
-        x = torch.randn((1, TIMED_ROWS, weight.shape[1]), generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        x = torch.randn((1, rows, weight.shape[1]), generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         packed_forward = _packed_forward(packed, layer.bias)
         return cheapest({"ordinary": lambda: nn.Linear.forward(layer, x), "packed": lambda: packed_forward(x)}
                         ) == "packed"
 
-    key = calibration_key(weight.device, "packed linear", tuple(weight.shape), weight.dtype, layer.bias is not None)
+    key = calibration_key(weight.device, "packed linear", tuple(weight.shape), weight.dtype, layer.bias is not None,
+                          rows)
     return calibration.shared().get(key, calibrate)
 
 
@@ -71,11 +76,11 @@ def _state(weight: torch.Tensor) -> tuple[int, int]:
 
 
 class PackedLinears:
-    """The linear layers of ``model`` that a verification pass computes with prepacked weights (packed again where
-    a weight changed since)."""
+    """The linear layers of ``model`` that a verification pass or a one-token step computes with prepacked weights
+    (packed again where a weight changed since)."""
 
     def __init__(self, model: nn.Module) -> None:
-        # [layer, the weight and bias packed, the weight's state then, the packed forward]
+        # [layer, the weight and bias packed, the weight's state then, the packed forward, (for passes, for steps)]
         self.layers: list[list] = []
         spare = _spare_bytes(torch.device("cpu"))
         budget = None if spare is None else spare // 8
@@ -86,26 +91,30 @@ class PackedLinears:
             weight = module.weight
             if id(weight) not in packed_by_weight:
                 packed = _pack(weight) if budget is None or weight.nbytes <= budget else None
-                if packed is not None and not _faster_packed(module, packed):
-                    packed = None
-                if packed is not None and budget is not None:
+                uses = (False, False) if packed is None else (_faster_packed(module, packed),
+                                                              _faster_packed(module, packed, rows=1))
+                if any(uses) and budget is not None:
                     budget -= weight.nbytes
-                packed_by_weight[id(weight)] = packed
+                packed_by_weight[id(weight)] = (packed, uses) if any(uses) else None
             if packed_by_weight[id(weight)] is not None:
-                self.layers.append([module, weight, module.bias, _state(weight),
-                                    _packed_forward(packed_by_weight[id(weight)], module.bias)])
+                packed, uses = packed_by_weight[id(weight)]
+                self.layers.append([module, weight, module.bias, _state(weight), _packed_forward(packed, module.bias),
+                                    uses])
 
     @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
-        """Within the block, the packed layers compute with their packed weights (packed again where a layer's
-        weight or bias is another tensor now, or its weight changed in place)."""
+    def applied(self, step: bool = False) -> Iterator[None]:
+        """Within the block, the layers packed for passes (``step``: for one-token steps) compute with their packed
+        weights (packed again where a layer's weight or bias is another tensor now, or its weight changed in
+        place)."""
         for entry in self.layers:
-            layer, weight, bias, state, forward = entry
+            layer, weight, bias, state, forward, uses = entry
+            if not uses[step]:
+                continue
             now, bias_now = layer._parameters.get("weight"), layer._parameters.get("bias")  # (not Module.__getattr__)
             if now is not weight or bias_now is not bias or _state(now) != state:
                 packed = _pack(now) if now is not None else None
                 forward = None if packed is None else _packed_forward(packed, bias_now)
-                entry[1:] = [now, bias_now, None if now is None else _state(now), forward]
+                entry[1:5] = [now, bias_now, None if now is None else _state(now), forward]
             if forward is not None:
                 layer.__dict__["forward"] = forward  # (not Module.__setattr__: slow)
         try:

@@ -210,9 +210,9 @@ class CachedModel:
             (:meth:`start_row`) and every row keeps its own length; ``positions`` and ``attention_mask`` are unused.
         ragged: hold the rows so (own masks and position ids), also with one slot: what verifying a tree of drafts
             takes. Default: with more than one slot.
-        cheap_steps: one-token steps after a filled cache attend the cheapest way on this machine
-            (:mod:`specula.verifier.gqa`), not as ``model.generate``'s do: for ordinary verification, whose output
-            need not have ``model.generate``'s bits.
+        cheap_steps: one-token steps after a filled cache are computed the cheapest way on this machine, as
+            ordinary passes are (attention: :mod:`specula.verifier.gqa`, weights: :mod:`specula.verifier.packed`),
+            not as ``model.generate``'s: for ordinary verification, whose output need not have its bits.
     """
 
     def __init__(
@@ -259,7 +259,7 @@ class CachedModel:
         # the thread count may change, must not follow the clock)
         self.threads = None if row_exact or is_half_precision(model) else thread_choice(model)
         self.unrepeated = model.config._attn_implementation == "sdpa" and self.device.type == "cpu"
-        self.cheap_steps = cheap_steps and self.unrepeated and not row_exact
+        self.cheap_steps = cheap_steps and self.device.type == "cpu" and not row_exact
         self.slots = slots
         self.ragged = slots > 1 if ragged is None else ragged  # rows keep their own lengths (also when rows leave)
         self.takes_trees = self.ragged  # (recurrent layers: stepped, each token from its parent's state)
@@ -391,8 +391,7 @@ class CachedModel:
             with (
                 sdpa_kernel(_VERIFY_BACKENDS) if multi_token_on_gpu and not exact else contextlib.nullcontext(),
                 self.row_exact.applied(self.cache, argmax_only=argmax_only) if exact else _as_they_are() as finish,
-                self._ordinary((1, len(token_ids))) if verifies and not exact else contextlib.nullcontext(),
-                unrepeated_kv_heads() if step else contextlib.nullcontext(),
+                self._ordinary((1, len(token_ids))) if (verifies and not exact) or step else contextlib.nullcontext(),
                 self.stepwise.applied(self.cache) if self.stepwise and verifies else contextlib.nullcontext(),
                 self.indexers.applied() if self.indexers and verifies else contextlib.nullcontext(),
             ):
@@ -450,12 +449,11 @@ class CachedModel:
         if self.stepwise is not None:
             self.stepwise.forget()
         parents = _parents(trees, n) if trees and any(tree is not None for tree in trees) else None  # [B][n]
-        fast = not one_token_step and not self.row_exact  # (an ordinary pass over several tokens)
-        step = one_token_step and self.cheap_steps
+        # an ordinary pass over several tokens, or an ordinary one-token step
+        fast = (not one_token_step and not self.row_exact) or (one_token_step and self.cheap_steps)
         with (
             exact as finish,
             self._ordinary((len(blocks), n)) if fast else contextlib.nullcontext(),
-            unrepeated_kv_heads() if step else contextlib.nullcontext(),
             self.stepwise.applied(self.cache, parents) if stepwise else contextlib.nullcontext(),
         ):
             logits = finish(self.model(**inputs).logits)[:, -keep:]  # [B, keep, vocab]
@@ -465,12 +463,14 @@ class CachedModel:
 
     @contextlib.contextmanager
     def _ordinary(self, shape: tuple[int, int]) -> Iterator[None]:
-        """An ordinary pass over several tokens (``shape``: rows, tokens a row): prepacked weights, key/value heads
-        not repeated, the thread count measured cheaper, each where this machine gains by it."""
+        """An ordinary pass (``shape``: rows, tokens a row; one of one: a one-token step with ``cheap_steps``):
+        prepacked weights, key/value heads not repeated, the thread count measured cheaper (passes over several
+        tokens), each where this machine gains by it."""
+        step = shape == (1, 1)
         with (
-            self.packed.applied() if self.packed else contextlib.nullcontext(),
+            self.packed.applied(step) if self.packed else contextlib.nullcontext(),
             unrepeated_kv_heads() if self.unrepeated else contextlib.nullcontext(),
-            self.threads.applied(shape) if self.threads else contextlib.nullcontext(),
+            self.threads.applied(shape) if self.threads and not step else contextlib.nullcontext(),
         ):
             yield
 

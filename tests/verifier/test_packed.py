@@ -1,5 +1,5 @@
-"""Verification passes with prepacked weights: used in ordinary passes over several tokens only, output still
-model.generate's, packed again after an in-place change of a weight, within a memory budget."""
+"""Verification passes with prepacked weights: used in ordinary passes (and ordinary decoding's one-token steps)
+only, output still model.generate's, packed again after an in-place change of a weight, within a memory budget."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def always_packed(monkeypatch):
     if packed_module._pack(torch.zeros(4, 4)) is None:
         pytest.skip("oneDNN cannot pack on this CPU")
     calls = []
-    monkeypatch.setattr(packed_module, "_faster_packed", lambda layer, packed: True)
+    monkeypatch.setattr(packed_module, "_faster_packed", lambda layer, packed, rows=9: True)
     forward = packed_module._packed_forward
 
     def counting(packed, bias):
@@ -34,17 +34,22 @@ def always_packed(monkeypatch):
     return calls
 
 
-def test_packed_weights_serve_passes_over_several_tokens_only(always_packed) -> None:
+def test_packed_weights_serve_ordinary_passes_only(always_packed) -> None:
+    """Ordinary passes over several tokens and ordinary decoding's one-token steps; never a prefill, and neither
+    plain decoding's steps nor exact decoding's passes."""
     model = copy.deepcopy(tiny_model("llama"))
     expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
     out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[],
                            adaptive_draft=False)
     assert out.sequences.tolist() == expected.tolist()
-    assert always_packed and min(always_packed) > 1  # passes over several tokens, never the prefill's 32 alone
-    assert max(always_packed) <= 7 and out.stats.accepted > 12
-    plain = len(always_packed)
+    assert always_packed and max(always_packed) <= 7 and out.stats.accepted > 12  # never the prefill's 32
+    steps = specula.generate(model, PROMPT, Oracle(expected, 0), max_new_tokens=8, eos_token_id=[])
+    assert steps.sequences.tolist() == expected[:, : PROMPT.shape[1] + 8].tolist()
+    assert always_packed.count(1) == 7 * len([m for m in model.modules() if isinstance(m, torch.nn.Linear)])
+    seen = len(always_packed)
     specula.generate(model, PROMPT, None, max_new_tokens=8, eos_token_id=[])
-    assert len(always_packed) == plain  # plain decoding: the model's own one-token steps
+    specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=8, eos_token_id=[], exact=True)
+    assert len(always_packed) == seen  # plain decoding: the model's own one-token steps; exact: row-exact passes
 
 
 def test_a_weight_changed_in_place_or_replaced_is_packed_again(always_packed) -> None:
