@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -20,6 +21,7 @@ from ..jobs.answer_lines import error_line
 from ..jobs.answerer import Answerer, Settings
 from ..jobs.answers import AnswerFile, InputOrder, StopOnInterrupt, Tally, report_skipped
 from ..jobs.requests import BadRequest, Request, answer_key, encode, model_name, read_requests, unique_requests
+from ..proposers.kernels import warm_up
 from ..proposers.registry import proposer_factory
 from ..tools.bench import (
     BenchInterrupted, format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method,
@@ -53,6 +55,8 @@ def _sampling(args: argparse.Namespace) -> dict:
 
 
 def _load(args: argparse.Namespace):
+    # the drafting kernels load while the model does (a daemon thread: nothing waits for it)
+    threading.Thread(target=warm_up, name="specula-kernels", daemon=True).start()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype], device=device)
     return model, tokenizer, device

@@ -13,6 +13,16 @@ from numba.extending import intrinsic, overload
 from numba import njit
 
 
+
+def warm_up() -> None:
+    """Load the drafting kernels' machine code now (numba sets its compiler up at the first call of a process), e.g.
+    in a thread while the model loads, so that the first request's drafts do not wait for it."""
+    tokens = np.arange(4, dtype=np.int64)
+    prompt_lookup(tokens, 1, 2, 2)
+    lookup_candidates(tokens, 1, 2, 2, 2)
+    prediction_lookup(tokens, tokens[:2], 0, 2)
+
+
 @njit(cache=True, nogil=True)
 def prompt_lookup(tokens: np.ndarray, min_ngram: int, max_ngram: int, max_draft: int) -> tuple[np.ndarray, int]:
     """Draft by copying what followed the most recent earlier occurrence of the sequence's longest matching suffix;

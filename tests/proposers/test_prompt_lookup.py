@@ -129,3 +129,28 @@ def test_a_trees_first_branch_is_the_chain(tokens: list[int], max_tokens: int, b
     context = np.array(tokens, dtype=np.int64)
     tree = specula.PromptLookup(branches=branches).propose(context, max_tokens)
     assert tree.chain().tokens.tolist() == specula.PromptLookup().propose(context, max_tokens).tokens.tolist()
+
+
+def test_warm_up_loads_the_kernels_the_proposers_call():
+    """In a fresh process, after ``warm_up`` a request's drafts (prompt lookup, a tree, a prediction) need no kernel
+    loaded or compiled for another signature (mutant: warming with ``int32`` tokens fails)."""
+    import subprocess
+    import sys
+
+    script = """
+import numpy as np
+from specula.core.prediction import Prediction
+from specula.proposers import kernels
+from specula.proposers.prompt_lookup import PromptLookup
+kernels.warm_up()
+before = [len(k.signatures) for k in (kernels.prompt_lookup, kernels.lookup_candidates, kernels.prediction_lookup)]
+sequence = np.empty(40, dtype=np.int64)
+sequence[:12] = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]
+PromptLookup().propose(sequence[:12], 4)
+PromptLookup(branches=4).propose(sequence[:12], 4)
+Prediction(np.array([7, 8, 9], dtype=np.int64)).propose(sequence[4:12], 4)
+after = [len(k.signatures) for k in (kernels.prompt_lookup, kernels.lookup_candidates, kernels.prediction_lookup)]
+print(before, after)
+assert before == after == [1, 1, 1], (before, after)
+"""
+    subprocess.run([sys.executable, "-c", script], check=True)
