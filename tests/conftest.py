@@ -12,6 +12,15 @@ os.environ["SPECULA_CALIBRATIONS"] = str(Path(tempfile.mkdtemp(prefix="specula-c
 
 from tiny_models import CHAT_TEMPLATE, tiny_model, tiny_tokenizer  # noqa: E402
 
+from specula.policy.costs import KEPT  # noqa: E402
+from specula.verifier import calibration  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_pass_costs_kept_by_earlier_tests():
+    """Each test starts without the pass costs the decoding of the tests before it kept for a next process."""
+    calibration.shared().drop(KEPT)
+
 @pytest.fixture(scope="session")
 def model_folder(tmp_path_factory):
     """A tiny Llama and its BPE tokenizer (with a chat template) saved as an ordinary HF folder."""

@@ -18,7 +18,7 @@ from ..verifier import calibration
 from .acceptance import accept_draft
 from ..verifier.runner import CachedModel
 from ..policy.adaptive import AdaptiveDrafts, FixedDrafts
-from ..policy.costs import PassCosts, shared_pass_costs
+from ..policy.costs import PassCosts, keep_pass_costs, shared_pass_costs
 from ..policy.kept_costs import kept_pass_costs
 from ..policy.protocol import DraftPolicy, Step
 from ..verifier.support import UnsupportedModelError, vocab_size
@@ -181,6 +181,9 @@ class Decoder:
         self.passes = 0  # target forward passes, prefills included
         self.prefill_seconds = self.step_seconds = 0.0  # time in prefills, and in steps (proposing included)
         self._costs, self._timed = costs, timed
+        # (measured costs are kept for the next process)
+        self._keep = functools.partial(keep_pass_costs, model, setting, MAX_DRAFT) if timed and adaptive_draft \
+            and verifies else None
         self._needs: dict[int, int] = {}  # by request, in the order they started: plain passes after its prefill
         self._priced: dict[int, list[float]] = {}  # by rows: steps' passes in seconds, and in plain passes of as many
         if proposer is not None:
@@ -270,6 +273,8 @@ class Decoder:
             for row in rows:
                 if row is not None and not row.finished:
                     self._finish(row)
+            for count in range(1, self.slots + 1) if self._keep else ():
+                self._keep(count)
 
     def _fill(self, rows: list[Row | None], jobs: Iterator[Job]) -> Iterator[tuple[Row, list[int]]]:
         """Start requests in the free slots; one may end with its first token (the next one then takes the slot)."""

@@ -15,7 +15,8 @@ half as many tokens has been timed (``k <= 2n - 1`` draft tokens after a pass ov
 the prefill is a plain one-token step, while the proposer's draft is checked for free against the token it
 produces). What a pass costs is a fact of the model and the machine, not of the text, so the measured costs are remembered
 per target model (and its device and dtype) and later generations start from them (:func:`specula.policy.costs.shared_pass_costs`):
-only the first generation with a model explores; later ones send what pays from their first step. The machine's
+only the first generation with a model explores; later ones send what pays from their first step (later processes
+too: the costs are kept with the calibrations as their prior). The machine's
 load is not a fact to remember: costs are weighed against plain passes timed about when they were, and a length
 whose cost was not measured for a while is sent again now and then (:class:`specula.policy.costs.PassCosts`).
 

@@ -19,12 +19,16 @@ from typing import Hashable, Iterable
 import numpy as np
 import torch
 
+from ..verifier import calibration
+from ..verifier.calibration import calibration_key
+from ..verifier.exactness import model_key
 from ..verifier.profile import profile_of
 
 KEEP = 8  # samples kept per pass width (plain passes: those of the last FORGET passes)
 RECENT = 32  # passes after which a width's last sample is stale
 FORGET = 4 * RECENT  # passes after which a width not sent again is forgotten (plain passes: never)
 EXPLORE = 0.02  # share of the decoding time that measuring stale widths again may cost
+KEPT = "timed pass costs"  # what the costs one process measured are kept as, for the next (a calibration)
 
 
 def lower_median(values: Iterable[float]) -> float:
@@ -41,8 +45,11 @@ class PassCosts:
     """What passes of ``rows`` rows cost, by the tokens they compute in all (their rows padded to the widest; fewer
     than ``size``), passes with trees apart from chain passes (a tree pass costs more than a chain as wide)."""
 
-    def __init__(self, rows: int, size: int) -> None:
+    def __init__(self, rows: int, size: int, prior: dict[int, float] | None = None) -> None:
         self.rows, self.size = rows, size
+        # by tokens: a chain pass's cost in plain passes as an earlier process measured it, until this one times it
+        # (a stale estimate, forgotten after FORGET passes as any is)
+        self.prior = {tokens: ratio for tokens, ratio in (prior or {}).items() if rows < tokens < size}
         self.samples: dict[tuple[int, bool], deque] = {}  # (tokens, tree): (pass number, seconds), newest last
         self.passes = 0  # passes recorded
         self.credit = 0.0  # what measuring stale widths may still cost, in plain passes
@@ -55,6 +62,8 @@ class PassCosts:
         self.passes += 1
         keep = FORGET if tokens == self.rows else KEEP  # (plain passes: what the others are weighed against)
         self.samples.setdefault((tokens, tree), deque(maxlen=keep)).append((self.passes, seconds))
+        if not tree:
+            self.prior.pop(tokens, None)
         self._estimates.clear()
         self.credit += EXPLORE * seconds / (self.plain() or seconds)
 
@@ -67,7 +76,8 @@ class PassCosts:
         """Index ``e``: a pass over ``rows + e`` tokens in plain passes timed about when it was, ``nan`` where none
         was timed in the last :data:`FORGET` passes (with ``tree``: a tree pass's where measured, else a chain
         pass's). Each width's estimate is the lower median over its samples of the last :data:`RECENT` passes (or
-        its last 3, where none is that recent) of each against the plain passes timed nearest it."""
+        its last 3, where none is that recent) of each against the plain passes timed nearest it; a width never
+        timed here takes the prior's estimate."""
         if tree not in self._estimates:
             ratios = np.full(self.size - self.rows, np.nan)
             widths = [(tokens, np.array(samples)) for (tokens, is_tree), samples  # [samples, 2]: pass, seconds
@@ -81,7 +91,11 @@ class PassCosts:
                 for (tokens, samples), ratio in zip(widths, relative):
                     recent = samples[:, 0] > self.passes - RECENT
                     ratios[tokens - self.rows] = lower_median(ratio[recent] if recent.any() else ratio[-3:])
-            if (self.rows, False) in self.samples:
+            unit = (self.rows, False) in self.samples  # (without a plain pass, ratios are seconds)
+            for tokens, ratio in self.prior.items() if (unit or not widths) and self.passes <= FORGET else ():
+                if np.isnan(ratios[tokens - self.rows]):
+                    ratios[tokens - self.rows] = ratio
+            if unit or (self.prior and not widths):
                 ratios[0] = 1.0
             self._estimates[tree] = ratios
         return self._estimates[tree]
@@ -109,15 +123,25 @@ class PassCosts:
         if plain is None:
             return best
         for width in sorted(range(len(rates)), key=lambda m: -rates[m]):
-            last = self.samples.get((self.rows * (width + 1), False))
-            if width == best or last is None or last[-1][0] > self.passes - RECENT or (
-                    width and last[-1][0] <= self.passes - FORGET):  # (fresh, or forgotten)
-                continue
+            tokens = self.rows * (width + 1)
+            last = self.samples.get((tokens, False))
+            if width == best or (tokens not in self.prior or self.passes > FORGET if last is None else (
+                    last[-1][0] > self.passes - RECENT or (width and last[-1][0] <= self.passes - FORGET))):
+                continue  # (never timed, fresh or forgotten; a prior's width is stale until timed here)
             loss = expected[width] * (1.0 / rates[width] - 1.0 / rates[best]) / plain  # (in plain passes)
             if loss <= self.credit:
                 self.credit -= loss
                 return width
         return best
+
+
+    def table(self) -> dict[int, float]:
+        """Chain passes' costs in plain passes by tokens, as this process measured them, else as its prior said:
+        what the next process starts from (:func:`keep_pass_costs`)."""
+        if self.plain() is None:  # (no unit)
+            return {}
+        ratios = self.ratios()
+        return {self.rows + e: round(float(ratio), 3) for e, ratio in enumerate(ratios) if e and not np.isnan(ratio)}
 
 
 def _near(when: np.ndarray, passes: np.ndarray, seconds: np.ndarray) -> np.ndarray:
@@ -144,4 +168,23 @@ def shared_pass_costs(owner: torch.nn.Module, setting: Hashable, max_draft: int,
     tokens over one row and over ``n`` rows cost differently (attention reads one cache or ``n``). Kept in the
     model's profile."""
     tables = profile_of(owner).step_seconds
-    return tables.setdefault((setting, max_draft, rows), PassCosts(rows, rows * (max_draft + 1) + 1))
+    if (setting, max_draft, rows) not in tables:
+        prior = calibration.shared().known.get(_kept_key(owner, rows), {})
+        tables[setting, max_draft, rows] = PassCosts(rows, rows * (max_draft + 1) + 1,
+                                                     {int(tokens): ratio for tokens, ratio in prior.items()})
+    return tables[setting, max_draft, rows]
+
+
+def keep_pass_costs(owner: torch.nn.Module, setting: Hashable, max_draft: int, rows: int) -> None:
+    """Keep the pass costs of ``rows`` rows measured for ``owner`` in ``setting`` with the calibrations: the next
+    process on this machine starts from them (its prior: sent where it says they pay, timed again out of the
+    exploration credit where it says they do not)."""
+    costs = profile_of(owner).step_seconds.get((setting, max_draft, rows))
+    if costs is not None and (table := costs.table()):
+        calibration.shared().keep(_kept_key(owner, rows), {str(tokens): ratio for tokens, ratio in table.items()})
+
+
+def _kept_key(owner: torch.nn.Module, rows: int) -> str:
+    weight = next(owner.parameters())
+    attention = getattr(getattr(owner, "config", None), "_attn_implementation", None)
+    return calibration_key(weight.device, KEPT, model_key(owner), weight.dtype, attention, rows)

@@ -75,13 +75,30 @@ class Calibrations:
         """The calibration under ``key``: remembered, else made by ``calibrate()`` (JSON-serialisable) and kept."""
         if key not in self.known:
             started = time.perf_counter()
-            self.known[key] = calibrate()
+            value = calibrate()
             self.seconds += time.perf_counter() - started
             self.made += 1
-            with contextlib.suppress(OSError):
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self.path.write_text(json.dumps(self.known, indent=1))
+            self.keep(key, value)
         return self.known[key]
+
+    def keep(self, key: str, value: object) -> None:
+        """Keep ``value`` (JSON-serialisable) under ``key``, replacing what was there."""
+        if key not in self.known or self.known[key] != value:
+            self.known[key] = value
+            self._write()
+
+    def drop(self, operation: str) -> None:
+        """Forget what is kept of ``operation`` (tests: each starts without what the ones before it kept)."""
+        dropped = [key for key in self.known if f", {json.dumps(operation)}, " in key]
+        for key in dropped:
+            del self.known[key]
+        if dropped:
+            self._write()
+
+    def _write(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.known, indent=1))
 
     def tell(self) -> None:
         """Say once per process, on stderr, what calibrating cost, if anything was calibrated."""

@@ -17,9 +17,10 @@ from specula.core.loop import MAX_DRAFT
 from specula.policy import costs
 from specula.policy.acceptance import RANKS, RequestAcceptance
 from specula.policy.adaptive import AdaptiveDrafts, budgets, choose_lengths
-from specula.policy.costs import PassCosts, shared_pass_costs
+from specula.policy.costs import KEPT, PassCosts, shared_pass_costs
 from specula.policy.protocol import Step
 from specula.hf.inputs import left_padded
+from specula.verifier import calibration
 from specula.verifier.profile import profile_of
 
 PROMPT = [1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]
@@ -256,6 +257,22 @@ def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) 
     assert decided and not any(decided)  # drafts drawn at random: their lengths change the draws, so untimed
 
 
+def test_a_new_process_starts_from_the_costs_a_run_kept() -> None:
+    """What a run measured is kept with the calibrations: a new process (the model's profile empty, the file read
+    again) starts from it, and does not explore from scratch (mutant: nothing kept fails)."""
+    target = tiny_model("llama", seed=3)
+    prompt = torch.tensor([PROMPT])
+    expected = hf_greedy(target, prompt, 12, eos_token_id=[])
+    first = specula.generate(target, prompt, Oracle(expected, 8), max_new_tokens=12, eos_token_id=[])
+    measured = shared_pass_costs(target, (target.device, target.dtype), MAX_DRAFT).table()
+    profile_of(target).step_seconds.clear()
+    calibration.forget()
+    assert measured and shared_pass_costs(target, (target.device, target.dtype), MAX_DRAFT).prior == measured
+    second = specula.generate(target, prompt, Oracle(expected, 8), max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(first.sequences, expected) and torch.equal(second.sequences, expected)
+    assert second.stats.steps < first.stats.steps
+
+
 def batch_table(rows: int, costs: dict[int, float], tree: bool = False, chains: PassCosts | None = None
                 ) -> PassCosts:
     """Pass costs for ``rows`` rows with ``costs[n]`` seconds for a pass over ``n`` tokens in all (with ``tree``:
@@ -400,7 +417,8 @@ def test_sampling_sends_no_drafts_where_passes_cost_more_than_they_gain() -> Non
     out = specula.generate(target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[],
                            temperature=0.7)
     assert out.stats.drafted == 0 and torch.equal(out.sequences, expected)
-    profile_of(target).step_seconds.clear()  # nothing measured yet: the passes it times show that the drafts pay
+    profile_of(target).step_seconds.clear()  # nothing measured yet (nor kept): the passes it times show that the
+    calibration.shared().drop(KEPT)  # drafts pay
     torch.manual_seed(0)
     out = specula.generate(target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[],
                            temperature=0.7)

@@ -9,7 +9,7 @@ import pytest
 from specula import Draft
 from specula.policy import costs as costs_module
 from specula.policy.adaptive import AdaptiveDrafts
-from specula.policy.costs import EXPLORE, RECENT, PassCosts
+from specula.policy.costs import EXPLORE, FORGET, RECENT, PassCosts
 from specula.policy.protocol import Step
 
 MAX_DRAFT = 32
@@ -38,12 +38,13 @@ def phases(*spans: tuple[int, object]):
     return machine
 
 
-def drive(machine, steps: int, acceptance: float = 0.9, seed: int = 0) -> tuple[list[int], list[float], list[int]]:
+def drive(machine, steps: int, acceptance: float = 0.9, seed: int = 0, costs: PassCosts | None = None
+          ) -> tuple[list[int], list[float], list[int]]:
     """One request decoded for ``steps`` steps by the adaptive policy, its passes timed by ``machine(tokens, step)``
-    (a fake clock), each draft token right with chance ``acceptance`` after the ones before it. Returns the draft
-    tokens sent, the seconds and the tokens made, per step."""
+    (a fake clock) into ``costs`` (default: new ones), each draft token right with chance ``acceptance`` after the
+    ones before it. Returns the draft tokens sent, the seconds and the tokens made, per step."""
     rng = np.random.default_rng(seed)
-    costs = PassCosts(1, MAX_DRAFT + 2)
+    costs = costs or PassCosts(1, MAX_DRAFT + 2)
     policy = AdaptiveDrafts(MAX_DRAFT, timed=True, costs=lambda rows: costs)
     state = policy.start()
     sent_lengths, seconds, made = [], [], []
@@ -136,3 +137,44 @@ def test_a_stale_width_is_sent_again_only_out_of_credit() -> None:
     costs.credit = loss
     assert costs.probe(0, expected, rates) == 2 and costs.credit == pytest.approx(0.0)
     assert costs_module.lower_median([5.0]) == 5.0
+
+
+def _measured_on(machine, steps: int = 300) -> dict[int, float]:
+    """The pass costs a process that decoded ``steps`` steps on ``machine`` keeps for the next."""
+    costs = PassCosts(1, MAX_DRAFT + 2)
+    drive(machine, steps, costs=costs)
+    return costs.table()
+
+
+def test_a_process_starts_from_the_costs_an_earlier_one_kept() -> None:
+    """A fresh process with the costs an earlier one measured on this quiet machine sends long drafts from its first
+    steps; without them it explores first (mutant: the prior ignored fails)."""
+    prior = _measured_on(quiet)
+    assert prior[9] == pytest.approx(quiet(9, 0) / quiet(1, 0))
+    fresh, _, _ = drive(quiet, 8)
+    primed, _, _ = drive(quiet, 8, costs=PassCosts(1, MAX_DRAFT + 2, prior))
+    assert fresh[:4] == [0, 1, 3, 7]  # (a width is sent once one half as wide was timed)
+    assert primed[0] > 0 and sum(primed) >= 2 * sum(fresh)
+
+
+def test_costs_kept_from_a_busy_process_do_not_switch_drafts_off_for_good() -> None:
+    """Kept from a busy spell (every width dear), the prior sends nothing at first on a quiet machine, but its widths
+    are timed again out of the exploration credit and the rest forgotten as any stale estimate, and long drafts resume
+    (mutant: a prior never forgotten fails)."""
+    prior = _measured_on(busy)
+    sent, _, _ = drive(quiet, 600, costs=PassCosts(1, MAX_DRAFT + 2, prior))
+    assert sent[1:5] == [0, 0, 0, 0]
+    resumed = next(step for step in range(600) if min(sent[step : step + 5]) >= 3)
+    assert resumed < FORGET + 3 * RECENT
+    assert np.median(sent[300:]) >= 6
+
+
+def test_kept_costs_have_a_unit() -> None:
+    """Ratios of passes timed without a plain pass to weigh them against are seconds: none is kept, and the prior does
+    not mix with them until a plain pass is timed."""
+    costs = PassCosts(2, 20, {4: 1.2, 8: 2.0})
+    costs.record(6, 0.05)
+    assert costs.table() == {}
+    assert costs.ratios()[4] == pytest.approx(0.05) and np.isnan(costs.ratios()[2])
+    costs.record(2, 0.04)
+    assert costs.table() == {4: 1.2, 6: 1.25, 8: 2.0}
