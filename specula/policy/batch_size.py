@@ -8,10 +8,9 @@ import time
 import torch
 
 from ..verifier import calibration
-from ..verifier.calibration import calibration_key
+from ..verifier.calibration import calibration_key, lower_median
 from ..verifier.exactness import model_key
 from ..verifier.runner import CachedModel
-from .costs import lower_median
 from ..verifier.support import UnsupportedModelError
 from ..verifier.profile import profile_of
 from ..verifier.support import vocab_size

@@ -14,13 +14,13 @@ look dear are measured again and sent.
 from __future__ import annotations
 
 from collections import deque
-from typing import Hashable, Iterable
+from typing import Hashable
 
 import numpy as np
 import torch
 
 from ..verifier import calibration
-from ..verifier.calibration import calibration_key
+from ..verifier.calibration import calibration_key, lower_median
 from ..verifier.exactness import model_key
 from ..verifier.profile import profile_of
 
@@ -29,16 +29,6 @@ RECENT = 32  # passes after which a width's last sample is stale
 FORGET = 4 * RECENT  # passes after which a width not sent again is forgotten (plain passes: never)
 EXPLORE = 0.02  # share of the decoding time that measuring stale widths again may cost
 KEPT = "timed pass costs"  # what the costs one process measured are kept as, for the next (a calibration)
-
-
-def lower_median(values: Iterable[float]) -> float:
-    """The median, the lower of the two middle values for an even count (other work only ever adds time).
-
-    >>> lower_median([3.0, 1.0, 2.0, 9.0])
-    2.0
-    """
-    ordered = sorted(values)
-    return float(ordered[(len(ordered) - 1) // 2])
 
 
 class PassCosts:

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from ..verifier import calibration
-from ..verifier.calibration import calibration_key
+from ..verifier.calibration import calibration_key, lower_median
 from ..verifier.exactness import model_key
 from ..verifier.support import UnsupportedModelError, vocab_size
-from .costs import PassCosts, lower_median
+from .costs import PassCosts
 
 CONTEXT = 256  # tokens of cache the timed passes of one row follow
 BATCH_CONTEXT = 1024  # ... of several rows (files' requests: retrieved passages, code to edit, articles)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from . import calibration
-from .calibration import TIMED_ROWS, calibration_key
+from .calibration import TIMED_ROWS, calibration_key, lower_median
 from .row_exact import SUPPORTED_ATTENTION, is_half_precision
 from .support import UnsupportedModelError, vocab_size
 
@@ -115,4 +115,4 @@ def _measure(model: torch.nn.Module) -> float | None:
                 ratios.append(seconds(targets[1]) / ordinary)
     except UnsupportedModelError:  # (row-exact passes, or the loop itself, refused for this model)
         return None
-    return round(sorted(ratios)[(len(ratios) - 1) // 2], 3)
+    return round(lower_median(ratios), 3)

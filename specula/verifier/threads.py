@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..policy.costs import lower_median
+from .calibration import lower_median
 from .profile import profile_of
 
 EVERY = 32  # one pass of a shape in this many runs with the thread count not chosen, to measure it again
