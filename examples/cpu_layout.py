@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 import specula
-from specula.hf.cache_names import cache_parameter
+from specula.verifier.cache_names import cache_parameter
 from specula.tools.bench import format_table, hf_method, run_bench, specula_method
 from specula.hf.loading import load_model
 from specula.jobs.requests import load_workloads

@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 import specula
-from specula.core.loop import MAX_DRAFT
+from specula.decoding.loop import MAX_DRAFT
 from specula.policy.adaptive import AdaptiveDrafts, FixedDrafts
 from specula.policy.costs import PassCosts
 from specula.proposers.kernels import lookup_candidates
-from specula.proposers.registry import PROPOSER_NAMES, proposer_factory
+from specula.hf.registry import PROPOSER_NAMES, proposer_factory
 from specula.tools.replay import Replay, recorded_outputs, walk
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"

@@ -17,7 +17,7 @@ from ._lazy import submodules
 
 if TYPE_CHECKING:  # (for type checkers and editors: each re-exported as itself)
     from .core.draft import Draft as Draft
-    from .core.loop import Decoder as Decoder, Job as Job
+    from .decoding.loop import Decoder as Decoder, Job as Job
     from .core.sampling import Sampling as Sampling
     from .core.stats import GenerateOutput as GenerateOutput, SpecStats as SpecStats
     from .hf.generate import custom_generate as custom_generate, generate as generate, prepare_jobs as prepare_jobs
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # (for type checkers and editors: each re-exported as itself)
     from .verifier.support import UnsupportedModelError as UnsupportedModelError
 
 _HOMES = {  # each public name -> the module that defines it
-    "Decoder": "core.loop", "Draft": "core.draft", "GenerateOutput": "core.stats", "Job": "core.loop",
+    "Decoder": "decoding.loop", "Draft": "core.draft", "GenerateOutput": "core.stats", "Job": "decoding.loop",
     "NGramPredictor": "proposers.ngram", "PromptLookup": "proposers.prompt_lookup", "Proposer": "proposers.base",
     "RequestProposer": "proposers.base", "Sampling": "core.sampling", "SmallModelDrafter": "proposers.small_model",
     "SpecStats": "core.stats", "UnsupportedModelError": "verifier.support", "custom_generate": "hf.generate",

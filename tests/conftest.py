@@ -7,19 +7,30 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# row-exact calibrations of this test run, not the user's (specula.verifier.calibration)
-os.environ["SPECULA_CALIBRATIONS"] = str(Path(tempfile.mkdtemp(prefix="specula-calibrations-")) / "row_exact.json")
+# the measurements of this test run, not the user's (specula.machine.store)
+os.environ["SPECULA_CALIBRATIONS"] = str(Path(tempfile.mkdtemp(prefix="specula-measurements-")) / "measurements.json")
 
 from tiny_models import CHAT_TEMPLATE, tiny_model, tiny_tokenizer  # noqa: E402
 
+from specula.machine import store  # noqa: E402
 from specula.policy.costs import KEPT  # noqa: E402
-from specula.verifier import calibration  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _no_pass_costs_kept_by_earlier_tests():
     """Each test starts without the pass costs the decoding of the tests before it kept for a next process."""
-    calibration.shared().drop(KEPT)
+    store.shared().drop(KEPT)
+
+
+@pytest.fixture
+def fresh_store(monkeypatch, tmp_path):
+    """An empty store of measurements of the test's own, as a new process on a new machine starts; its file's path
+    (``store.forget()`` then reads it again, as the next process would)."""
+    path = tmp_path / "measurements.json"
+    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(path))
+    store.forget()
+    yield path
+    store.forget()
 
 @pytest.fixture(scope="session")
 def model_folder(tmp_path_factory):

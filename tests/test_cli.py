@@ -17,7 +17,7 @@ from tiny_models import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 import specula
 import specula.jobs.answerer
 import specula.verifier.runner
-import specula.core.loop
+import specula.decoding.loop
 from specula.tools import bench
 from specula import cli
 from specula.cli import commands
@@ -104,7 +104,7 @@ def test_strict_checks_what_the_tokenizer_judges_before_decoding(model_folder, t
     """A prompt longer than the model's context is found once the model is loaded, still before any decoding."""
     (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n" + json.dumps({"prompt": "word " * 600}) + "\n")
     decoded = []
-    monkeypatch.setattr(specula.core.loop.Decoder, "run", lambda self, jobs: decoded.append(1) or iter(()))
+    monkeypatch.setattr(specula.decoding.loop.Decoder, "run", lambda self, jobs: decoded.append(1) or iter(()))
     with pytest.raises(SystemExit, match=r"in.jsonl:2: The prompt has .* tokens .*--strict"):
         run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--strict",
                 "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
@@ -359,7 +359,7 @@ def test_generate_passes_the_exactness_choice(model_folder, tmp_path, monkeypatc
         seen.append(kwargs["exact"])
         return specula.generate(*args, **kwargs)
 
-    class Recording(specula.core.loop.Decoder):
+    class Recording(specula.decoding.loop.Decoder):
         def __init__(self, *args, **kwargs):
             seen.append(kwargs["exact"])
             super().__init__(*args, **kwargs)

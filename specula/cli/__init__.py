@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from ..proposers.registry import available
+from ..hf.registry import available
 from .checks import check, read_files
 from .parser import build_parser
 

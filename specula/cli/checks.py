@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from ..jobs.answers import AnswerFile
 from ..jobs.requests import BadRequest, file_shape, load_workloads, model_name, unique_requests
-from ..proposers.registry import check_proposer
+from ..hf.registry import check_proposer
 
 
 def check(args: argparse.Namespace) -> None:

@@ -22,7 +22,7 @@ from ..jobs.answerer import Answerer, Settings
 from ..jobs.answers import AnswerFile, InputOrder, StopOnInterrupt, Tally, report_skipped
 from ..jobs.requests import BadRequest, Request, answer_key, encode, model_name, read_requests, unique_requests
 from ..proposers.kernels import warm_up
-from ..proposers.registry import proposer_factory
+from ..hf.registry import proposer_factory
 from ..tools.bench import (
     BenchInterrupted, format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method,
     specula_method,

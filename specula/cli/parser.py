@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
-from ..proposers.registry import PROPOSER_NAMES
+from ..hf.registry import PROPOSER_NAMES
 
 DTYPE_CHOICES = ("auto", "bf16", "fp32", "fp16")
 

@@ -1,5 +1,5 @@
 """From what ``model.generate`` prepared to specula's loop and back: the checked request and its sampling, one
-:class:`~specula.core.loop.Job` per row, the loop's run over them, and the output ``model.generate`` would return."""
+:class:`~specula.decoding.loop.Job` per row, the loop's run over them, and the output ``model.generate`` would return."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.streamers import BaseStreamer
 
-from ..core.loop import Decoder, Job
+from ..decoding.driver import decode_all
+from ..decoding.loop import Decoder, Job
 from ..core.sampling import Sampling
 from ..core.stats import GenerateOutput, SpecStats
 from ..proposers.base import Proposer
-from .cache_names import cache_in
+from ..verifier.cache_names import cache_in
 from .inputs import Request, prepare_request
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -78,12 +79,8 @@ def decode(
     jobs = jobs_of(request, sampling, stopping_criteria, row_generators, predictions)
     decoder = Decoder(model, proposer, batch, adaptive_draft, exact,
                       predictions=any(job.prediction is not None for job in jobs))
-    rows = {}
-    if request.max_length > width:
-        for row, kept in decoder.run(jobs):
-            rows[row.job.key] = row
-            if streamer is not None:
-                streamer.put(torch.tensor(kept))
+    stream = None if streamer is None else lambda row, kept: streamer.put(torch.tensor(kept))
+    rows = decode_all(decoder, jobs, stream) if request.max_length > width else {}
     if streamer is not None:
         streamer.end()
     new = [rows[job.key].sequence.ids[len(job.prompt) :] if job.key in rows else np.zeros(0, np.int64) for job in jobs]

@@ -16,7 +16,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
-from ..core.loop import Job
+from ..decoding.loop import Job
 from ..core.stats import GenerateOutput
 from ..proposers.base import Proposer
 from .bridge import decode, jobs_of, prepared
@@ -89,7 +89,7 @@ def generate(
             on this machine and model (measured once, kept: :mod:`specula.verifier.exactness`), in fp32 ordinary
             (its rounding is far below the gaps between logits). ``stats.exactness`` says what was chosen and why.
         prediction: the output the request expects back, drafted from wherever the output follows it (the file
-            being edited, last run's answer; :mod:`specula.core.prediction`): text (with ``tokenizer=``), token ids,
+            being edited, last run's answer; :mod:`specula.proposers.prediction`): text (with ``tokenizer=``), token ids,
             or OpenAI's ``{"type": "content", "content": text}``; for a batch, a list of one per row (``None`` for a
             row without). The output is still the model's; ``stats.accepted_prediction_tokens`` and
             ``stats.rejected_prediction_tokens`` count its tokens verified and kept or rejected.
@@ -191,7 +191,7 @@ _jobs_only.__signature__ = inspect.signature(custom_generate)
 def prepare_jobs(model: torch.nn.Module, input_ids: torch.Tensor, **generate_kwargs) -> list[Job]:
     """The requests (one per row of ``input_ids``) that ``specula.generate(model, input_ids, **generate_kwargs)``
     would decode, prepared by ``model.generate`` itself (generation config, logits processors, stopping criteria,
-    each job's :class:`~specula.core.sampling.Sampling`), for a :class:`specula.core.loop.Decoder` that takes requests as they come: jobs
+    each job's :class:`~specula.core.sampling.Sampling`), for a :class:`specula.decoding.loop.Decoder` that takes requests as they come: jobs
     prepared with other settings share its passes, each decoded with its own."""
     mask = generate_kwargs.pop("attention_mask", None)
     return model.generate(input_ids, attention_mask=torch.ones_like(input_ids) if mask is None else mask,

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..machine.store import cache_dir
 from ..verifier.cpu_layout import tune_cpu_layout
 from .precision import auto_dtype
 
@@ -27,11 +28,6 @@ GGUF_LOGGER = "transformers.quantizers.quantizer_gguf"
 
 class ModelNotFoundError(FileNotFoundError):
     """The requested model is not on this machine."""
-
-
-def cache_dir() -> Path:
-    """Where converted models are kept: ``$SPECULA_CACHE``, else ``~/.cache/specula``."""
-    return Path(os.environ.get("SPECULA_CACHE") or Path.home() / ".cache" / "specula")
 
 
 def default_model_file() -> Path:
@@ -130,5 +126,5 @@ def load_model(
         raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}.")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     if tune_layout:
-        tune_cpu_layout(model, decisions=cache_dir() / "cpu_layout.json")
+        tune_cpu_layout(model, remember=True)
     return model, AutoTokenizer.from_pretrained(folder)

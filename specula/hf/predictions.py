@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import torch
 
-from ..jobs.requests import prediction_content
+from .openai import prediction_content
 
 PredictionInput = str | list | tuple | np.ndarray | torch.Tensor | dict | None
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from jinja2 import TemplateError
 
-from ..core.loop import Decoder, Job, Row
+from ..decoding.driver import finished_rows
+from ..decoding.loop import Decoder, Job, Row
 from ..hf.generate import prepare_jobs
 from ..verifier.row_exact import is_half_precision
 from ..policy.batch_size import fastest_batch_size, kept_batch_size
@@ -118,12 +119,11 @@ class Answerer:
                               fastest_batch_size(self.model, largest=largest))
             decoder = Decoder(self.model, self.proposer, self.slots, exact=self.settings.exact,
                               predictions=self.settings.predictions)
-            self.exactness = decoder.exactness
+            self.exactness = decoder.prepare().exactness
             jobs = itertools.chain([first], prepared)
             try:
-                for row, _ in decoder.run(self._jobs(jobs, largest) if measured else jobs):
-                    if row.finished:
-                        yield row.job.key, self._answer(row)
+                for row in finished_rows(decoder, self._jobs(jobs, largest) if measured else jobs):
+                    yield row.job.key, self._answer(row)
             finally:
                 self.sizes.append(self.slots)
                 self.comparisons.append(decoder.plain_comparison())

@@ -40,7 +40,7 @@ from .answer_lines import error_line
 from .answerer import Answerer, Settings
 from .answers import AnswerFile, InputOrder, StopOnInterrupt, Tally
 from ..hf.loading import load_model, resolve_model
-from ..proposers.registry import proposer_factory
+from ..hf.registry import proposer_factory
 from .requests import BadRequest, Request, answer_key, file_shape, model_name, parse_request, unique_requests
 
 RAY_BATCH = 64  # requests a worker takes at once, decoded up to settings.batch_size at a time (continuous batching)

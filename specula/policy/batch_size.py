@@ -3,19 +3,15 @@ measured, not a constant that suits one machine."""
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from ..verifier import calibration
-from ..verifier.calibration import calibration_key, lower_median
-from ..verifier.exactness import model_key
+from ..machine import store
+from ..machine.memory import spare_bytes
+from ..machine.profile import profile_of
+from ..machine.timing import lower_median, time_pass
+from ..verifier.exactness import choose, model_key
 from ..verifier.runner import CachedModel
-from ..verifier.support import UnsupportedModelError
-from ..verifier.profile import profile_of
-from ..verifier.support import vocab_size
-from ..verifier.exactness import choose
-from ..verifier.row_exact.linear import _spare_bytes
+from ..verifier.support import UnsupportedModelError, vocab_size
 
 @torch.inference_mode()
 def fastest_batch_size(
@@ -44,7 +40,7 @@ def fastest_batch_size(
     except UnsupportedModelError:
         return 1
     text = torch.randint(0, vocab_size(model), (context + 16 * largest,), generator=torch.Generator().manual_seed(0))
-    spare = _spare_bytes(device)
+    spare = spare_bytes(device)
     alone = CachedModel(model, None, None, rollback=True, capacity=context + 16 * largest + 1,
                         row_exact=exact, ragged=True, cheap_steps=not exact)  # (what each size is weighed against)
     alone.start_row(0, text.to(device))
@@ -77,9 +73,9 @@ def kept_batch_size(model: torch.nn.Module, largest: int = 32) -> int:
     batch size changes what a request decodes to (ordinary bf16/fp16 verification rounds by the rows of a pass), it
     must not follow the load of the moment, so every run on the machine takes the same."""
     weight = next(model.parameters())
-    key = calibration_key(weight.device, "batch size", model_key(model), weight.dtype,
+    key = store.key(weight.device, "batch size", model_key(model), weight.dtype,
                           model.config._attn_implementation, largest)
-    return calibration.shared().get(key, lambda: fastest_batch_size(model, largest, again=True))
+    return store.shared().get(key, lambda: fastest_batch_size(model, largest, again=True))
 
 
 def _relative_rate(target: CachedModel, alone: CachedModel, token: torch.Tensor, rounds: int = 3) -> float:
@@ -94,10 +90,6 @@ def _relative_rate(target: CachedModel, alone: CachedModel, token: torch.Tensor,
 
 def _pass_seconds(target: CachedModel, blocks: list[torch.Tensor]) -> float:
     """The time of a plain pass over ``blocks`` (one token a row); the cache is left as it was."""
-    started = time.perf_counter()
-    target.forward_rows(blocks, [1] * len(blocks))
-    if target.device.type == "cuda":
-        torch.cuda.synchronize(target.device)
-    seconds = time.perf_counter() - started
+    seconds = time_pass(lambda: target.forward_rows(blocks, [1] * len(blocks)), target.device)
     target.keep_rows([0] * len(blocks))  # (forgotten again)
     return seconds

@@ -19,10 +19,10 @@ from typing import Hashable
 import numpy as np
 import torch
 
-from ..verifier import calibration
-from ..verifier.calibration import calibration_key, lower_median
+from ..machine import store
+from ..machine.timing import lower_median
 from ..verifier.exactness import model_key
-from ..verifier.profile import profile_of
+from ..machine.profile import profile_of
 
 KEEP = 8  # samples kept per pass width (plain passes: those of the last FORGET passes)
 RECENT = 32  # passes after which a width's last sample is stale
@@ -157,9 +157,9 @@ def shared_pass_costs(owner: torch.nn.Module, setting: Hashable, max_draft: int,
     device and dtype) shares: what one generation measured, the next starts from. Kept per number of rows: ``n``
     tokens over one row and over ``n`` rows cost differently (attention reads one cache or ``n``). Kept in the
     model's profile."""
-    tables = profile_of(owner).step_seconds
+    tables = profile_of(owner).pass_costs
     if (setting, max_draft, rows) not in tables:
-        prior = calibration.shared().known.get(_kept_key(owner, rows), {})
+        prior = store.shared().known.get(_kept_key(owner, rows), {})
         tables[setting, max_draft, rows] = PassCosts(rows, rows * (max_draft + 1) + 1,
                                                      {int(tokens): ratio for tokens, ratio in prior.items()})
     return tables[setting, max_draft, rows]
@@ -169,12 +169,12 @@ def keep_pass_costs(owner: torch.nn.Module, setting: Hashable, max_draft: int, r
     """Keep the pass costs of ``rows`` rows measured for ``owner`` in ``setting`` with the calibrations: the next
     process on this machine starts from them (its prior: sent where it says they pay, timed again out of the
     exploration credit where it says they do not)."""
-    costs = profile_of(owner).step_seconds.get((setting, max_draft, rows))
+    costs = profile_of(owner).pass_costs.get((setting, max_draft, rows))
     if costs is not None and (table := costs.table()):
-        calibration.shared().keep(_kept_key(owner, rows), {str(tokens): ratio for tokens, ratio in table.items()})
+        store.shared().keep(_kept_key(owner, rows), {str(tokens): ratio for tokens, ratio in table.items()})
 
 
 def _kept_key(owner: torch.nn.Module, rows: int) -> str:
     weight = next(owner.parameters())
     attention = getattr(getattr(owner, "config", None), "_attn_implementation", None)
-    return calibration_key(weight.device, KEPT, model_key(owner), weight.dtype, attention, rows)
+    return store.key(weight.device, KEPT, model_key(owner), weight.dtype, attention, rows)

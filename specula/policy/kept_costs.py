@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..verifier import calibration
-from ..verifier.calibration import calibration_key, lower_median
+from ..machine import store
+from ..machine.timing import lower_median, time_pass
 from ..verifier.exactness import model_key
 from ..verifier.support import UnsupportedModelError, vocab_size
 from .costs import PassCosts
@@ -77,9 +77,9 @@ def _kept_table(model: torch.nn.Module, rows: int) -> list[float] | None:
     """The kept ratios of passes of ``rows`` (one of :data:`ROWS`) over each of :func:`widths`, measured on first
     use."""
     weight = next(model.parameters())
-    key = calibration_key(weight.device, "pass costs", model_key(model), weight.dtype,
+    key = store.key(weight.device, "pass costs", model_key(model), weight.dtype,
                           model.config._attn_implementation, _context(rows), *([rows] if rows > 1 else []))
-    return calibration.shared().get(key, lambda: _measure(model, rows))
+    return store.shared().get(key, lambda: _measure(model, rows))
 
 
 @torch.inference_mode()
@@ -102,11 +102,9 @@ def _measure(model: torch.nn.Module, rows: int = 1) -> list[float] | None:
         at = context  # (every row's cached tokens)
         for _ in range(ROUNDS + 1):  # (the first round warms up)
             for width in timed:
-                started = calibration.CLOCK()
-                target.forward_rows([ids[at : at + width]] * rows, [width] * rows, argmax_only=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                seconds[width].append(calibration.CLOCK() - started)
+                block = [ids[at : at + width]] * rows
+                seconds[width].append(time_pass(lambda: target.forward_rows(block, [width] * rows, argmax_only=True),
+                                                device))
                 target.keep_rows([1] * rows)
                 at += 1
     except UnsupportedModelError:  # (a model the loop refuses, or whose state cannot be rolled back so)

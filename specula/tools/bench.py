@@ -10,9 +10,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..core.loop import Decoder
+from ..decoding.driver import decode_all
+from ..decoding.loop import Decoder
 from ..core.stats import PREDICTION_COUNTERS, TREE_COUNTERS, SpecStats
-from ..hf.cache_names import cache_in
+from ..verifier.cache_names import cache_in
 from ..hf.generate import generate, prepare_jobs
 from ..hf.inputs import left_padded
 from ..jobs.requests import encode
@@ -132,9 +133,8 @@ def specula_batch_method(
             job.key = key
             jobs.append(job)
         decoder = Decoder(model, make_proposer(), batch_size, exact=generate_kwargs.get("exact"))
-        started, rows = time.perf_counter(), {}
-        for row, _ in decoder.run(jobs):
-            rows[row.job.key] = row
+        started = time.perf_counter()
+        rows = decode_all(decoder, jobs)
         seconds = time.perf_counter() - started
         stats = SpecStats.total([rows[k].stats for k in range(len(prompts))], decoder.passes, seconds, 0.0)
         return [rows[k].sequence.ids[len(prompt) :].tolist() for k, prompt in enumerate(prompts)], seconds, stats

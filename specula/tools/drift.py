@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..hf.cache_names import cache_in
+from ..verifier.cache_names import cache_in
 from ..hf.generate import generate
 from ..proposers.base import Proposer
 

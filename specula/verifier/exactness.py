@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import calibration
-from .calibration import TIMED_ROWS, calibration_key, lower_median
+from ..machine import store
+from ..machine.timing import lower_median, time_pass
+from .calibration import TIMED_ROWS
 from .row_exact import SUPPORTED_ATTENTION, is_half_precision
 from .support import UnsupportedModelError, vocab_size
 
@@ -76,9 +77,9 @@ def measured_cost(model: torch.nn.Module) -> float | None:
     """A row-exact pass's time over an ordinary one's for ``model`` on this machine (measured once, kept); ``None``
     where row-exact passes are not supported for it."""
     weight = next(model.parameters())
-    key = calibration_key(weight.device, "exact pass", model_key(model), weight.dtype,
+    key = store.key(weight.device, "exact pass", model_key(model), weight.dtype,
                           model.config._attn_implementation, CONTEXT)
-    return calibration.shared().get(key, lambda: _measure(model))
+    return store.shared().get(key, lambda: _measure(model))
 
 
 @torch.inference_mode()
@@ -92,11 +93,8 @@ def _measure(model: torch.nn.Module) -> float | None:
     def seconds(target: CachedModel) -> float:
         """One pass over ``TIMED_ROWS`` tokens, keeping its first (as the loop's passes do)."""
         at = target.cached_tokens
-        started = calibration.CLOCK()
-        target.forward_rows([ids[at : at + TIMED_ROWS]], [TIMED_ROWS], argmax_only=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = calibration.CLOCK() - started
+        elapsed = time_pass(lambda: target.forward_rows([ids[at : at + TIMED_ROWS]], [TIMED_ROWS], argmax_only=True),
+                            device)
         target.keep_rows([1])
         return elapsed
 

@@ -23,13 +23,13 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import calibration
-from .calibration import TIMED_KEYS, TIMED_ROWS, calibration_key, cheapest
+from ..machine import store
+from ..machine.timing import cheapest
+from .calibration import TIMED_KEYS, TIMED_ROWS
 
 # Arguments of HF's SDPA function that change what it computes beyond masked attention: left to it.
 _EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "sinks")
 TIMED_BATCH = 4  # rows of the timed passes of several rows
-_WAYS: dict[tuple, str] = {}  # this process's answers by head geometry and kind of pass (the calibrations keep them)
 
 
 def _grouped(way: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -60,7 +60,8 @@ def _way(module: torch.nn.Module, sdpa: Callable, query: torch.Tensor, key: torc
     queries = 1 if query.shape[2] == 1 else TIMED_ROWS
     rows = 1 if query.shape[0] == 1 else TIMED_BATCH
     geometry = (query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device.type, scaling, rows, queries)
-    if geometry not in _WAYS:
+    ways = store.memo("grouped attention")  # this process's answers by head geometry and kind of pass
+    if geometry not in ways:
         heads, kv_heads, dim, dtype = geometry[:4]
 
         def calibrate() -> str:
@@ -75,10 +76,10 @@ def _way(module: torch.nn.Module, sdpa: Callable, query: torch.Tensor, key: torc
             return cheapest({"repeated": lambda: sdpa(module, q, k, v, mask, scaling=scaling),
                              **{way: lambda way=way: _grouped(way, q, k, v, mask, scaling) for way in ways}})
 
-        key_name = calibration_key(query.device, "grouped attention", heads, kv_heads, dim, dtype, scaling, rows,
+        key_name = store.key(query.device, "grouped attention", heads, kv_heads, dim, dtype, scaling, rows,
                                    queries)
-        _WAYS[geometry] = calibration.shared().get(key_name, calibrate)
-    return _WAYS[geometry]
+        ways[geometry] = store.shared().get(key_name, calibrate)
+    return ways[geometry]
 
 
 @contextlib.contextmanager

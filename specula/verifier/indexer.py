@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicIndexedLayer
 
-from ..hf.cache_names import cache_parameter
+from .cache_names import cache_parameter
 from .patching import forwards_replaced
 
 # Models whose indexer already selects each query's keys on its own, as a one-token step does (by model_type).

@@ -25,10 +25,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from . import calibration
-from .calibration import TIMED_ROWS, calibration_key, cheapest
-from .profile import profile_of
-from .row_exact.linear import _spare_bytes
+from ..machine import store
+from ..machine.memory import spare_bytes
+from ..machine.timing import cheapest
+from .calibration import TIMED_ROWS
+from ..machine.profile import profile_of
 
 
 def _packable(module: nn.Module) -> bool:
@@ -65,9 +66,9 @@ def _faster_packed(layer: nn.Linear, packed: torch.Tensor, rows: int = TIMED_ROW
         return cheapest({"ordinary": lambda: nn.Linear.forward(layer, x), "packed": lambda: packed_forward(x)}
                         ) == "packed"
 
-    key = calibration_key(weight.device, "packed linear", tuple(weight.shape), weight.dtype, layer.bias is not None,
+    key = store.key(weight.device, "packed linear", tuple(weight.shape), weight.dtype, layer.bias is not None,
                           rows)
-    return calibration.shared().get(key, calibrate)
+    return store.shared().get(key, calibrate)
 
 
 def _state(weight: torch.Tensor) -> tuple[int, int]:
@@ -82,7 +83,7 @@ class PackedLinears:
     def __init__(self, model: nn.Module) -> None:
         # [layer, the weight and bias packed, the weight's state then, the packed forward, (for passes, for steps)]
         self.layers: list[list] = []
-        spare = _spare_bytes(torch.device("cpu"))
+        spare = spare_bytes(torch.device("cpu"))
         budget = None if spare is None else spare // 8
         packed_by_weight: dict[int, torch.Tensor | None] = {}  # (tied weights: packed once)
         for module in model.modules():

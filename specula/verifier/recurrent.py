@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
-from ..hf.cache_names import cache_parameter
+from .cache_names import cache_parameter
 from .patching import forwards_replaced
 
 

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from ..hf.cache_names import cache_parameter
+from .cache_names import cache_parameter
 from .indexer import PerQueryIndexers
 
 # Models whose pass over several tokens after a filled cache does not compute what one-token steps compute, so that

@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from .calibration import lower_median
-from .profile import profile_of
+from ..machine.timing import lower_median
+from ..machine.profile import profile_of
 
 EVERY = 32  # one pass of a shape in this many runs with the thread count not chosen, to measure it again
 KEEP = 4  # recent passes kept per shape and thread count

@@ -13,9 +13,9 @@ from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, chi_square_p_value, 
 from tiny_models import VOCAB, tiny_model
 
 import specula
-from specula.core import loop
+from specula.decoding import loop
 from specula.verifier.runner import UnsupportedModelError
-from specula.core.loop import MAX_DRAFT
+from specula.decoding.loop import MAX_DRAFT
 
 NEW_TOKENS = 24
 PAD = 0  # the tiny models' pad_token_id
@@ -257,7 +257,7 @@ def test_a_pass_with_a_row_whose_drafts_are_drawn_at_random_is_sized_without_mea
     row: every pass it is in weighs no measured cost, so that its seed reproduces it; once it ended, the greedy
     row's passes follow the measured costs again."""
     rows = prompts()
-    decoder = specula.Decoder(model("llama"), NoisyModelDrafter(model("llama"), 2), slots=2)
+    decoder = specula.Decoder(model("llama"), NoisyModelDrafter(model("llama"), 2), slots=2).prepare()
     weighed = []  # (a row of the pass draws its drafts, the pass was weighed by measured costs)
     decide = decoder.policy._costs
 

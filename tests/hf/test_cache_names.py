@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specula.hf.cache_names import cache_in, cache_parameter
+from specula.verifier.cache_names import cache_in, cache_parameter
 
 # Runs in a fresh interpreter: transformers logs each deprecation once per process, so an earlier test would hide it.
 _RUN_EVERY_PATH = """

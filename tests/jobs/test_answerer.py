@@ -10,7 +10,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 import specula
 from specula.jobs import answerer as answerer_module
 from specula.policy import batch_size as batch_size_module
-from specula.verifier import calibration
+from specula.machine import store
 from specula.jobs.answerer import Answerer, Settings
 from specula.jobs.requests import parse_request
 
@@ -54,13 +54,11 @@ def test_a_batch_size_given_is_never_measured(monkeypatch) -> None:
 
 @pytest.mark.parametrize("dtype, exact, kept", [(torch.bfloat16, False, True), (torch.bfloat16, True, False),
                                                 (torch.float32, None, False)])
-def test_where_the_batch_size_changes_answers_it_is_measured_once_and_kept(monkeypatch, tmp_path, dtype, exact,
+def test_where_the_batch_size_changes_answers_it_is_measured_once_and_kept(fresh_store, monkeypatch, tmp_path, dtype, exact,
                                                                             kept) -> None:
     """A first run measures size 2 (the machine busy), a later process would measure 4 (quiet): in ordinary bf16,
     where rows round by the size of their pass, every run takes the kept 2 and answers alike; where the size changes
     nothing (row-exact, fp32), it is measured per run (the mutant measuring per run in ordinary bf16 fails)."""
-    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "calibrations.json"))
-    calibration.forget()
     sizes = iter([2, 4, 4, 4])
     monkeypatch.setattr(batch_size_module, "fastest_batch_size", lambda model, largest, **kwargs: next(sizes))
     monkeypatch.setattr(answerer_module, "fastest_batch_size", lambda model, largest, **kwargs: next(sizes))
@@ -68,7 +66,7 @@ def test_where_the_batch_size_changes_answers_it_is_measured_once_and_kept(monke
                 for n in range(4)]
     runs = []
     for _ in range(2):  # (the second as a new process: the calibrations from the file)
-        calibration.forget()
+        store.forget()
         model = tiny_model("llama").to(dtype)
         answerer = Answerer(model, tiny_tokenizer(), specula.PromptLookup(), Settings(max_new_tokens=6, exact=exact),
                             on_skip=lambda request, reason: None)
@@ -77,4 +75,4 @@ def test_where_the_batch_size_changes_answers_it_is_measured_once_and_kept(monke
     assert [slots for _, slots in runs] == ([2, 2] if kept else [2, 4])
     if kept:
         assert runs[0][0] == runs[1][0]
-    calibration.forget()
+    store.forget()

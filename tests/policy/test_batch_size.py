@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import types
 
 import pytest
 from architectures import tiny_causal_lm
 from tiny_models import tiny_model
 
+from specula.machine import timing
 from specula.policy import batch_size
-from specula.verifier.profile import profile_of
+from specula.machine.profile import profile_of
 from specula.verifier.runner import CachedModel
 
 
@@ -21,7 +21,7 @@ from specula.verifier.runner import CachedModel
 ])
 def test_the_fastest_batch_size_follows_the_pass_costs(monkeypatch, cost, expected) -> None:
     clock = [0.0]
-    monkeypatch.setattr(batch_size, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(timing, "CLOCK", lambda: clock[0])
     forward_rows = CachedModel.forward_rows
 
     def timed(self, blocks, num_logits):
@@ -41,7 +41,7 @@ def test_a_machine_that_gets_busy_during_the_measurement_does_not_change_the_siz
     slower: each size is weighed against a one-row pass timed at about the same moment, so the load changes
     nothing. (The mutant that compares the sizes' own rates stops at the size measured before the load.)"""
     clock, passes = [0.0], [0]
-    monkeypatch.setattr(batch_size, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(timing, "CLOCK", lambda: clock[0])
     forward_rows = CachedModel.forward_rows
 
     def timed(self, blocks, num_logits):

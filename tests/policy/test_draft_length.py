@@ -13,15 +13,14 @@ from tiny_models import VOCAB, tiny_model
 
 import specula
 from specula import Draft
-from specula.core.loop import MAX_DRAFT
+from specula.decoding.loop import MAX_DRAFT
 from specula.policy import costs
 from specula.policy.acceptance import RANKS, RequestAcceptance
 from specula.policy.adaptive import AdaptiveDrafts, budgets, choose_lengths
 from specula.policy.costs import KEPT, PassCosts, shared_pass_costs
 from specula.policy.protocol import Step
 from specula.hf.inputs import left_padded
-from specula.verifier import calibration
-from specula.verifier.profile import profile_of
+from specula.machine import store
 
 PROMPT = [1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]
 
@@ -229,7 +228,7 @@ def test_step_costs_are_shared_per_model_and_setting() -> None:
 def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) -> None:
     target = tiny_model("llama", seed=3)
     tables = []
-    loop = importlib.import_module("specula.core.loop")
+    loop = importlib.import_module("specula.decoding.loop")
 
     def recording(*args, **kwargs):
         tables.append(shared_pass_costs(*args, **kwargs))
@@ -266,8 +265,7 @@ def test_a_new_process_starts_from_the_costs_a_run_kept() -> None:
     expected = hf_greedy(target, prompt, 12, eos_token_id=[])
     first = specula.generate(target, prompt, Oracle(expected, 8), max_new_tokens=12, eos_token_id=[])
     measured = shared_pass_costs(target, (target.device, target.dtype), MAX_DRAFT).table()
-    profile_of(target).step_seconds.clear()
-    calibration.forget()
+    store.forget()  # a new process
     primed = shared_pass_costs(target, (target.device, target.dtype), MAX_DRAFT)
     assert measured and primed.prior == measured
     assert primed.explored_width() > 0 == PassCosts(1, primed.size).explored_width()
@@ -319,7 +317,7 @@ def test_untimed_passes_send_drafts_by_acceptance_alone() -> None:
 def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch) -> None:
     target = tiny_model("llama", seed=5)
     tables = {}
-    loop = importlib.import_module("specula.core.loop")
+    loop = importlib.import_module("specula.decoding.loop")
 
     def recording(*args):
         tables[args[-1]] = shared_pass_costs(*args)  # (the loop passes the number of rows last)
@@ -419,8 +417,8 @@ def test_sampling_sends_no_drafts_where_passes_cost_more_than_they_gain() -> Non
     out = specula.generate(target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[],
                            temperature=0.7)
     assert out.stats.drafted == 0 and torch.equal(out.sequences, expected)
-    profile_of(target).step_seconds.clear()  # nothing measured yet (nor kept): the passes it times show that the
-    calibration.shared().drop(KEPT)  # drafts pay
+    store.forget()  # nothing measured yet (nor kept): the passes it times show that the drafts pay
+    store.shared().drop(KEPT)
     torch.manual_seed(0)
     out = specula.generate(target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[],
                            temperature=0.7)

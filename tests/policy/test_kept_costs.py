@@ -13,19 +13,17 @@ import specula
 from specula.policy import kept_costs
 from specula.policy.acceptance import RequestAcceptance
 from specula.policy.adaptive import choose_lengths
-from specula.verifier import calibration
+from specula.machine import store, timing
 from specula.verifier.runner import CachedModel
 
 
 @pytest.fixture
-def kept(monkeypatch, tmp_path):
+def kept(fresh_store, monkeypatch, tmp_path):
     """Kept tables come from ``table[0]`` (ratios by :data:`kept_costs.WIDTHS`); counts the measurements."""
-    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "calibrations.json"))
-    calibration.forget()
     table, measured = [None], []
     monkeypatch.setattr(kept_costs, "_measure", lambda m, rows=1: measured.append(m) or table[0])
     yield table, measured
-    calibration.forget()
+    store.forget()
 
 
 def test_dear_passes_send_no_drafts_and_cheap_ones_do(kept) -> None:
@@ -36,9 +34,9 @@ def test_dear_passes_send_no_drafts_and_cheap_ones_do(kept) -> None:
     dear = specula.generate(model("llama"), prompt(), Oracle(reference, 8), max_new_tokens=NEW_TOKENS,
                             eos_token_id=[], exact=False)
     assert dear.stats.drafted == 0 and len(measured) == 1
-    calibration.forget()
+    store.forget()
     table[0] = [1.0] * len(kept_costs.WIDTHS)  # as cheap as one token (another machine, another file)
-    calibration.shared().known.clear()
+    store.shared().known.clear()
     cheap = specula.generate(model("llama"), prompt(), Oracle(reference, 8), max_new_tokens=NEW_TOKENS,
                              eos_token_id=[], exact=False)
     assert cheap.stats.accepted > NEW_TOKENS // 2 and len(measured) == 2
@@ -49,7 +47,7 @@ def test_the_table_is_kept_so_every_run_decides_alike(kept) -> None:
     table[0] = [1.0, 1.3, 1.6, 2.0, 2.8, 4.0, 7.0]
     runs = [specula.generate(model("qwen2"), prompt(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS,
                              eos_token_id=[], exact=False) for _ in range(2)]
-    calibration.forget()  # as a new process: from the file
+    store.forget()  # as a new process: from the file
     runs.append(specula.generate(model("qwen2"), prompt(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS,
                                  eos_token_id=[], exact=False))
     assert len(measured) == 1
@@ -57,10 +55,8 @@ def test_the_table_is_kept_so_every_run_decides_alike(kept) -> None:
     assert [run.stats.drafted for run in runs] == [runs[0].stats.drafted] * 3
 
 
-def test_the_measurement_times_each_width_against_a_one_token_pass(monkeypatch, tmp_path) -> None:
+def test_the_measurement_times_each_width_against_a_one_token_pass(fresh_store, monkeypatch, tmp_path) -> None:
     """On a fake clock where a pass over n tokens costs 1 + (n - 1) / 4, the kept ratios are exactly that."""
-    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "calibrations.json"))
-    calibration.forget()
     now = [0.0]
     forward_rows = CachedModel.forward_rows
 
@@ -69,12 +65,12 @@ def test_the_measurement_times_each_width_against_a_one_token_pass(monkeypatch, 
         return forward_rows(self, blocks, num_logits, *args, **kwargs)
 
     monkeypatch.setattr(CachedModel, "forward_rows", timed)
-    monkeypatch.setattr(calibration, "CLOCK", lambda: now[0])
+    monkeypatch.setattr(timing, "CLOCK", lambda: now[0])
     costs = kept_costs.kept_pass_costs(model("llama"), 32)
     assert costs.ratios()[[w - 1 for w in kept_costs.WIDTHS]].tolist() == [1 + (w - 1) / 4 for w in kept_costs.WIDTHS]
     costs.record(2, 100.0)  # nothing is recorded into a kept table
     assert costs.ratios()[1] == 1.25
-    calibration.forget()
+    store.forget()
 
 
 def test_no_draft_is_longer_than_the_widest_pass_kept(kept) -> None:
@@ -106,17 +102,15 @@ def test_batches_send_drafts_where_their_kept_wide_passes_are_cheap_and_none_whe
 
     table[0] = [1.0] + [10.0] * (len(kept_costs.WIDTHS) - 1)
     assert drafted() == 0 and len(measured) == 3  # (the one-row, two-row and four-row tables, measured once each)
-    calibration.forget()
-    calibration.shared().known.clear()
+    store.forget()
+    store.shared().known.clear()
     table[0] = [1.0] * len(kept_costs.WIDTHS)
     assert drafted() > NEW_TOKENS
 
 
-def test_a_batch_table_times_its_rows_against_a_one_token_pass_of_as_many(monkeypatch, tmp_path) -> None:
+def test_a_batch_table_times_its_rows_against_a_one_token_pass_of_as_many(fresh_store, monkeypatch, tmp_path) -> None:
     """On a fake clock where a pass costs 1 + (its tokens beyond one a row) / 8, the four-row table holds exactly
     that, up to 17 tokens a row; five rows interpolate between the four-row and eight-row tables."""
-    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "calibrations.json"))
-    calibration.forget()
     now = [0.0]
     forward_rows = CachedModel.forward_rows
 
@@ -125,12 +119,12 @@ def test_a_batch_table_times_its_rows_against_a_one_token_pass_of_as_many(monkey
         return forward_rows(self, blocks, num_logits, *args, **kwargs)
 
     monkeypatch.setattr(CachedModel, "forward_rows", timed)
-    monkeypatch.setattr(calibration, "CLOCK", lambda: now[0])
+    monkeypatch.setattr(timing, "CLOCK", lambda: now[0])
     costs = kept_costs.kept_pass_costs(model("llama"), 32, rows=5)
     widths = kept_costs.widths(4)
     assert widths[-1] == 17 and costs.explored_width() == 16
     assert costs.ratios()[[5 * w - 5 for w in widths]].tolist() == pytest.approx([1 + (w - 1) * 5 / 8 for w in widths])
-    calibration.forget()
+    store.forget()
 
 
 def test_the_speedup_over_plain_decoding_is_estimated_from_the_kept_costs(kept) -> None:
@@ -142,7 +136,7 @@ def test_the_speedup_over_plain_decoding_is_estimated_from_the_kept_costs(kept) 
     model_ = model("llama")
     reference = model_.generate(prompt(), attention_mask=torch.ones_like(prompt()), do_sample=False,
                                 max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0)
-    decoder = specula.Decoder(model_, Oracle(reference, 8), exact=False)
+    decoder = specula.Decoder(model_, Oracle(reference, 8), exact=False).prepare()
     steps = []  # (tokens the pass computed, its seconds)
     learn = decoder.policy.learn
     decoder.policy.learn = lambda step: steps.append((step.tokens, step.seconds)) or learn(step)

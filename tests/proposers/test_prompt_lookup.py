@@ -139,7 +139,7 @@ def test_warm_up_loads_the_kernels_the_proposers_call():
 
     script = """
 import numpy as np
-from specula.core.prediction import Prediction
+from specula.proposers.prediction import Prediction
 from specula.proposers import kernels
 from specula.proposers.prompt_lookup import PromptLookup
 kernels.warm_up()

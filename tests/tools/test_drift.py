@@ -9,7 +9,7 @@ from bf16_cases import NEW_TOKENS, model, prompt, reference
 from helpers import Oracle
 
 from specula import cli
-from specula.hf.cache_names import cache_in
+from specula.verifier.cache_names import cache_in
 from specula.tools.drift import drift
 
 

@@ -1,5 +1,5 @@
 """Row-exact strategies: only exact ones are ever chosen, the cheapest of them by the clock, and calibrations are
-kept on disk per machine, torch, shape and dtype (specula.verifier.calibration, specula.verifier.row_exact)."""
+kept on disk per machine, torch, shape and dtype (specula.machine.store, specula.verifier.row_exact)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import specula
 from specula.verifier.row_exact import attention, grouping, linear
-from specula.verifier import calibration
+from specula.machine import store, timing
 from specula.policy.costs import shared_pass_costs
-from specula.core.loop import MAX_DRAFT
+from specula.decoding.loop import MAX_DRAFT
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -97,7 +97,7 @@ def _calibrate_with_costs(monkeypatch, block_sums: bool, costs: dict[int, float]
         clock.now += costs[width]
         return grouped(module, query, key, value, ends, width, **kwargs)
 
-    monkeypatch.setattr(calibration, "CLOCK", clock)
+    monkeypatch.setattr(timing, "CLOCK", clock)
     monkeypatch.setattr(grouping, "_grouped_sdpa", timed)
     return grouping._calibrate_attention(_Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16,
                                          torch.device("cpu"), {})
@@ -121,7 +121,7 @@ def test_linear_layers_take_the_cheaper_exact_strategy(monkeypatch) -> None:
             return super().forward(x)
 
     layer = Timed(1536, 64, bias=False).to(torch.bfloat16)
-    monkeypatch.setattr(calibration, "CLOCK", clock)
+    monkeypatch.setattr(timing, "CLOCK", clock)
     monkeypatch.setattr(linear, "exact_rows", lambda layer, compute=None: 1 if compute is None else 33)
     for by_columns_cost, expected in ((1.0, True), (100.0, False)):
         def by_columns(weight_t, bias, x, cost=by_columns_cost):
@@ -132,38 +132,34 @@ def test_linear_layers_take_the_cheaper_exact_strategy(monkeypatch) -> None:
         assert found["by_columns"] is expected and (found["rows"], found["columns"]) == (1, 33)
 
 
-def test_calibrations_are_kept_and_made_again_when_what_they_depend_on_changes(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "row_exact.json"))
-    calibration.forget()
+def test_calibrations_are_kept_and_made_again_when_what_they_depend_on_changes(fresh_store, monkeypatch, tmp_path) -> None:
     made = []
-    key = calibration.calibration_key(torch.device("cpu"), "attention", 4, 2, 16, torch.bfloat16, None)
-    assert calibration.shared().get(key, lambda: made.append(1) or {"width": 4}) == {"width": 4}
-    calibration.forget()  # a new process: read from the file, not made again
-    assert calibration.shared().get(key, lambda: made.append(1) or {"width": 8}) == {"width": 4}
-    assert len(made) == 1 and key in json.loads((tmp_path / "row_exact.json").read_text())
+    key = store.key(torch.device("cpu"), "attention", 4, 2, 16, torch.bfloat16, None)
+    assert store.shared().get(key, lambda: made.append(1) or {"width": 4}) == {"width": 4}
+    store.forget()  # a new process: read from the file, not made again
+    assert store.shared().get(key, lambda: made.append(1) or {"width": 8}) == {"width": 4}
+    assert len(made) == 1 and key in json.loads(fresh_store.read_text())
     changed = [
-        calibration.calibration_key(torch.device("cpu"), "attention", 4, 2, 16, torch.float16, None),  # dtype
-        calibration.calibration_key(torch.device("cpu"), "attention", 8, 2, 16, torch.bfloat16, None),  # shape
+        store.key(torch.device("cpu"), "attention", 4, 2, 16, torch.float16, None),  # dtype
+        store.key(torch.device("cpu"), "attention", 8, 2, 16, torch.bfloat16, None),  # shape
     ]
     monkeypatch.setattr(torch, "__version__", "99.0")
-    changed.append(calibration.calibration_key(torch.device("cpu"), "attention", 4, 2, 16, torch.bfloat16, None))
-    monkeypatch.setattr(calibration, "PASSES", calibration.PASSES + 1)  # specula computes its passes otherwise
-    changed.append(calibration.calibration_key(torch.device("cpu"), "attention", 4, 2, 16, torch.bfloat16, None))
-    monkeypatch.setattr(calibration, "device_name", lambda device: "another CPU")
-    changed.append(calibration.calibration_key(torch.device("cpu"), "attention", 4, 2, 16, torch.bfloat16, None))
+    changed.append(store.key(torch.device("cpu"), "attention", 4, 2, 16, torch.bfloat16, None))
+    monkeypatch.setattr(store, "PASSES", store.PASSES + 1)  # specula computes its passes otherwise
+    changed.append(store.key(torch.device("cpu"), "attention", 4, 2, 16, torch.bfloat16, None))
+    monkeypatch.setattr(store, "device_name", lambda device: "another CPU")
+    changed.append(store.key(torch.device("cpu"), "attention", 4, 2, 16, torch.bfloat16, None))
     for other in changed:
-        assert other != key and calibration.shared().get(other, lambda: made.append(1) or {"width": 1}) == {"width": 1}
+        assert other != key and store.shared().get(other, lambda: made.append(1) or {"width": 1}) == {"width": 1}
     assert len(made) == 1 + len(changed)
-    calibration.forget()
+    store.forget()
 
 
-def test_a_pass_that_calibrates_is_not_taken_for_what_passes_cost(monkeypatch, tmp_path) -> None:
+def test_a_pass_that_calibrates_is_not_taken_for_what_passes_cost(fresh_store, monkeypatch, tmp_path) -> None:
     """The first row-exact pass calibrates attention, which takes seconds on a real model. Timed, that pass made
     the cost model take drafts for ruinous and never send one again (Qwen2.5-Coder-1.5B on a 2-core EPYC: 0.99x
     HF greedy on the first run, 2.05x on later ones). Here calibrating takes a second longer than it does: no pass
     cost the cost model keeps may include it (the mutant that times every pass keeps a cost over a second)."""
-    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "row_exact.json"))
-    calibration.forget()
     calibrate = grouping._calibrate_attention
 
     def slow(*args, **kwargs):
@@ -177,10 +173,10 @@ def test_a_pass_that_calibrates_is_not_taken_for_what_passes_cost(monkeypatch, t
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     prompt = torch.arange(3, 35).repeat(4)[None]
     out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=24, eos_token_id=[], exact=True)
-    assert calibration.shared().made > 0 and out.stats.steps > 1
+    assert store.shared().made > 0 and out.stats.steps > 1
     costs = shared_pass_costs(model, (model.device, model.dtype), MAX_DRAFT)
     assert costs.samples and max(seconds for samples in costs.samples.values() for _, seconds in samples) < 1.0
-    calibration.forget()
+    store.forget()
 
 
 def test_calibrating_draws_none_of_torchs_global_random_numbers() -> None:

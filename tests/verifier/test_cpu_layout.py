@@ -10,6 +10,7 @@ from helpers import Oracle, hf_greedy
 from tiny_models import ARCHITECTURES, tiny_model
 
 import specula
+from specula.machine import store
 from specula.verifier import cpu_layout
 
 PROMPT = torch.tensor([[1, 40, 3, 77, 12, 55, 23, 9, 60, 14]])
@@ -76,23 +77,25 @@ def test_real_timing_runs_and_generation_stays_exact(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
 
 
-def test_decision_remembered_per_machine_and_shapes(monkeypatch, tmp_path):
-    decisions = tmp_path / "cpu_layout.json"
+def test_decision_remembered_per_machine_and_shapes(fresh_store, monkeypatch):
     with_costs(monkeypatch, as_is=100.0, transposed=50.0)
-    assert specula.tune_cpu_layout(tiny_model("llama"), decisions=decisions) is True
+    assert specula.tune_cpu_layout(tiny_model("llama"), remember=True) is True
 
     monkeypatch.setattr(cpu_layout, "_pass_cost_ms", lambda model, repeats: pytest.fail("timed again"))
     model = tiny_model("llama", seed=1)  # other weights, same shapes: the decision stands
-    assert specula.tune_cpu_layout(model, decisions=decisions) is True
+    assert specula.tune_cpu_layout(model, remember=True) is True
     assert all(column_major(w) for w in linear_weights(model))
 
     with_costs(monkeypatch, as_is=100.0, transposed=95.0)  # other shapes: timed, and remembered beside the first
-    assert specula.tune_cpu_layout(tiny_model("gpt2"), decisions=decisions) is False
-    assert sorted(json.loads(decisions.read_text()).values()) == [False, True]
+    assert specula.tune_cpu_layout(tiny_model("gpt2"), remember=True) is False
+    kept = {key: value for key, value in json.loads(fresh_store.read_text()).items() if '"cpu layout"' in key}
+    assert sorted(kept.values()) == [False, True]
+    store.forget()  # a new process: the decisions read from the file
+    monkeypatch.setattr(cpu_layout, "_pass_cost_ms", lambda model, repeats: pytest.fail("timed again"))
+    assert specula.tune_cpu_layout(tiny_model("gpt2"), remember=True) is False
 
 
-def test_unreadable_decisions_file_means_timing_again(monkeypatch, tmp_path):
-    decisions = tmp_path / "cpu_layout.json"
-    decisions.write_text("{not json")
+def test_unreadable_measurements_file_means_timing_again(fresh_store, monkeypatch):
+    fresh_store.write_text("{not json")
     with_costs(monkeypatch, as_is=100.0, transposed=50.0)
-    assert specula.tune_cpu_layout(tiny_model("llama"), decisions=decisions) is True
+    assert specula.tune_cpu_layout(tiny_model("llama"), remember=True) is True

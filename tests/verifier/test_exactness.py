@@ -13,20 +13,13 @@ import torch
 from bf16_cases import NEW_TOKENS, model, prompt
 
 import specula
-from specula.verifier import calibration, exactness
+from specula.machine import store, timing
+from specula.verifier import exactness
 from specula.verifier.runner import CachedModel
 
 
 @pytest.fixture
-def fresh_calibrations(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "calibrations.json"))
-    calibration.forget()
-    yield tmp_path / "calibrations.json"
-    calibration.forget()
-
-
-@pytest.fixture
-def exact_costs(monkeypatch, fresh_calibrations):
+def exact_costs(monkeypatch, fresh_store):
     """Makes a row-exact pass cost ``costs[0]`` times an ordinary one on a fake clock (each pass advances it by 1.0,
     or by that many if row-exact), with the real measurement around it; records how often it was measured."""
     costs, measured, now = [1.0], [], [0.0]
@@ -38,7 +31,7 @@ def exact_costs(monkeypatch, fresh_calibrations):
 
     measure = exactness._measure
     monkeypatch.setattr(CachedModel, "forward_rows", timed)
-    monkeypatch.setattr(calibration, "CLOCK", lambda: now[0])
+    monkeypatch.setattr(timing, "CLOCK", lambda: now[0])
     monkeypatch.setattr(exactness, "_measure", lambda m: measured.append(m) or measure(m))
     return costs, measured
 
@@ -70,15 +63,15 @@ def test_fp32_is_ordinary_unmeasured_and_plain_decoding_is_exact(exact_costs) ->
     assert out.stats.exactness.exact and out.stats.exactness.reason == "plain" and not measured
 
 
-def test_the_cost_is_measured_once_per_machine_and_model_and_kept(exact_costs, fresh_calibrations) -> None:
+def test_the_cost_is_measured_once_per_machine_and_model_and_kept(exact_costs, fresh_store) -> None:
     costs, measured = exact_costs
     costs[0] = 1.5
     assert not exactness.choose(model("llama"), None).exact
     costs[0] = 1.0  # a later measurement would choose otherwise: none is made
     assert not exactness.choose(model("llama"), None).exact
-    calibration.forget()  # as a new process on this machine: from the file
+    store.forget()  # as a new process on this machine: from the file
     assert not exactness.choose(model("llama"), None).exact and len(measured) == 1
-    assert any('"exact pass"' in key for key in json.loads(fresh_calibrations.read_text()))
+    assert any('"exact pass"' in key for key in json.loads(fresh_store.read_text()))
     exactness.choose(model("qwen2"), None)  # another model: its own measurement
     assert len(measured) == 2
 

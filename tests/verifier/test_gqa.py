@@ -12,7 +12,7 @@ from helpers import Oracle, hf_greedy
 from tiny_models import tiny_model
 
 import specula
-from specula.verifier import calibration
+from specula.machine import store, timing
 from specula.verifier import gqa as gqa_module
 from specula.verifier.gqa import unrepeated_kv_heads
 from specula.verifier.runner import CachedModel
@@ -77,14 +77,11 @@ def test_ordinary_passes_over_several_tokens_only(calls) -> None:
     assert len(calls) == seen
 
 
-def test_left_to_transformers_where_not_faster(monkeypatch, tmp_path) -> None:
+def test_left_to_transformers_where_not_faster(fresh_store, monkeypatch, tmp_path) -> None:
     """A machine where attention without repeated heads is slower either way (a fake clock charges both more) keeps
     transformers' SDPA function; the answer is kept with the calibrations."""
-    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(tmp_path / "calibrations.json"))
-    calibration.forget()
-    monkeypatch.setattr(gqa_module, "_WAYS", {})
     now = [0.0]
-    monkeypatch.setattr(calibration, "CLOCK", lambda: now[0])
+    monkeypatch.setattr(timing, "CLOCK", lambda: now[0])
     inner, seen = gqa_module._grouped, []
 
     def dear(way, q, *rest):
@@ -98,11 +95,11 @@ def test_left_to_transformers_where_not_faster(monkeypatch, tmp_path) -> None:
     runner.start_row(0, PROMPT[0, :20])
     runner.forward_rows([PROMPT[0, 20:28]], [8])
     timed = len(seen)
-    assert timed == 2 * (calibration.TIMING_REPEATS + 1)  # (the calibration's own calls: a warm-up, the timed ones)
-    assert any("grouped attention" in key and value == "repeated" for key, value in calibration.shared().known.items())
+    assert timed == 2 * (timing.TIMING_REPEATS + 1)  # (the calibration's own calls: a warm-up, the timed ones)
+    assert any("grouped attention" in key and value == "repeated" for key, value in store.shared().known.items())
     runner.forward_rows([PROMPT[0, 28:32]], [4])
     assert len(seen) == timed
-    calibration.forget()
+    store.forget()
 
 
 def test_the_model_attention_is_restored() -> None:

@@ -12,7 +12,7 @@ from tiny_models import tiny_model
 
 import specula
 from specula.verifier import packed as packed_module
-from specula.verifier.profile import profile_of
+from specula.machine.profile import profile_of
 
 PROMPT = torch.tensor([[1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8] * 2])
 
@@ -73,9 +73,9 @@ def test_a_weight_changed_in_place_or_replaced_is_packed_again(always_packed) ->
 
 def test_nothing_is_packed_beyond_the_memory_budget(always_packed, monkeypatch) -> None:
     model = copy.deepcopy(tiny_model("llama"))
-    monkeypatch.setattr(packed_module, "_spare_bytes", lambda device: 0)
+    monkeypatch.setattr(packed_module, "spare_bytes", lambda device: 0)
     assert packed_module.packed_for(model) is None
     profile_of(model).packed = None
-    monkeypatch.setattr(packed_module, "_spare_bytes", lambda device: 10**12)
+    monkeypatch.setattr(packed_module, "spare_bytes", lambda device: 10**12)
     layers = packed_module.packed_for(model).layers
     assert len(layers) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())

@@ -15,19 +15,18 @@ from helpers import TreeOracle, AlwaysWrong, Oracle, exact_generate, hf_greedy
 
 import numpy as np
 import specula
-from specula.verifier.profile import _PROFILES
+from specula.machine import store
 import specula.verifier.row_exact as row_exact_module
 from specula.policy.costs import shared_pass_costs
 from specula.tools.probe import probe
-from specula.core.loop import MAX_DRAFT
+from specula.decoding.loop import MAX_DRAFT
 from specula.verifier.calibration import spread
 from specula.verifier.row_exact import head as head_module, linear as linear_module
 from specula.verifier.row_exact.attention import RowAttention, _PassAttention
 
 def forget_row_exact() -> None:
     """Row-exact kernels are built again for every model (after a test patched how they are built)."""
-    for profile in _PROFILES.values():
-        profile.row_exact = None
+    store.forget()
 
 
 def speculate(name: str, proposer, dtype: torch.dtype = torch.bfloat16, **kwargs) -> specula.GenerateOutput:
@@ -95,7 +94,7 @@ def test_grouping_rows_past_the_kernels_vector_tail_is_caught(monkeypatch) -> No
 
 def test_row_by_row_where_column_major_copies_do_not_fit(monkeypatch) -> None:
     """With no memory to spare, row-major weights are not copied: their layers compute row by row, still exact."""
-    monkeypatch.setattr(linear_module, "_spare_bytes", lambda device: 0)
+    monkeypatch.setattr(linear_module, "spare_bytes", lambda device: 0)
     forget_row_exact()
     ref = reference("llama")
     with warnings.catch_warnings(record=True):
@@ -245,8 +244,8 @@ def test_no_timed_pass_computes_the_head_norms(monkeypatch) -> None:
     ref = hf_greedy(model, prompt, 40, eos_token_id=[])
     forget_row_exact()
     out = exact_generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[])
-    forget_row_exact()
     costs = shared_pass_costs(model, (model.device, model.dtype), MAX_DRAFT)
+    forget_row_exact()
     assert out.sequences.tolist() == ref.tolist() and out.stats.accepted > 0
     assert costs.samples and max(seconds for samples in costs.samples.values() for _, seconds in samples) < 1.0
 

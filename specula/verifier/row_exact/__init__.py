@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .. import calibration
+from ...machine import store
 from ..calibration import CALIBRATION_ROWS
-from ..profile import profile_of
+from ...machine.profile import profile_of
 from .attention import SUPPORTED_ATTENTION, RowAttention
 from .head import _Head, _HeadPass
 from .linear import _ExactLinear, exact_linears, exact_rows, installed
@@ -100,7 +100,7 @@ def row_exact_for(model: torch.nn.Module) -> RowExact:
     profile = profile_of(model)
     if profile.row_exact is None or profile.row_exact[0] != setting:  # (again after model.to() or a new attention)
         profile.row_exact = (setting, RowExact(model))
-        calibration.shared().tell()
+        store.shared().tell()
     return profile.row_exact[1]
 
 

@@ -17,8 +17,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .. import calibration
-from ..calibration import TIMED_ROWS, calibration_key
+from ...machine import store
+from ..calibration import TIMED_ROWS
 from .grouping import _calibrate_attention, _group_plan, _grouped_sdpa
 
 # Attention implementations whose one-token calls RowExact can repeat row by row (HF's sdpa and eager functions).
@@ -74,11 +74,11 @@ class RowAttention:
         geometry = (query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device, kwargs.get("scaling"))
         if geometry not in self._group_widths:
             heads, kv_heads, dim, dtype, device, scaling = geometry
-            found = calibration.shared().get(
-                calibration_key(device, "attention", heads, kv_heads, dim, dtype, scaling),
+            found = store.shared().get(
+                store.key(device, "attention", heads, kv_heads, dim, dtype, scaling),
                 lambda: _calibrate_attention(module, sdpa, heads, kv_heads, dim, dtype, device, kwargs),
             )
-            calibration.shared().tell()
+            store.shared().tell()
             self._group_widths[geometry] = found["width"]
             self.attention_ms[getattr(module, "layer_idx", id(module))] = (found["exact_ms"], found["ordinary_ms"])
         return self._group_widths[geometry]

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..calibration import TIMED_KEYS, TIMED_ROWS, cheapest, seconds_of, spread
+from ...machine.timing import cheapest, seconds_of
+from ..calibration import TIMED_KEYS, TIMED_ROWS, spread
 
 
 def _group_plan(ends: list[list[int]], width: int, device: torch.device, skip: frozenset = frozenset()) -> list[tuple]:

@@ -16,8 +16,11 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from ...machine import store
+from ...machine.memory import spare_bytes
 from .. import calibration
-from ..calibration import CALIBRATION_ROWS, TIMED_ROWS, calibration_key, cheapest, seconds_of, spread
+from ...machine.timing import cheapest, seconds_of
+from ..calibration import CALIBRATION_ROWS, TIMED_ROWS, spread
 
 
 @torch.inference_mode()
@@ -96,23 +99,13 @@ def _linear_calibration(layer: torch.nn.Module) -> dict:
     """:func:`_calibrate` for ``layer``'s weight shape on this machine, made once and kept
     (:mod:`specula.verifier.calibration`)."""
     weight = layer.weight
-    key = calibration_key(weight.device, "linear", type(layer).__name__, tuple(weight.shape), weight.stride(),
+    key = store.key(weight.device, "linear", type(layer).__name__, tuple(weight.shape), weight.stride(),
                           weight.dtype, layer.bias is not None)
-    return calibration.shared().get(key, lambda: _calibrate(layer))
+    return store.shared().get(key, lambda: _calibrate(layer))
 
 
 def _needs_copy(layer: torch.nn.Module) -> bool:
     return isinstance(layer, torch.nn.Linear) and not layer.weight.t().is_contiguous()
-
-
-def _spare_bytes(device: torch.device) -> int | None:
-    """Memory free on ``device`` (None where unknown)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        lines = open("/proc/meminfo").read().splitlines()
-        return int(next(line for line in lines if line.startswith("MemAvailable:")).split()[1]) * 1024
-    return None
 
 
 class _ExactLinear:
@@ -173,7 +166,7 @@ def _copied_bytes(plans: list[tuple[torch.nn.Module, dict]], device: torch.devic
     """The bytes of column-major copies of row-major weights, for the layers of ``plans`` computed by columns, where
     they pay, unless they would take half the spare memory (0 then, with a warning)."""
     copies = sum(layer.weight.nbytes for layer, found in plans if found["by_columns"] and _needs_copy(layer))
-    spare = _spare_bytes(device)
+    spare = spare_bytes(device)
     copied = copies if spare is None or copies <= spare // 2 else 0
     if copies and not copied:
         warnings.warn(

@@ -12,9 +12,9 @@ from helpers import hf_greedy
 from tiny_models import VOCAB, tiny_model
 
 import specula
-from specula.core import prediction as prediction_module
+from specula.proposers import prediction as prediction_module
 from specula.core.draft import Draft
-from specula.core.prediction import Prediction, with_prediction
+from specula.proposers.prediction import Prediction, with_prediction
 from specula.proposers.kernels import prediction_lookup
 
 NEW = 60

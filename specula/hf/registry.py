@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:  # (naming and checking proposers import neither torch nor transformers: the CLI checks at once)
     import torch
 
-    from .base import Proposer
+    from ..proposers.base import Proposer
 
 ENTRY_POINT_GROUP = "specula.proposers"
 BUILT_IN = {
@@ -95,7 +95,7 @@ def _plugin_factory(name: str, argument: str | None) -> Callable[[], Proposer]:
     make = _load_plugin(entry)
 
     def fresh() -> Proposer:
-        from .base import Proposer
+        from ..proposers.base import Proposer
 
         try:
             proposer = make() if argument is None else make(argument)
@@ -145,10 +145,10 @@ def proposer_factory(
     name, argument = _parse(spec)
     if name not in _BUILT_IN_NAMES:
         return _plugin_factory(name, argument)
-    from ..hf.loading import load_model
-    from .ngram import NGramPredictor
-    from .prompt_lookup import PromptLookup
-    from .small_model import SmallModelDrafter
+    from ..proposers.ngram import NGramPredictor
+    from ..proposers.prompt_lookup import PromptLookup
+    from ..proposers.small_model import SmallModelDrafter
+    from .loading import load_model
 
     if name == "draft":
         draft_model, draft_tokenizer = load_model(argument, dtype=dtype, device=device)

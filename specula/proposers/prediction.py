@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..proposers.kernels import prediction_lookup
-from .draft import Draft, merged
+from ..core.draft import Draft, merged
+from .kernels import prediction_lookup
 
 MAX_NGRAM = 8  # the longest suffix matched: longer matches win over nearness to the cursor up to this length
 LEAD = 2  # a prediction's draft goes before the other proposer's where its match is at least this long

@@ -14,22 +14,22 @@ import numpy as np
 import torch
 from transformers import StoppingCriteriaList
 
-from ..verifier import calibration
-from .acceptance import accept_draft
-from ..verifier.runner import CachedModel
+from ..core.acceptance import accept_draft
+from ..core.draft import Draft
+from ..core.sampling import Sampling
+from ..core.sequence import Sequence
+from ..core.stats import SpecStats
+from ..machine import store
 from ..policy.adaptive import AdaptiveDrafts, FixedDrafts
 from ..policy.costs import PassCosts, keep_pass_costs, shared_pass_costs
 from ..policy.kept_costs import kept_pass_costs
 from ..policy.protocol import DraftPolicy, Step
-from ..verifier.support import UnsupportedModelError, vocab_size
-from .draft import Draft
-from .prediction import Prediction, with_prediction
-from .sequence import Sequence
 from ..proposers.base import Proposer, RequestFailed, RequestProposer, for_requests
-from ..verifier.exactness import choose
+from ..proposers.prediction import Prediction, with_prediction
+from ..verifier.exactness import Exactness, choose
 from ..verifier.row_exact import is_half_precision
-from .sampling import Sampling
-from .stats import SpecStats
+from ..verifier.runner import CachedModel
+from ..verifier.support import UnsupportedModelError, vocab_size
 
 # The longest draft the loop sends, whatever the proposer's own limit: the cost model sends what pays up to it. Long
 # enough for a prediction's runs where a wide pass costs about one step (accelerators); on the AVX2 EPYC, drafts of up
@@ -96,7 +96,7 @@ class Job:
     # a left-padded prompt decoded alone, fed as model.generate feeds it: (tokens [L], positions [1, max_length],
     # attention mask [1, max_length])
     padded: tuple[np.ndarray, torch.Tensor, torch.Tensor] | None = None
-    prediction: np.ndarray | None = None  # [P] the tokens it expects back, drafted from (specula.core.prediction)
+    prediction: np.ndarray | None = None  # [P] the tokens it expects back, drafted from (specula.proposers.prediction)
 
 
 class Row:
@@ -154,42 +154,54 @@ class Decoder:
         self.model, self.slots = model, slots
         self.proposer = None if proposer is None else for_requests(proposer)
         self.drafts = proposer is not None or predictions  # (predictions: jobs may bring them)
-        # Draft lengths follow measured timings only where the output cannot depend on them: greedy decoding, and
-        # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
-        # that round as one-token steps do (or in fp32, far below the gaps between logits). With ordinary passes in
-        # bf16/fp16 they follow pass costs measured once per machine and kept (by rows and tokens), so that a
-        # request decodes the same on every run; a pass with a row whose drafts are drawn at random (sampled, from
-        # a sampling drafter), acceptance alone.
-        verifies = self.drafts or slots > 1  # (else every pass is a one-token step)
-        self.exactness = choose(model, exact, verifies)
-        self.row_exact = verifies and self.exactness.exact
+        self.verifies = self.drafts or slots > 1  # (else every pass is a one-token step)
+        self.adaptive_draft, self.exact = adaptive_draft, exact
         self._draws = getattr(proposer, "samples_drafts", False)  # (under sampling: drafts drawn at random)
-        timed = self.row_exact or not is_half_precision(model)
-        setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
-        kept = functools.cache(functools.partial(kept_pass_costs, model, MAX_DRAFT))
-        if adaptive_draft and not timed and verifies:
-            for rows in range(1, slots + 1):  # (measured now, where they were not kept: not in a pass)
-                kept(rows)
-
-        def costs(rows: int) -> PassCosts | None:  # measured while decoding, or kept, or none
-            return shared_pass_costs(model, setting, MAX_DRAFT, rows) if timed else kept(rows) \
-                if adaptive_draft and verifies else None
-
-        self.policy: DraftPolicy = (AdaptiveDrafts(MAX_DRAFT, timed, costs) if adaptive_draft
-                                    else FixedDrafts(MAX_DRAFT))
         self.vocab = vocab_size(model)
         self.passes = 0  # target forward passes, prefills included
         self.prefill_seconds = self.step_seconds = 0.0  # time in prefills, and in steps (proposing included)
-        self._costs, self._timed = costs, timed
-        # (measured costs are kept for the next process)
-        self._keep = functools.partial(keep_pass_costs, model, setting, MAX_DRAFT) if timed and adaptive_draft \
-            and verifies else None
         self._needs: dict[int, int] = {}  # by request, in the order they started: plain passes after its prefill
         self._priced: dict[int, list[float]] = {}  # by rows: steps' passes in seconds, and in plain passes of as many
         if proposer is not None:
             proposer.check_target(model)
         self._target: CachedModel | None = None
         self._trees = getattr(proposer, "proposes_trees", False)  # hold a single request as a batch row
+        self.exactness: Exactness | None = None  # (chosen by prepare())
+        self.policy: DraftPolicy | None = None
+        self._costs = self._timed = self._keep = None
+
+    def prepare(self) -> Decoder:
+        """Measure what the loop decides by, where this machine has not yet (:meth:`run` calls it before its first
+        pass; a caller may earlier): whether verification is exact (:func:`~specula.verifier.exactness.choose`), and
+        the kept pass costs that size drafts in ordinary bf16/fp16."""
+        if self.policy is not None:
+            return self
+        model, slots, verifies = self.model, self.slots, self.verifies
+        self.exactness = choose(model, self.exact, verifies)
+        self.row_exact = verifies and self.exactness.exact
+        # Draft lengths follow measured timings only where the output cannot depend on them: greedy decoding, and
+        # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
+        # that round as one-token steps do (or in fp32, far below the gaps between logits). With ordinary passes in
+        # bf16/fp16 they follow pass costs measured once per machine and kept (by rows and tokens), so that a
+        # request decodes the same on every run; a pass with a row whose drafts are drawn at random (sampled, from
+        # a sampling drafter), acceptance alone.
+        timed = self.row_exact or not is_half_precision(model)
+        setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
+        kept = functools.cache(functools.partial(kept_pass_costs, model, MAX_DRAFT))
+        if self.adaptive_draft and not timed and verifies:
+            for rows in range(1, slots + 1):  # (measured now, where they were not kept: not in a pass)
+                kept(rows)
+
+        def costs(rows: int) -> PassCosts | None:  # measured while decoding, or kept, or none
+            return shared_pass_costs(model, setting, MAX_DRAFT, rows) if timed else kept(rows) \
+                if self.adaptive_draft and verifies else None
+
+        self.policy = (AdaptiveDrafts(MAX_DRAFT, timed, costs) if self.adaptive_draft else FixedDrafts(MAX_DRAFT))
+        self._costs, self._timed = costs, timed
+        # (measured costs are kept for the next process)
+        self._keep = functools.partial(keep_pass_costs, model, setting, MAX_DRAFT) if timed and self.adaptive_draft \
+            and verifies else None
+        return self
 
     def _cached_model(self, job: Job, capacity: int) -> CachedModel:
         # position ids as model.generate passes them (some models number tokens wrongly by themselves: Bamba)
@@ -257,6 +269,7 @@ class Decoder:
 
     @torch.inference_mode()
     def run(self, jobs: Iterable[Job]) -> Iterator[tuple[Row, list[int]]]:
+        self.prepare()
         jobs, rows = iter(jobs), []  # rows[i]: row i of the target's batch (None: its request finished)
         try:
             while True:
@@ -317,7 +330,7 @@ class Decoder:
     def _verify(self, rows: list[Row], proposed: list[Draft], sent: list[Draft]) -> list[list[int]]:
         """One pass over each row's last token and sent draft: the tokens each row keeps (the accepted drafts and the
         target's own), the KV cache rolled back past the rest, the policy told."""
-        started, calibrations = time.perf_counter(), calibration.shared().made
+        started, calibrations = time.perf_counter(), store.shared().made
         device = self.model.device
         blocks = [torch.cat([torch.from_numpy(row.sequence.ids[-1:]), draft.tokens]).to(device)
                   for row, draft in zip(rows, sent)]
@@ -332,7 +345,7 @@ class Decoder:
                                [_path(draft, tokens) for draft, tokens in zip(sent, outcomes)])
         # (recurrent state fed again after a rejected draft: a second pass, part of what the step cost)
         seconds = (time.perf_counter() if self._target.feeds_again else verified) - started
-        if calibration.shared().made != calibrations:  # it calibrated row-exact kernels: no measure of its cost
+        if store.shared().made != calibrations:  # it calibrated row-exact kernels: no measure of its cost
             seconds = None
         width = max(map(len, blocks))  # (every row is computed this wide)
         self.policy.learn(Step([row.drafting for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds))

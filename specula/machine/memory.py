@@ -1,0 +1,17 @@
+"""How much memory is free on a device: what bounds the batches, packed copies and exact kernels specula keeps."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def spare_bytes(device: torch.device) -> int | None:
+    """Memory free on ``device`` (None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        lines = open("/proc/meminfo").read().splitlines()
+        return int(next(line for line in lines if line.startswith("MemAvailable:")).split()[1]) * 1024
+    return None
