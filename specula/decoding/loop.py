@@ -82,6 +82,38 @@ def _checked(proposer: Proposer, draft: object, budget: int, vocab: int, where: 
     return draft
 
 
+def propose(policy: DraftPolicy, proposer: RequestProposer | None, rows: list["Row"], vocab: int, batched: bool,
+            takes_trees: bool, asks: bool = True) -> tuple[list[Draft], list[Draft]]:
+    """A pass's first half: each row's proposed draft (its proposer's and its prediction's, sized by ``policy``; none
+    where not ``asks``), and what of it the pass verifies (trees cut to their first branch where the target
+    takes none)."""
+    if not asks:
+        proposed, seconds = [Draft.empty()] * len(rows), [None] * len(rows)
+    else:
+        budgets = policy.budgets([row.drafting for row in rows], [row.sequence.room - 1 for row in rows])
+        proposed, one_call = (_proposed(proposer, rows, budgets, vocab, batched) if proposer is not None
+                              else ([Draft.empty()] * len(rows), 0.0))
+        proposed = [with_prediction(row.prediction.propose(row.output, budget), draft)
+                    if row.prediction is not None and budget > 0 else draft
+                    for row, draft, budget in zip(rows, proposed, budgets)]
+        seconds = [one_call if budget > 0 else None for budget in budgets]
+        for row, asked in zip(rows, seconds):
+            row.stats.draft_time_s += asked or 0.0
+        if not takes_trees:  # (trees need their own masks, and no recurrent state)
+            proposed = [draft.chain() for draft in proposed]
+    picks = policy.trim([row.drafting for row in rows], proposed, seconds)
+    return proposed, [draft.select(tokens) for draft, tokens in zip(proposed, picks)]
+
+
+def advance(row: "Row", proposer: RequestProposer | None, new_tokens: list[int], sent: Draft) -> list[int]:
+    """A pass's last part for one row: append the tokens it gave the row (``sent`` verified) and tell the proposer
+    what the row's output kept; return those."""
+    kept = row.advance(new_tokens, sent)
+    if proposer is not None:
+        proposer.observe_request(row.request, kept, min(len(new_tokens) - 1, len(kept)))
+    return kept
+
+
 @dataclasses.dataclass
 class Job:
     """One request for :class:`Decoder`: a prompt, how its tokens are chosen and what ends its output."""
@@ -237,7 +269,7 @@ class Decoder:
         logits = self._target.start_row(index, torch.from_numpy(feed).to(self._target.device))
         self.passes += 1
         none = Draft.empty()
-        kept = self._append(row, accept_draft(logits, none, row.sampling, self._tokens(row, none)), none)
+        kept = advance(row, self.proposer, accept_draft(logits, none, row.sampling, self._tokens(row, none)), none)
         self.prefill_seconds += time.perf_counter() - started
         return row, kept
 
@@ -308,24 +340,9 @@ class Decoder:
         return [row for row in rows if row is not None]
 
     def _propose(self, rows: list[Row]) -> tuple[list[Draft], list[Draft]]:
-        """Each row's proposed draft, and what of it this pass verifies."""
-        if not self.drafts:
-            proposed = [Draft.empty()] * len(rows)
-            seconds = [None] * len(rows)
-        else:
-            budgets = self.policy.budgets([row.drafting for row in rows], [row.sequence.room - 1 for row in rows])
-            proposed, one_call = (_proposed(self.proposer, rows, budgets, self.vocab, self.slots > 1)
-                                  if self.proposer is not None else ([Draft.empty()] * len(rows), 0.0))
-            proposed = [with_prediction(row.prediction.propose(row.output, budget), draft)
-                        if row.prediction is not None and budget > 0 else draft
-                        for row, draft, budget in zip(rows, proposed, budgets)]
-            seconds = [one_call if budget > 0 else None for budget in budgets]
-            for row, asked in zip(rows, seconds):
-                row.stats.draft_time_s += asked or 0.0
-            if not self._target.takes_trees:  # (trees need their own masks, and no recurrent state)
-                proposed = [draft.chain() for draft in proposed]
-        picks = self.policy.trim([row.drafting for row in rows], proposed, seconds)
-        return proposed, [draft.select(tokens) for draft, tokens in zip(proposed, picks)]
+        """Each row's proposed draft, and what of it this pass verifies (:func:`propose`)."""
+        return propose(self.policy, self.proposer, rows, self.vocab, self.slots > 1,
+                       self._target.takes_trees, asks=self.drafts)
 
     def _verify(self, rows: list[Row], proposed: list[Draft], sent: list[Draft]) -> list[list[int]]:
         """One pass over each row's last token and sent draft: the tokens each row keeps (the accepted drafts and the
@@ -360,17 +377,10 @@ class Decoder:
     def _advance(self, rows: list[Row | None], outcomes: list[list[int]], sent: list[Draft]):
         """Append each row's new tokens and yield what its output kept; a finished row frees its slot."""
         for index, (row, tokens, draft) in enumerate(zip(rows, outcomes, sent)):
-            yield row, self._append(row, tokens, draft)
+            yield row, advance(row, self.proposer, tokens, draft)
             if row.finished:
                 rows[index] = None
                 self._finish(row)
-
-    def _append(self, row: Row, new_tokens: list[int], sent: Draft) -> list[int]:
-        """Append a pass's tokens to ``row`` and tell the proposer what its output kept; return those."""
-        kept = row.advance(new_tokens, sent)
-        if self.proposer is not None:
-            self.proposer.observe_request(row.request, kept, min(len(new_tokens) - 1, len(kept)))
-        return kept
 
     def _finish(self, row: Row) -> None:
         self._needs[row.request] = len(row.output) - 1

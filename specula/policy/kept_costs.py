@@ -30,16 +30,13 @@ ROUNDS = 3
 
 
 class KeptCosts(PassCosts):
-    """A :class:`PassCosts` that holds a kept table: nothing is recorded into it, nothing re-measured, and no draft
-    sent longer than its widest pass measured (``widest`` tokens a row: a wider one's cost is not known, and never
-    will be)."""
+    """A :class:`PassCosts` that holds a kept table (the policy records no pass into it: ``timed=False``), and sends
+    no draft longer than its widest pass measured (``widest`` tokens a row: a wider one's cost is not known, and
+    never will be)."""
 
     def __init__(self, rows: int, size: int, widest: int) -> None:
         super().__init__(rows, size)
         self.widest = widest
-
-    def record(self, tokens: int, seconds: float, tree: bool = False) -> None:
-        pass
 
     def explored_width(self, tree: bool = False) -> int:
         return min(super().explored_width(tree), self.widest - 1)
@@ -69,7 +66,7 @@ def kept_pass_costs(model: torch.nn.Module, max_draft: int, rows: int = 1) -> Ke
     costs = KeptCosts(rows, rows * (max_draft + 1) + 1, widths(more)[-1])
     for width, below, above in zip(widths(more), low, high):
         if rows * width < costs.size:
-            PassCosts.record(costs, rows * width, below + (above - below) * share)
+            costs.record(rows * width, below + (above - below) * share)
     return costs
 
 

@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from ..core.draft import Draft
-from ..core.sampling import Sampling
+from ..decoding.loop import Job, Row, advance, propose
 from ..hf.generate import generate
 from ..hf.loading import load_model
 from ..jobs.requests import encode, load_workloads
 from ..policy.protocol import DraftPolicy, Step
-from ..proposers.base import Proposer
+from ..proposers.base import Proposer, for_requests
 from ..proposers.prompt_lookup import PromptLookup
 
 
@@ -71,23 +71,22 @@ def walk(
 ) -> tuple[int, int, float]:
     """(target passes, drafted tokens, estimated seconds) to produce ``output`` after ``prompt`` with
     ``proposer``, its drafts sized by ``policy``; ``costs[n - 1]`` is what a pass over n tokens costs (the last
-    entry for longer ones). The prefill is the first pass, as in the loop."""
-    states = [policy.start()]
-    proposer.begin(np.asarray(prompt, dtype=np.int64), Sampling())
-    proposer.observe(np.asarray(output[:1], dtype=np.int64), 0)
-    context, passes, drafted, seconds = list(prompt) + output[:1], 1, 0, float(costs[0])
-    while len(context) - len(prompt) < len(output):
-        done = len(context) - len(prompt)
-        budget = policy.budgets(states, [len(output) - done - 1])[0]
-        proposed = Draft.empty()
-        if budget:
-            proposed = proposer.propose(np.asarray(context, dtype=np.int64), budget).cut(budget)
-        sent = proposed.select(policy.trim(states, [proposed], [None])[0])  # (drafting time: not replayed)
-        accepted = len(sent.path(output[done:]))
-        new = output[done : done + accepted + 1]
-        cost = float(costs[min(len(sent), len(costs) - 1)])
-        policy.learn(Step(states, [proposed], [sent], [new], len(sent) + 1, cost))
-        proposer.observe(np.asarray(new, dtype=np.int64), accepted)
-        context += new
-        passes, drafted, seconds = passes + 1, drafted + len(sent), seconds + cost
+    entry for longer ones). The loop's own steps (:func:`~specula.decoding.loop.propose`,
+    :func:`~specula.decoding.loop.advance`) with the pass replayed: what the target keeps is the longest path of the
+    draft along ``output``, then its next token. The prefill is the first pass, as in the loop."""
+    requests = for_requests(proposer)
+    row = Row(Job(np.asarray(prompt, dtype=np.int64), len(output)), policy.start())
+    requests.start_request(row.request, row.sequence.ids, row.sampling)
+    advance(row, requests, output[:1], Draft.empty())
+    vocab = max(prompt + output) + 1
+    passes, drafted, seconds = 1, 0, float(costs[0])
+    while not row.finished:
+        done = len(row.output)
+        proposed, sent = propose(policy, requests, [row], vocab, batched=False, takes_trees=True)
+        new = output[done : done + len(sent[0].path(output[done:])) + 1]
+        cost = float(costs[min(len(sent[0]), len(costs) - 1)])
+        policy.learn(Step([row.drafting], proposed, sent, [new], len(sent[0]) + 1, cost))
+        advance(row, requests, new, sent[0])
+        passes, drafted, seconds = passes + 1, drafted + len(sent[0]), seconds + cost
+    requests.stop_request(row.request)
     return passes, drafted, seconds
