@@ -15,7 +15,7 @@ import specula
 
 def main() -> None:
     model, tokenizer, args = load(__doc__)
-    original = inspect.getsource(specula.core.stats.SpecStats.record_step)
+    original = inspect.getsource(specula.core.stats.SpecStats.record_pass)
     edited = original.replace("position", "index")
     diff = "".join(difflib.unified_diff(original.splitlines(True), edited.splitlines(True), "a/stats.py", "b/stats.py"))
     messages = [{

@@ -63,7 +63,7 @@ def main() -> None:
                 cells = []
                 for name, proposer in (("none", None), ("prompt-lookup", specula.PromptLookup)):
                     seconds, stats = timed(model, prompt, proposer, args.max_new_tokens, args.repeats)
-                    cells.append(f"{name} {1000 * seconds / stats.steps:5.1f} ms/step "
+                    cells.append(f"{name} {1000 * seconds / stats.passes:5.1f} ms/step "
                                  f"{1000 * seconds / stats.new_tokens:5.1f} ms/token")
                 print(f"{workload:<10} {prompt.shape[1]:>5} prompt tokens  {label:<9} " + " | ".join(cells))
     runner._VERIFY_BACKENDS = BACKENDS["no-cudnn"]

@@ -47,11 +47,11 @@ def test_generate_jsonl_keeps_ids_and_reports_bad_lines(model_folder, tmp_path, 
     assert [record["id"] for record in records] == ["copy", "chat", 6]  # no id: the line number
     summary = json.loads((tmp_path / "run.json").read_text())  # (the run's summary, from the answers' stats)
     assert summary["requests"] == 3 and summary["skipped"] == 2 and summary["new_tokens"] == 36
-    assert summary["tokens_per_pass_per_request"] == round(36 / sum(record["stats"]["steps"] for record in records), 3)
+    assert summary["tokens_per_pass_per_request"] == round(36 / sum(record["stats"]["passes"] for record in records), 3)
     assert summary["batch_sizes"] and summary["verification"].startswith("ordinary verification (fp32")
     for record in records:
         assert isinstance(record["text"], str)
-        assert set(record["stats"]) == {"new_tokens", "steps", "accepted", "drafted", "seconds", "exact"}
+        assert set(record["stats"]) == {"new_tokens", "passes", "accepted", "drafted", "seconds", "exact"}
         assert record["stats"]["new_tokens"] == 12
     err = capsys.readouterr().err
     assert "in.jsonl:2:" in err and "in.jsonl:4:" in err and '"messages"' in err
@@ -162,7 +162,7 @@ def test_bench_prints_a_table_and_writes_json(model_folder, tmp_path, capsys) ->
         if row["method"].startswith("specula") or row["method"] == "oracle":
             assert row["identical_to_greedy"] == 1.0  # fp32: exactly model.generate's tokens
         if row["method"] == "oracle":  # it replays specula's own output: every draft is right
-            assert row["acceptance_rate"] == 1.0 and row["tokens_per_step"] > 3
+            assert row["acceptance_rate"] == 1.0 and row["tokens_per_pass"] > 3
         if row["acceptance_rate"] is not None:  # how much is drafted depends on timings (the cost model)
             assert 0 <= row["acceptance_rate"] <= 1
     assert all(row["drafted"] == 0 for row in rows if row["method"] in ("specula-none", "hf-greedy"))

@@ -130,7 +130,7 @@ def _add_generate_parser(commands) -> None:
         "or \"prompt\" (raw text), optionally \"id\", \"prediction\" and its own settings under OpenAI's names "
         "(max_tokens, temperature, top_p, top_k, seed, stop, min_tokens, repetition_penalty: the options below are "
         "their defaults); a field it cannot honour (n > 1, logprobs, tools ...) makes a bad line. Each output line "
-        "keeps the id and adds \"text\", \"finish_reason\" and \"stats\" (new_tokens, steps, accepted, drafted, "
+        "keeps the id and adds \"text\", \"finish_reason\" and \"stats\" (new_tokens, passes, accepted, drafted, "
         "seconds). A file of OpenAI Batch API lines (custom_id, method, url, body) is answered with Batch API output "
         "lines, a bad line with an error line. Answers are written in the order of their requests' lines. Bad lines "
         "are reported with their line number and skipped (--strict: every line is checked "
@@ -215,7 +215,7 @@ def _add_bench_parser(commands) -> None:
         "each proposer, and (greedy) the oracle, on every *.jsonl in --workloads (lines with \"messages\" or "
         "\"prompt\"), interleaved per "
         "prompt, and prints per workload: tokens/s, speedup vs hf-greedy, whether the output was identical to "
-        "hf-greedy's and the same in every repeat, draft acceptance rate and tokens per target step (medians of --repeats). "
+        "hf-greedy's and the same in every repeat, draft acceptance rate and tokens per pass (medians of --repeats). "
         "Ctrl-C prints (and with --json writes) the rows measured so far and exits with status 130.",
     )
     bench.add_argument("--workloads", type=Path, required=True,

@@ -23,7 +23,7 @@ from ..machine import store
 from ..policy.adaptive import AdaptiveDrafts, FixedDrafts
 from ..policy.costs import PassCosts, keep_pass_costs, shared_pass_costs
 from ..policy.kept_costs import kept_pass_costs
-from ..policy.protocol import DraftPolicy, Step
+from ..policy.protocol import DraftPolicy, Pass
 from ..proposers.base import Proposer, RequestFailed, RequestProposer, for_requests
 from ..proposers.prediction import Prediction, with_prediction
 from ..verifier.exactness import Exactness, choose
@@ -154,14 +154,14 @@ class Row:
         output kept."""
         accepted = len(new_tokens) - 1
         alone = len(sent.chain().path(new_tokens[:-1])) if sent.is_tree else None  # its first branch's
-        self.stats.record_step(len(sent), accepted, None if alone is None else accepted - alone)
+        self.stats.record_pass(len(sent), accepted, None if alone is None else accepted - alone)
         if self.prediction is not None:
             self.prediction.advance(sent, new_tokens)
             self.stats.accepted_prediction_tokens = self.prediction.accepted
             self.stats.rejected_prediction_tokens = self.prediction.rejected
         kept, self.finished = self.sequence.append(new_tokens)
         now = time.perf_counter() - self.started
-        if self.stats.steps == 1:
+        if self.stats.passes == 1:
             self.stats.prefill_time_s = now
         self.stats.wall_time_s = now
         self.stats.new_tokens = self.sequence.length - self.stats.prompt_tokens
@@ -191,7 +191,7 @@ class Decoder:
         self._draws = getattr(proposer, "samples_drafts", False)  # (under sampling: drafts drawn at random)
         self.vocab = vocab_size(model)
         self.passes = 0  # target forward passes, prefills included
-        self.prefill_seconds = self.step_seconds = 0.0  # time in prefills, and in steps (proposing included)
+        self.prefill_seconds = self.pass_seconds = 0.0  # time in prefills, and in steps (proposing included)
         self._needs: dict[int, int] = {}  # by request, in the order they started: plain passes after its prefill
         self._priced: dict[int, list[float]] = {}  # by rows: steps' passes in seconds, and in plain passes of as many
         if proposer is not None:
@@ -286,7 +286,7 @@ class Decoder:
             return None
         passes = _plain_passes(list(self._needs.values()), self.slots)
         plain = sum(count * float(np.interp(rows, list(price), list(price.values()))) for rows, count in passes.items())
-        return (self.prefill_seconds + plain, self.prefill_seconds + self.step_seconds,
+        return (self.prefill_seconds + plain, self.prefill_seconds + self.pass_seconds,
                 "measured pass costs" if self._timed else "kept pass costs")
 
     def plain_speedup(self) -> float | None:
@@ -312,7 +312,7 @@ class Decoder:
                 started = time.perf_counter()
                 proposed, sent = self._propose(rows)
                 outcomes = self._verify(rows, proposed, sent)
-                self.step_seconds += time.perf_counter() - started
+                self.pass_seconds += time.perf_counter() - started
                 yield from self._advance(rows, outcomes, sent)
         finally:  # (a run given up keeps no request in the proposer)
             for row in rows:
@@ -365,7 +365,7 @@ class Decoder:
         if store.shared().made != calibrations:  # it calibrated row-exact kernels: no measure of its cost
             seconds = None
         width = max(map(len, blocks))  # (every row is computed this wide)
-        self.policy.learn(Step([row.drafting for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds))
+        self.policy.learn(Pass([row.drafting for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds))
         costs = self._costs(len(rows))
         if seconds is not None and costs is not None and costs.plain():  # (for the summary's estimate)
             priced = self._priced.setdefault(len(rows), [0.0, 0.0])  # this pass in seconds, and in plain passes

@@ -85,7 +85,7 @@ def decode(
         streamer.end()
     new = [rows[job.key].sequence.ids[len(job.prompt) :] if job.key in rows else np.zeros(0, np.int64) for job in jobs]
     per_row = [rows[job.key].stats if job.key in rows else SpecStats(prompt_tokens=len(job.prompt)) for job in jobs]
-    stats = SpecStats.total(per_row, steps=decoder.passes, wall_time_s=time.perf_counter() - started,
+    stats = SpecStats.total(per_row, passes=decoder.passes, wall_time_s=time.perf_counter() - started,
                             prefill_time_s=sum(row.prefill_time_s for row in per_row))
     return GenerateOutput(sequences=_padded(request, new).to(request.device), stats=stats)
 

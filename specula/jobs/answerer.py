@@ -62,7 +62,7 @@ def generate_options(request: Request, settings: Settings, device: torch.device 
 def _stats(stats, predicted: bool) -> dict:
     """An answer's stats; with a prediction, its tokens verified and kept or rejected (OpenAI's names)."""
     return {
-        "new_tokens": stats.new_tokens, "steps": stats.steps, "accepted": stats.accepted,
+        "new_tokens": stats.new_tokens, "passes": stats.passes, "accepted": stats.accepted,
         "drafted": stats.drafted, "seconds": round(stats.wall_time_s, 4),
         "exact": None if stats.exactness is None else stats.exactness.exact,
     } | ({"accepted_prediction_tokens": stats.accepted_prediction_tokens,

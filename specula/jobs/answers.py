@@ -133,9 +133,9 @@ class Tally:
     started: float = field(default_factory=time.perf_counter)
 
     def add(self, stats: dict) -> None:
-        """Count an answer of these stats (``new_tokens``, ``steps``)."""
+        """Count an answer of these stats (``new_tokens``, ``passes``)."""
         self.answered, self.new_tokens = self.answered + 1, self.new_tokens + stats["new_tokens"]
-        self.passes += stats["steps"]
+        self.passes += stats["passes"]
 
     def summary(self, **more) -> dict:
         """What the run did, as ``--json`` writes it (``more``: how it ran)."""

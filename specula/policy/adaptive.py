@@ -1,31 +1,31 @@
-"""How many draft tokens to send each step: the cost model behind the speculation loop.
+"""How many draft tokens to send each pass: the cost model behind the speculation loop.
 
-Speculation pays when the tokens a step gains outweigh what the longer verification pass costs. Both sides are
+Speculation pays when the tokens a pass gains outweigh what the longer verification pass costs. Both sides are
 measured while decoding, never assumed:
 
-- **cost**: the wall time of a step that verifies ``n`` tokens (last token + ``n - 1`` drafts), smoothed per ``n``.
+- **cost**: the wall time of a pass that verifies ``n`` tokens (last token + ``n - 1`` drafts), smoothed per ``n``.
   It is not linear in ``n``, and its shape differs between machines and dtypes (``docs/cost-model.md``).
-- **acceptance**: for each draft position ``i`` the share of steps whose token ``i`` was accepted given that tokens
+- **acceptance**: for each draft position ``i`` the share of passes whose token ``i`` was accepted given that tokens
   ``1 .. i-1`` were, with exponential forgetting so that it follows the text (copying a passage, then writing new
   prose). Drafts that were proposed but not sent still count where the tokens generated anyway reveal whether they
   were right, so a proposer that was switched off can earn its way back.
 
 Costs are learnt by sending, so sending is what exploration risks: a length is sent only once a pass over about
-half as many tokens has been timed (``k <= 2n - 1`` draft tokens after a pass over ``n`` tokens; the first step after
-the prefill is a plain one-token step, while the proposer's draft is checked for free against the token it
+half as many tokens has been timed (``k <= 2n - 1`` draft tokens after a pass over ``n`` tokens; the first pass after
+the prefill is a plain plain pass, while the proposer's draft is checked for free against the token it
 produces). What a pass costs is a fact of the model and the machine, not of the text, so the measured costs are remembered
 per target model (and its device and dtype) and later generations start from them (:func:`specula.policy.costs.shared_pass_costs`):
-only the first generation with a model explores; later ones send what pays from their first step (later processes
+only the first generation with a model explores; later ones send what pays from their first pass (later processes
 too: the costs are kept with the calibrations as their prior). The machine's
 load is not a fact to remember: costs are weighed against plain passes timed about when they were, and a length
 whose cost was not measured for a while is sent again now and then (:class:`specula.policy.costs.PassCosts`).
 
 With ``P_i`` the chance that the first ``i`` draft tokens are all accepted, sending ``k`` tokens yields
-``E(k) = 1 + P_1 + .. + P_k`` tokens for ``cost(k + 1)`` seconds plus the drafting time; each step sends the ``k``
+``E(k) = 1 + P_1 + .. + P_k`` tokens for ``cost(k + 1)`` seconds plus the drafting time; each pass sends the ``k``
 that maximises tokens per second (Leviathan et al. 2023, Theorem 3.8, with measured costs and per-position
 acceptance instead of a constant ratio and rate). ``k = 0`` sends nothing: when drafts do not pay, decoding runs
-as plain one-token steps and only pays for asking the proposer, which is itself rationed (at most ~3% of a
-one-token step) when the proposer is expensive. Worked example, costs ``[1.0, 1.6, 1.9, 1.4, 1.2]`` seconds for
+as plain plain passs and only pays for asking the proposer, which is itself rationed (at most ~3% of a
+plain pass) when the proposer is expensive. Worked example, costs ``[1.0, 1.6, 1.9, 1.4, 1.2]`` seconds for
 ``n = 1..5`` and ``P = [0.5, 0.3, 0.2, 0.1]``: ``E/cost`` is ``1.0, 0.94, 0.95, 1.43, 1.75`` for ``k = 0..4``, so
 all 4 tokens are sent, although any shorter draft would have been slower than sending none.
 """
@@ -38,7 +38,7 @@ import numpy as np
 
 from .acceptance import RequestAcceptance
 from .costs import PassCosts
-from .protocol import Step
+from .protocol import Pass
 
 if TYPE_CHECKING:
     from ..core.draft import Draft
@@ -90,9 +90,9 @@ def _choice(
 def budgets(rows: Sequence["RequestAcceptance"], remaining: Sequence[int], costs: PassCosts | None,
             probe: bool = False) -> tuple[list[int], int | None]:
     """How many tokens to ask each row's proposer for (0: do not ask), ``remaining`` the room each row has left,
-    and, with ``probe``, the width of a stale cost to measure again this step (``None``: none). While a row's
+    and, with ``probe``, the width of a stale cost to measure again this pass (``None``: none). While a row's
     drafts pay (were its draft full, from its best source so far): what it would send, plus one token whose fate
-    the step will reveal for free, when asking is cheap. When not: a one-token probe that is never sent, rationed
+    the pass will reveal for free, when asking is cheap. When not: a one-token probe that is never sent, rationed
     to ``probe_budget`` of the row's share of a plain pass."""
     hopes = [
         np.max([row.chances(source) for source in row.acceptance or [None]], axis=0)[: max(left, 0)]
@@ -113,7 +113,7 @@ class AdaptiveDrafts:
     def __init__(self, max_draft: int, timed: bool, costs: Callable[[int], PassCosts]) -> None:
         self.max_draft, self.timed, self.costs = max_draft, timed, costs
         self.pool = RequestAcceptance(max_draft, memory=48.0, timed=False)  # every request's outcomes, for new ones
-        self._probing: int | None = None  # the width this step measures again, chosen with the budgets
+        self._probing: int | None = None  # the width this pass measures again, chosen with the budgets
 
     def start(self, drawn: bool = False) -> RequestAcceptance:
         return RequestAcceptance(self.max_draft, timed=self.timed and not drawn, pool=self.pool, drawn=drawn)
@@ -124,7 +124,7 @@ class AdaptiveDrafts:
 
     def trim(self, states: Sequence[RequestAcceptance], drafts: Sequence["Draft"],
              draft_seconds: Sequence[float | None]) -> list[list[int]]:
-        """The likeliest tokens of each draft, as many as pay (or as the width measured again this step). Of a
+        """The likeliest tokens of each draft, as many as pay (or as the width measured again this pass). Of a
         chain, its first ones; of a tree, a tree (a token is never likelier than its parent). Where a row has a
         tree, the pass is costed as a tree pass (verifying a tree costs more than a chain as wide) and sent only if
         it yields more tokens per second than the first branches alone as chains."""
@@ -154,13 +154,13 @@ class AdaptiveDrafts:
         measured time may decide it)."""
         return None if any(state.drawn for state in states) else self.costs(len(states))
 
-    def learn(self, step: Step) -> None:
+    def learn(self, done: Pass) -> None:
         """The pass's time goes into the costs of its number of rows (a tree pass's where one row sent a tree),
         each row's outcome into its acceptance and the pool's."""
-        if self.timed and step.seconds is not None:
-            self.costs(len(step.states)).record(step.tokens, step.seconds,
-                                                tree=any(draft.is_tree for draft in step.sent))
-        for state, draft, verified, new in zip(step.states, step.proposed, step.sent, step.new_tokens):
+        if self.timed and done.seconds is not None:
+            self.costs(len(done.states)).record(done.tokens, done.seconds,
+                                                tree=any(draft.is_tree for draft in done.sent))
+        for state, draft, verified, new in zip(done.states, done.proposed, done.sent, done.new_tokens):
             for learner in (state, self.pool):
                 if verified.is_tree:
                     learner.record_tree(verified, new)
@@ -183,5 +183,5 @@ class FixedDrafts:
     def trim(self, states: Sequence[None], drafts: Sequence["Draft"], draft_seconds) -> list[list[int]]:
         return [list(range(min(len(draft), self.max_draft))) for draft in drafts]
 
-    def learn(self, step: Step) -> None:
+    def learn(self, done: Pass) -> None:
         pass

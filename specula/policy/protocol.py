@@ -1,10 +1,10 @@
 """The draft policy interface: what the speculation loop asks before a pass, and what it tells after one.
 
-Per step, for the rows (requests) of one pass, in this order::
+For the rows (requests) of each pass, in this order::
 
     budgets(states, room)            -> tokens to ask each row's proposer for (0: do not ask)
     trim(states, drafts, seconds)    -> which tokens of each proposed draft the pass verifies
-    learn(Step(...))                 -> what the pass cost and gave
+    learn(Pass(...))                 -> what the pass cost and gave
 
 ``states[r]`` is what :meth:`DraftPolicy.start` returned when row ``r``'s request started: the policy's state for
 that request, opaque to the loop.
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Step:
+class Pass:
     """What one verification pass did, row by row."""
 
     states: Sequence[object]  # [R] each row's policy state
@@ -46,5 +46,5 @@ class DraftPolicy(Protocol):
         """Indices (ascending) of the tokens of each row's draft to verify; ``draft_seconds[r]`` is what asking row
         ``r``'s proposer took (``None``: not asked)."""
 
-    def learn(self, step: Step) -> None:
+    def learn(self, done: Pass) -> None:
         """What the pass cost and gave."""

@@ -188,9 +188,9 @@ class BenchRow:
     identical_to_greedy: float | None  # share of prompts whose output equals the baseline's (None: not compared)
     repeatable: float | None  # share of prompts whose output was the same in every repeat (None: not compared)
     acceptance_rate: float | None
-    tokens_per_step: float | None
+    tokens_per_pass: float | None
     drafted: int  # draft tokens sent to the target, all prompts (last repeat)
-    tree_steps: int = 0  # steps that sent a tree (last repeat), their draft tokens, and the tokens they accepted
+    tree_passes: int = 0  # passes that sent a tree (last repeat), their draft tokens, and the tokens they accepted
     tree_drafted: int = 0  # beyond their first branches (SpecStats)
     tree_gain: int = 0
     accepted_prediction_tokens: int = 0  # a row with predictions: their tokens verified and kept / rejected
@@ -269,7 +269,7 @@ def _interruptible(rows: list[BenchRow]) -> Iterator[None]:
         raise BenchInterrupted(rows) from None
 
 
-_STATS_COUNTERS = ("drafted", "accepted", "steps", *TREE_COUNTERS, *PREDICTION_COUNTERS)
+_STATS_COUNTERS = ("drafted", "accepted", "passes", *TREE_COUNTERS, *PREDICTION_COUNTERS)
 _COUNTERS = ("tokens", "seconds", "same", "repeatable", *_STATS_COUNTERS)
 
 
@@ -318,7 +318,7 @@ def _row(workload: str, name: str, prompts: int, total: dict, base_rate: float, 
         identical_to_greedy=total["same"] / prompts if compare_outputs else None,
         repeatable=total["repeatable"] / prompts if compare_outputs else None,
         acceptance_rate=total["accepted"] / total["drafted"] if total["drafted"] else None,
-        tokens_per_step=total["tokens"] / total["steps"] if total["steps"] else None,
+        tokens_per_pass=total["tokens"] / total["passes"] if total["passes"] else None,
         drafted=total["drafted"], **{counter: total[counter] for counter in TREE_COUNTERS + PREDICTION_COUNTERS},
         hf_setup=hf_setup,
         verification=total.get("verification"),
@@ -370,7 +370,7 @@ def _batch_rows(methods: dict[str, BatchMethod], prompts: list[torch.Tensor], wo
             identical_to_greedy=same / len(prompts) if reference is not None else None,
             repeatable=repeatable / len(prompts),
             acceptance_rate=stats.acceptance_rate if stats is not None and stats.drafted else None,
-            tokens_per_step=stats.tokens_per_step if stats is not None else None,
+            tokens_per_pass=stats.tokens_per_pass if stats is not None else None,
             drafted=stats.drafted if stats is not None else 0,
             **({counter: getattr(stats, counter) for counter in TREE_COUNTERS} if stats is not None else {}),
             verification=str(stats.exactness) if stats is not None and stats.exactness is not None else None,
@@ -382,19 +382,19 @@ def format_table(rows: list[BenchRow]) -> str:
     workload_width = max([11] + [len(row.workload) + 2 for row in rows])
     method_width = max([29] + [len(row.method) + 2 for row in rows])
     header = (f"{'workload':<{workload_width}}{'method':<{method_width}}{'tok/s':>8}{'speedup':>9}{'identical':>11}"
-              f"{'repeatable':>12}{'accept':>8}{'tok/step':>10}{'trees':>20}")
+              f"{'repeatable':>12}{'accept':>8}{'tok/pass':>10}{'trees':>20}")
     lines = [header, "-" * len(header)]
     for row in rows:
         accept = f"{row.acceptance_rate:.0%}" if row.acceptance_rate is not None else "-"
         identical = f"{row.identical_to_greedy:.0%}" if row.identical_to_greedy is not None else "-"
         repeatable = f"{row.repeatable:.0%}" if row.repeatable is not None else "-"
-        per_step = f"{row.tokens_per_step:.2f}" if row.tokens_per_step is not None else "-"
-        # steps that sent a tree, their mean size, and the tokens they gained over their first branches
-        trees = f"{row.tree_steps} x{row.tree_drafted / row.tree_steps:.1f} +{row.tree_gain}" if row.tree_steps else "-"
+        per_pass = f"{row.tokens_per_pass:.2f}" if row.tokens_per_pass is not None else "-"
+        # passes that sent a tree, their mean size, and the tokens they gained over their first branches
+        trees = f"{row.tree_passes} x{row.tree_drafted / row.tree_passes:.1f} +{row.tree_gain}" if row.tree_passes else "-"
         lines.append(
             f"{row.workload:<{workload_width}}{row.method:<{method_width}}{row.tokens_per_s:>8.1f}"
             f"{row.speedup_vs_hf_greedy:>8.2f}x"
-            f"{identical:>11}{repeatable:>12}{accept:>8}{per_step:>10}{trees:>20}"
+            f"{identical:>11}{repeatable:>12}{accept:>8}{per_pass:>10}{trees:>20}"
         )
     setups = {row.method: row.hf_setup for row in rows if row.hf_setup is not None}
     if setups:

@@ -20,7 +20,7 @@ from ..decoding.loop import Job, Row, advance, propose
 from ..hf.generate import generate
 from ..hf.loading import load_model
 from ..jobs.requests import encode, load_workloads
-from ..policy.protocol import DraftPolicy, Step
+from ..policy.protocol import DraftPolicy, Pass
 from ..proposers.base import Proposer, for_requests
 from ..proposers.prompt_lookup import PromptLookup
 
@@ -85,7 +85,7 @@ def walk(
         proposed, sent = propose(policy, requests, [row], vocab, batched=False, takes_trees=True)
         new = output[done : done + len(sent[0].path(output[done:])) + 1]
         cost = float(costs[min(len(sent[0]), len(costs) - 1)])
-        policy.learn(Step([row.drafting], proposed, sent, [new], len(sent[0]) + 1, cost))
+        policy.learn(Pass([row.drafting], proposed, sent, [new], len(sent[0]) + 1, cost))
         advance(row, requests, new, sent[0])
         passes, drafted, seconds = passes + 1, drafted + len(sent[0]), seconds + cost
     requests.stop_request(row.request)

@@ -75,7 +75,7 @@ def test_each_row_is_its_own_model_generate(name: str, proposer: str) -> None:
     assert len(out.stats.rows) == len(rows) and out.stats.new_tokens == NEW_TOKENS * len(rows)
     if proposer == "oracle":  # every row accepted drafts, each its own
         assert all(row.accepted > NEW_TOKENS // 2 for row in out.stats.rows)
-        assert out.stats.steps < NEW_TOKENS // 2
+        assert out.stats.passes < NEW_TOKENS // 2
     if proposer == "always-wrong":
         assert out.stats.accepted == 0 and out.stats.drafted > 0
 
@@ -229,7 +229,7 @@ def test_the_decoder_estimates_its_speedup_over_plain_decoding() -> None:
     # Were every pass to cost a second whatever its rows and tokens, the estimate would be plain decoding's passes
     # (a token a row a pass, two rows at a time) over the passes the run took.
     decoder._priced = {2: [1.0, 1.0]}
-    decoder.prefill_seconds, decoder.step_seconds = 0.0, float(decoder.passes - len(rows))
+    decoder.prefill_seconds, decoder.pass_seconds = 0.0, float(decoder.passes - len(rows))
     plain_passes = sum(len(out) - 1 for out in expected) / 2
     assert decoder.plain_speedup() == pytest.approx(plain_passes / (decoder.passes - len(rows)))
     assert decoder.plain_speedup() > 3
@@ -247,7 +247,7 @@ def test_the_estimate_replays_plain_decoding_of_the_same_requests() -> None:
     decoder._needs = {0: 4, 1: 1, 2: 4, 3: 2}
     assert loop._plain_passes(list(decoder._needs.values()), 2) == {2: 5, 1: 1}
     decoder._priced = {1: [3.0, 3.0], 3: [6.0, 2.0]}  # (1 s, and 3 s a plain pass)
-    decoder.prefill_seconds, decoder.step_seconds = 2.0, 4.0
+    decoder.prefill_seconds, decoder.pass_seconds = 2.0, 4.0
     assert decoder.plain_comparison()[:2] == pytest.approx((2.0 + 5 * 2.0 + 1 * 1.0, 2.0 + 4.0))
     assert decoder.plain_speedup() == pytest.approx(13 / 6)
 

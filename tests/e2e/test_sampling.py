@@ -260,7 +260,7 @@ def test_seeded_sampling_through_trees_draws_model_generates_tokens(shape: str) 
         out = specula_sampled(model, prompt, TreeOracle([ref], shape, TINY_VOCAB), seed, adaptive_draft=False,
                               **SEEDED["top_k"])
         assert out.sequences.tolist() == ref.tolist()
-        assert out.stats.tree_steps > 0 and (shape == "wrong" or out.stats.accepted >= _SAMPLED_TOKENS // 2)
+        assert out.stats.tree_passes > 0 and (shape == "wrong" or out.stats.accepted >= _SAMPLED_TOKENS // 2)
 
 
 def test_a_seeded_request_draws_the_same_tokens_alone_and_in_any_batch() -> None:

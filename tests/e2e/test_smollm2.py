@@ -111,7 +111,7 @@ def test_a_batch_of_workload_prompts_gives_each_its_own_output() -> None:
                            adaptive_draft=False)
     got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
     assert got == expected
-    assert out.stats.accepted > 0 and sum(row.steps for row in out.stats.rows) < out.stats.new_tokens
+    assert out.stats.accepted > 0 and sum(row.passes for row in out.stats.rows) < out.stats.new_tokens
 
 
 def test_bf16_rows_of_a_batch_are_model_generate_alone() -> None:
@@ -178,7 +178,7 @@ def test_the_readmes_python_example_runs_as_written(capsys) -> None:
     model, tokenizer = load_model()
     prompt = tokenizer("Fix the typo:\nteh quick brown fox\nFixed:\n", return_tensors="pt").input_ids
     again = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=128)
-    assert tokenizer.decode(again.sequences[0]) in printed and " tok/step), accepted " in printed
+    assert tokenizer.decode(again.sequences[0]) in printed and " tok/pass), accepted " in printed
     if again.stats.exactness.exact or model.dtype == torch.float32:
         expected = hf_greedy(model, prompt, 128, eos_token_id=model.generation_config.eos_token_id)
         assert torch.equal(again.sequences, expected)

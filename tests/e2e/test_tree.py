@@ -48,12 +48,12 @@ def test_a_tree_gives_model_generates_tokens_alone(name: str, shape: str) -> Non
                            adaptive_draft=False)
     assert out.sequences[0, len(row) :].tolist() == expected
     if shape != "wrong":  # the right branch, not the first child, was taken
-        assert out.stats.accepted > NEW_TOKENS // 2 and out.stats.steps < NEW_TOKENS // 2
+        assert out.stats.accepted > NEW_TOKENS // 2 and out.stats.passes < NEW_TOKENS // 2
     else:
         assert out.stats.accepted == 0 and out.stats.drafted > 0
     # every draft sent was a tree (all steps but the prefill and a last one without room for a draft); what they
     # accepted beyond their first branches (wrong at the first token in "second" and "detour", right in "late")
-    assert out.stats.tree_steps >= out.stats.steps - 2 and out.stats.tree_drafted == out.stats.drafted
+    assert out.stats.tree_passes >= out.stats.passes - 2 and out.stats.tree_drafted == out.stats.drafted
     assert out.stats.tree_gain == (out.stats.accepted if shape in ("second", "detour") else 0)
 
 
@@ -75,8 +75,8 @@ def test_trees_and_chains_in_a_batch_give_each_row_its_own_tokens(name: str) -> 
     news = [seq[ids.shape[1] : ids.shape[1] + stats.new_tokens] for seq, stats in zip(out.sequences.tolist(), out.stats.rows)]
     assert news == expected
     assert out.stats.rows[0].accepted > NEW_TOKENS // 2 and out.stats.rows[1].accepted == 0
-    assert out.stats.rows[0].tree_gain == out.stats.rows[0].accepted and out.stats.rows[2].tree_steps == 0
-    assert out.stats.tree_gain == out.stats.rows[0].tree_gain and out.stats.rows[1].tree_steps > 0
+    assert out.stats.rows[0].tree_gain == out.stats.rows[0].accepted and out.stats.rows[2].tree_passes == 0
+    assert out.stats.tree_gain == out.stats.rows[0].tree_gain and out.stats.rows[1].tree_passes > 0
 
 
 @pytest.mark.parametrize("batch", [False, True])

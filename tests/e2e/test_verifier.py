@@ -39,7 +39,7 @@ def test_prompt_lookup_matches_hf_greedy(name: str, prompt: str) -> None:
     assert out.sequences.tolist() == reference(name, prompt).tolist()
     stats = out.stats
     assert stats.new_tokens == NEW_TOKENS
-    assert stats.steps == NEW_TOKENS - stats.accepted
+    assert stats.passes == NEW_TOKENS - stats.accepted
     assert sum(stats.accepted_per_position) == stats.accepted <= stats.drafted
     if prompt == "repetitive":
         assert stats.accepted > 0
@@ -49,7 +49,7 @@ def test_prompt_lookup_matches_hf_greedy(name: str, prompt: str) -> None:
 def test_plain_decoding_matches_hf_greedy(name: str) -> None:
     out = specula.generate(model(name), torch.tensor([RANDOM]), None, max_new_tokens=NEW_TOKENS, eos_token_id=[])
     assert out.sequences.tolist() == reference(name, "random").tolist()
-    assert (out.stats.steps, out.stats.drafted, out.stats.tokens_per_step) == (NEW_TOKENS, 0, 1.0)
+    assert (out.stats.passes, out.stats.drafted, out.stats.tokens_per_pass) == (NEW_TOKENS, 0, 1.0)
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
@@ -63,9 +63,9 @@ def test_oracle_and_always_wrong_proposers(name: str) -> None:
     )
     assert oracle.sequences.tolist() == wrong.sequences.tolist() == ref.tolist()
     assert oracle.stats.acceptance_rate == 1.0
-    assert oracle.stats.steps == 1 + -(-(NEW_TOKENS - 1) // 8)  # the prefill's token, then blocks of 7 drafts + 1 bonus
+    assert oracle.stats.passes == 1 + -(-(NEW_TOKENS - 1) // 8)  # the prefill's token, then blocks of 7 drafts + 1 bonus
     assert wrong.stats.accepted == 0 and wrong.stats.drafted > 0
-    assert wrong.stats.steps == NEW_TOKENS
+    assert wrong.stats.passes == NEW_TOKENS
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)

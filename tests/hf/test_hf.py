@@ -110,7 +110,7 @@ def test_streamers_get_every_step_as_it_is_accepted(through) -> None:
                                adaptive_draft=False)
     assert streamer.ended and streamer.puts[0] == PROMPT[0].tolist()
     steps = streamer.puts[1:]
-    assert len(steps) == out.stats.steps and max(map(len, steps)) > 1  # whole accepted blocks, one put per step
+    assert len(steps) == out.stats.passes and max(map(len, steps)) > 1  # whole accepted blocks, one put per step
     assert list(itertools.chain(*steps)) == out.sequences[0, PROMPT.shape[1] :].tolist()
 
 

@@ -64,7 +64,7 @@ def test_input_order_waits_for_earlier_lines_and_writes_the_rest_when_stopped(tm
     output, tally = AnswerFile(tmp_path / "out.jsonl"), Tally()
 
     def answer(n: int) -> dict:
-        return {"id": n, "text": "", "stats": {"new_tokens": n, "steps": n}}
+        return {"id": n, "text": "", "stats": {"new_tokens": n, "passes": n}}
 
     def ids() -> list[int]:
         output.file.flush()
@@ -88,8 +88,8 @@ def test_input_order_waits_for_earlier_lines_and_writes_the_rest_when_stopped(tm
 def test_the_summary_counts_tokens_per_pass_per_request() -> None:
     """Plain decoding makes one token a request a pass; what drafts gave is what the summary's figure is above 1."""
     tally = Tally()
-    tally.add({"new_tokens": 10, "steps": 4})
-    tally.add({"new_tokens": 6, "steps": 6})
+    tally.add({"new_tokens": 10, "passes": 4})
+    tally.add({"new_tokens": 6, "passes": 6})
     summary = tally.summary(batch_sizes=[2])
     assert summary["tokens_per_pass_per_request"] == 1.6 and summary["requests"] == 2
     assert summary["new_tokens"] == 16 and summary["batch_sizes"] == [2]

@@ -18,7 +18,7 @@ from specula.policy import costs
 from specula.policy.acceptance import RANKS, RequestAcceptance
 from specula.policy.adaptive import AdaptiveDrafts, budgets, choose_lengths
 from specula.policy.costs import KEPT, PassCosts, shared_pass_costs
-from specula.policy.protocol import Step
+from specula.policy.protocol import Pass
 from specula.hf.inputs import left_padded
 from specula.machine import store
 
@@ -46,7 +46,7 @@ class Decisions:
     def __getattr__(self, name: str):
         return getattr(self.state, name)
 
-    def record_step(self, verified: int, seconds: float) -> None:
+    def record_pass(self, verified: int, seconds: float) -> None:
         if self.state.timed:
             self.table.record(verified, seconds)
 
@@ -65,7 +65,7 @@ def lengths_with(step_costs: list[float], chances: list[float]) -> Decisions:
     """A request's decisions with these measured costs (n = 1, 2, ...) and acceptance chances P_i."""
     lengths = Decisions(len(chances), memory=1e9)
     for verified, seconds in enumerate(step_costs, start=1):
-        lengths.record_step(verified, seconds)
+        lengths.record_pass(verified, seconds)
     conditional = np.array(chances) / np.concatenate([[1.0], chances[:-1]])
     lengths.acceptance[None] = chain_record(len(chances), conditional)
     return lengths
@@ -95,13 +95,13 @@ def test_flat_costs_send_every_token_worth_a_chance_and_no_more() -> None:
 def test_costs_not_measured_are_interpolated_and_one_off_stalls_are_ignored() -> None:
     lengths = Decisions(8)
     np.testing.assert_allclose(lengths.costs(), 1.0)  # nothing known: every length looks alike
-    lengths.record_step(1, 0.1)
-    lengths.record_step(5, 0.2)
+    lengths.record_pass(1, 0.1)
+    lengths.record_pass(5, 0.2)
     np.testing.assert_allclose(lengths.costs()[:6], [0.1, 0.125, 0.15, 0.175, 0.2, 0.2])
-    lengths.record_step(1, 10.0)  # a stall: the lower median of the last plain passes ignores it
+    lengths.record_pass(1, 10.0)  # a stall: the lower median of the last plain passes ignores it
     np.testing.assert_allclose(lengths.costs()[:6], [0.1, 0.125, 0.15, 0.175, 0.2, 0.2])
-    lengths.record_step(5, 9.0)
-    lengths.record_step(5, 0.22)
+    lengths.record_pass(5, 9.0)
+    lengths.record_pass(5, 0.22)
     assert lengths.costs()[4] == pytest.approx(0.22)  # the median of 0.2, 9.0 and 0.22
 
 
@@ -110,7 +110,7 @@ def test_lengths_are_explored_by_doubling_the_longest_timed_pass() -> None:
     lengths.acceptance[None] = chain_record(16, 0.99)  # drafts that are nearly always right
     assert lengths.best_length(16) == 0  # no pass timed yet: a plain step first
     for verified, expected in ((1, 1), (2, 3), (4, 7), (8, 15)):
-        lengths.record_step(verified, 1.0)
+        lengths.record_pass(verified, 1.0)
         assert lengths.best_length(16) == expected
     assert Decisions(16, timed=False).best_length(16) > 0  # sampling never times, so it never waits for timings
 
@@ -135,7 +135,7 @@ def test_positions_not_tried_are_expected_to_do_as_well_as_the_one_before() -> N
         lengths.record_outcome(Draft([5, 6, 7], source="s"), [5])
     assert lengths.chances("s")[7] > 0.8  # so with costs known, long drafts are worth sending
     for verified, seconds in ((1, 1.0), (2, 1.9), (4, 2.8), (8, 3.2)):
-        lengths.record_step(verified, seconds)
+        lengths.record_pass(verified, seconds)
     assert lengths.best_length(8, "s") >= 7
     for _ in range(20):  # always wrong: nothing is worth sending
         lengths.record_outcome(Draft([5, 6, 7], source="wrong"), [4])
@@ -168,7 +168,7 @@ def test_an_always_wrong_proposer_stops_being_sent() -> None:
     # Exploration sends at most one draft token per step, and only while the prior still outweighs the evidence
     # (the first dozen steps): a few tokens in all, however long the output.
     assert runs[100].drafted < 20 and runs[300].drafted < 20
-    assert runs[300].steps == 300
+    assert runs[300].passes == 300
 
 
 def test_drafting_resumes_when_the_proposer_becomes_right() -> None:
@@ -184,7 +184,7 @@ def test_drafting_resumes_when_the_proposer_becomes_right() -> None:
     out = specula.generate(model(), torch.tensor([PROMPT]), WrongThenRight(ref, 8, VOCAB), max_new_tokens=200,
                            eos_token_id=[])
     assert out.sequences.tolist() == ref.tolist()
-    assert out.stats.steps < 60 + 140 / 3  # the last 140 tokens took few steps
+    assert out.stats.passes < 60 + 140 / 3  # the last 140 tokens took few steps
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "gemma3"])
@@ -218,7 +218,7 @@ def test_step_costs_are_shared_per_model_and_setting() -> None:
     first.acceptance[None] = chain_record(16, 0.99)
     assert first.best_length(16) == 0  # nothing timed: a plain step first
     for verified in (1, 2, 4, 8):
-        first.record_step(verified, 1.0)
+        first.record_pass(verified, 1.0)
     later = Decisions(16, table=table)  # the next generation with the same model
     later.acceptance[None] = first.acceptance[None]
     np.testing.assert_allclose(later.costs(), first.costs())
@@ -242,7 +242,7 @@ def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) 
         out = specula.generate(target, prompt, Oracle(expected, 8), max_new_tokens=12, eos_token_id=[])
         assert torch.equal(out.sequences, expected)
         runs.append(len(tables))
-        steps.append(out.stats.steps)
+        steps.append(out.stats.passes)
     assert runs[0] > 0 and all(table is tables[0] for table in tables) and tables[0].samples
     assert steps[1] < steps[0]  # the second run does not explore again
     decided = []  # the pass costs each decision weighed (None: every length taken to cost the same)
@@ -393,7 +393,7 @@ def test_trees_that_gain_less_than_their_chances_say_stop_being_sent() -> None:
     assert policy.trim([lengths], [tree], [None]) == [[0, 1, 2, 4]] and lengths.sibling_factor() == 1.0
     sent = tree.select([0, 1, 2, 4])
     for _ in range(10):  # sent ten times, the first branch right and the 1 (expected: 0.3) never
-        policy.learn(Step([lengths], [tree], [sent], [[3, 4, 6, 9]], 5, 1.05))  # (timed as measured)
+        policy.learn(Pass([lengths], [tree], [sent], [[3, 4, 6, 9]], 5, 1.05))  # (timed as measured)
     assert lengths.sibling_factor() == pytest.approx(1 / 4, rel=1e-4)  # no token off the first branch for 3 expected
     np.testing.assert_allclose(lengths.node_chances(sent)[1], 0.3 * lengths.sibling_factor(), rtol=0.05)
     assert policy.trim([lengths], [tree], [None]) == [[0, 2, 4]]  # the first branch alone now

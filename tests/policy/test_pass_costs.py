@@ -10,7 +10,7 @@ from specula import Draft
 from specula.policy import costs as costs_module
 from specula.policy.adaptive import AdaptiveDrafts
 from specula.policy.costs import EXPLORE, FORGET, RECENT, PassCosts
-from specula.policy.protocol import Step
+from specula.policy.protocol import Pass
 
 MAX_DRAFT = 32
 WRONG = 10_000  # the target's token where a draft token is wrong
@@ -57,7 +57,7 @@ def drive(machine, steps: int, acceptance: float = 0.9, seed: int = 0, costs: Pa
         accepted = min(right, len(sent))
         new = proposed.tokens[:accepted].tolist() + [int(proposed.tokens[accepted]) if accepted < right else WRONG]
         pass_seconds = machine(len(sent) + 1, step)
-        policy.learn(Step([state], [proposed], [sent], [new], len(sent) + 1, pass_seconds))
+        policy.learn(Pass([state], [proposed], [sent], [new], len(sent) + 1, pass_seconds))
         sent_lengths.append(len(sent))
         seconds.append(pass_seconds)
         made.append(len(new))

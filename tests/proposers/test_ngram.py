@@ -275,4 +275,4 @@ def test_trees_of_alternatives_drive_generate_identically(name: str) -> None:
     predictor.update(output)  # ... while the longer ones know the output: trees whose first branch is right
     out = specula.generate(_model(name), prompt, predictor, max_new_tokens=40, eos_token_id=[], adaptive_draft=False)
     assert out.sequences.tolist() == expected.tolist()
-    assert out.stats.tree_steps > 0 and out.stats.accepted > 20
+    assert out.stats.tree_passes > 0 and out.stats.accepted > 20

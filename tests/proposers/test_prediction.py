@@ -62,9 +62,9 @@ def test_output_is_model_generate_whatever_the_prediction(model, output, kind) -
         stats = run(model, prediction, specula.PromptLookup(), adaptive_draft=False).stats
         # the prefill, then passes of the longest drafts sent (64 tokens; a first one led by prompt lookup's draft,
         # the prediction matching the output's first token only), each accepted but for the pass's own token
-        assert stats.steps <= 3 and stats.accepted_prediction_tokens == NEW - stats.steps
+        assert stats.passes <= 3 and stats.accepted_prediction_tokens == NEW - stats.passes
         stats = run(model, prediction, adaptive_draft=False).stats
-        assert stats.steps == 2  # the prefill and one pass over NEW - 1 drafts (drafts of up to 32: 3 steps)
+        assert stats.passes == 2  # the prefill and one pass over NEW - 1 drafts (drafts of up to 32: 3 steps)
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -76,7 +76,7 @@ def test_drafts_wider_than_the_calibrated_passes_are_model_generate_in_bf16(exac
     expected = hf_greedy(model, PROMPT, NEW, eos_token_id=[])[0, PROMPT.shape[1]:].tolist()
     out = run(model, expected, adaptive_draft=False, exact=exact)
     assert out.sequences[0, PROMPT.shape[1]:].tolist() == expected
-    assert out.stats.steps == 2 and out.stats.exactness.exact is exact
+    assert out.stats.passes == 2 and out.stats.exactness.exact is exact
 
 
 def test_counts_add_up_to_what_was_sent_from_the_prediction(model, output) -> None:
@@ -92,9 +92,9 @@ def test_the_output_rejoins_the_prediction_after_an_edit(model, output) -> None:
     prefill and one pass), one per edited token and one for the rest: 7 passes; a loop that never finds the
     prediction again after the edit needs one per token after it (37)."""
     stats = run(model, edited(output), adaptive_draft=False).stats
-    assert stats.steps <= 9, stats
+    assert stats.passes <= 9, stats
     stats = run(model, moved(output), adaptive_draft=False).stats
-    assert stats.steps <= 8, stats  # the moved block first, then a jump back to the start of the prediction
+    assert stats.passes <= 8, stats  # the moved block first, then a jump back to the start of the prediction
 
 
 def test_batches_and_rows_without_a_prediction(model, output) -> None:
@@ -134,7 +134,7 @@ def test_text_predictions_and_openai_shape(model, output) -> None:
     for prediction in (text, {"type": "content", "content": text},
                        {"type": "content", "content": [{"type": "text", "text": text}]}):
         stats = run(model, prediction, tokenizer=Tokens(), adaptive_draft=False).stats
-        assert stats.steps == 2 and stats.accepted_prediction_tokens == NEW - 2 and not stats.rejected_prediction_tokens
+        assert stats.passes == 2 and stats.accepted_prediction_tokens == NEW - 2 and not stats.rejected_prediction_tokens
 
 
 @pytest.mark.parametrize("prediction, message", [

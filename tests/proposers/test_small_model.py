@@ -42,7 +42,7 @@ def test_the_target_drafting_for_itself_is_identical_and_accepted(name: str) -> 
                            adaptive_draft=False)
     assert out.sequences.tolist() == hf_greedy(model(name), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
     assert out.stats.acceptance_rate > 0.95
-    assert out.stats.tokens_per_step > 3
+    assert out.stats.tokens_per_pass > 3
 
 
 @pytest.mark.parametrize("target, draft", [("llama", "gpt2"), ("gpt_neox", "llama"), ("mistral", "phi3")])
@@ -87,7 +87,7 @@ def test_the_drafters_cache_follows_partial_acceptance() -> None:
                            adaptive_draft=False)
     assert out.sequences.tolist() == hf_greedy(model("llama"), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
     # A proposal after every step but the last, except with one token left to make (no room for a draft).
-    assert 0.2 < out.stats.acceptance_rate < 0.9 and drafter.checked >= out.stats.steps - 2
+    assert 0.2 < out.stats.acceptance_rate < 0.9 and drafter.checked >= out.stats.passes - 2
 
 
 def test_draft_length_adapts_to_acceptance() -> None:

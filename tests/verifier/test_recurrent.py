@@ -147,7 +147,7 @@ def test_trees_verify_each_branch_from_its_own_state(model_type: str, batch: boo
                                max_new_tokens=24, eos_token_id=[], adaptive_draft=False, pad_token_id=0)
         assert [row[ids.shape[1] :] for row in out.sequences.tolist()] == [
             reference[len(row) :].tolist() for reference, row in zip(references, rows)]
-        assert out.stats.tree_steps > 0 and (shape == "late" or out.stats.tree_gain > 0)
+        assert out.stats.tree_passes > 0 and (shape == "late" or out.stats.tree_gain > 0)
 
 
 def test_trees_are_cut_to_their_first_branch_where_states_cannot_be_rows() -> None:
@@ -159,5 +159,5 @@ def test_trees_are_cut_to_their_first_branch_where_states_cannot_be_rows() -> No
         out = specula.generate(model, prompt, TreeOracle([reference[0]], "late", 96), max_new_tokens=24,
                                eos_token_id=[], adaptive_draft=False, pad_token_id=0)
     assert out.sequences.tolist() == reference.tolist()
-    assert out.stats.accepted > 0 and out.stats.tree_steps == 0
+    assert out.stats.accepted > 0 and out.stats.tree_passes == 0
     assert any("cut to their first branch" in str(warning.message) for warning in caught)

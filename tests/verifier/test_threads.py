@@ -57,7 +57,7 @@ def test_only_ordinary_fp32_passes_over_several_tokens_change_the_thread_count(m
     out = specula.generate(fp32, prompt(), Oracle(expected, 8), max_new_tokens=NEW_TOKENS, eos_token_id=[],
                            adaptive_draft=False)
     assert out.sequences.tolist() == expected.tolist()
-    assert seen and all(tokens > 1 for _, tokens in seen) and len(seen) < out.stats.steps  # (not the prefill)
+    assert seen and all(tokens > 1 for _, tokens in seen) and len(seen) < out.stats.passes  # (not the prefill)
     seen.clear()
     specula.generate(model("llama"), prompt(), Oracle(expected, 8), max_new_tokens=8, eos_token_id=[], exact=True,
                      adaptive_draft=False)
