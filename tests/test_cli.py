@@ -209,6 +209,8 @@ PRE_PACKAGE_NAMES = (  # flat modules from before the packages, and the verifier
     "acceptance", "answers", "batch_size", "bench", "cached_model", "calibration", "cpu_layout", "draft_length",
     "drift", "inputs", "invariance", "kernels", "loop", "models", "ngram", "precision", "prompt_lookup", "proposer",
     "ray_job", "row_exact", "sampling", "small_model", "stats", "workloads", "target",
+    # homes before the layers
+    "core.loop", "core.prediction", "hf.cache_names", "proposers.registry", "verifier.profile",
 )
 
 

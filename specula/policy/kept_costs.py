@@ -6,7 +6,7 @@ or a request would decode differently from run to run. Yet they should follow wh
 a pass over 8 tokens costs several one-token steps would be slower than plain decoding. So there, draft lengths are
 decided from a table of pass costs measured once per machine and model (passes over 1, 2, 3, 5, 9, 17 and 33 tokens
 after :data:`CONTEXT` tokens, timed in rounds, the lower median of each width's ratio to the one-token pass) and kept
-with the calibrations (:mod:`specula.verifier.calibration`): later runs on the machine read the same table, so they
+with the calibrations (:mod:`specula.machine.store`): later runs on the machine read the same table, so they
 decide alike. Batches read tables of their own (:data:`ROWS`: passes of 2, 4 and 8 rows, up to 17 tokens a row,
 after :data:`BATCH_CONTEXT` tokens each, against a one-token pass of as many rows): a batch of another size interpolates
 between the tables of the rows around it.

@@ -11,7 +11,7 @@ cheapest depends on the machine, the dtype and the pass (on a 2-core EPYC with A
 over 3 key/value heads in bf16: 8 rows of 5 queries after 1200 keys, folded 1.3 ms a layer, ``enable_gqa`` 2.1,
 repeated 3.0; one query after 1200 keys, folded 0.15 ms, ``enable_gqa`` 0.64; see docs/hardware.md). So it is timed
 once per head geometry, dtype and kind of pass (one query; several, one row or several) and kept with the
-calibrations (:mod:`specula.verifier.calibration`). Only ordinary passes on a CPU attend so (``CachedModel``): the
+calibrations (:mod:`specula.machine.store`). Only ordinary passes on a CPU attend so (``CachedModel``): the
 one-token steps of exact decoding stay ``model.generate``'s own, and row-exact passes compute attention their own way.
 """
 

@@ -6,7 +6,7 @@ operand, which for a few rows is far from that: on a 2-core AVX2 EPYC (fp32) Smo
 for one row and 45 ms for 8. oneDNN's linear with the weight reordered once into its own blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight``) takes 10 ms for 8. :class:`PackedLinears` computes the linear layers
 of a verification pass so, where that is faster on this machine for that weight's shape (timed once, kept with the
-row-exact calibrations: :mod:`specula.verifier.calibration`); prefills stay the model's own. One-token steps
+row-exact calibrations: :mod:`specula.machine.store`); prefills stay the model's own. One-token steps
 round otherwise packed, so only ordinary decoding's (``CachedModel(cheap_steps=True)``) take packed weights, for
 the shapes where one row is faster packed here too (in bf16 on the EPYC with AVX512_BF16, SmolLM2's LM head 1.8 ms
 against 3.5 ms, Qwen2.5-Coder-1.5B's MLP a quarter of its time; on the AVX2 EPYC in fp32 oneDNN re-lays out the

@@ -19,7 +19,7 @@ without touching the model's own one-token path:
   may have changed.
 
 What is exact and what is cheapest is found once per machine, torch build and shape, and kept on disk
-(:mod:`specula.verifier.calibration`).
+(:mod:`specula.machine.store`).
 
 Everything else in a decoder (norms, rotary embeddings, activations, residual adds) works row by row and was found
 invariant by :func:`specula.tools.probe.probe`.

@@ -67,7 +67,7 @@ class RowAttention:
         """The grouping :func:`.grouping._grouped_sdpa` uses for this attention geometry on this device (1: one call
         per row): the cheapest of those that give every row the bits of its own one-token call
         (:func:`.grouping._exact_widths`), timed on a pass of ``TIMED_ROWS`` queries; calibrated once per machine
-        (:mod:`specula.verifier.calibration`)."""
+        (:mod:`specula.machine.store`)."""
         if self.implementation != "sdpa" or any(kwargs.get(name) is not None for name in _SDPA_EXTRAS):
             return 1
         kwargs = {name: kwargs[name] for name in ("dropout", "scaling") if name in kwargs}

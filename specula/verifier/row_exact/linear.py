@@ -3,7 +3,7 @@
 Each ``nn.Linear`` (and GPT-2's ``Conv1D``) that gives a row other bits in a pass of several rows than alone computes
 its rows in chunks as wide as it stays exact for (:func:`exact_rows`), as it is or by columns (:func:`_by_columns`),
 whichever the clock finds cheaper: found once per machine, torch build and weight shape
-(:mod:`specula.verifier.calibration`).
+(:mod:`specula.machine.store`).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _calibrate(layer: torch.nn.Module) -> dict:
 
 def _linear_calibration(layer: torch.nn.Module) -> dict:
     """:func:`_calibrate` for ``layer``'s weight shape on this machine, made once and kept
-    (:mod:`specula.verifier.calibration`)."""
+    (:mod:`specula.machine.store`)."""
     weight = layer.weight
     key = store.key(weight.device, "linear", type(layer).__name__, tuple(weight.shape), weight.stride(),
                           weight.dtype, layer.bias is not None)
