@@ -5,6 +5,7 @@ exit status 2, as argparse's own usage errors; torch is imported only to check a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from ..hf.registry import check_proposer
 def check(args: argparse.Namespace) -> None:
     """Stop at the first problem of a parsed command line, as a usage error: one line, nothing loaded or written."""
     for find in (_generate_problem, _input_problem, _output_problem, _proposer_problem, _model_problem, _ray_problem,
-                 _device_problem):
+                 _serve_problem, _device_problem):
         problem = find(args)
         if problem is not None:
             usage_error(args, problem)
@@ -181,6 +182,14 @@ def _model_path_problem(text: str) -> str | None:
     if not path.exists():
         return "no such file or folder"
     return "neither an HF model folder (with config.json) nor a .gguf file"
+
+
+def _serve_problem(args: argparse.Namespace) -> str | None:
+    """``serve`` without its extra installed."""
+    if args.command != "serve":
+        return None
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    return f"needs {' and '.join(missing)}: pip install 'specula[serve]'" if missing else None
 
 
 def _device_problem(args: argparse.Namespace) -> str | None:

@@ -18,7 +18,8 @@ from transformers import TextStreamer
 from ..hf.generate import generate
 from ..hf.loading import ModelNotFoundError, load_model
 from ..jobs.answer_lines import error_line
-from ..jobs.answerer import Answerer, Settings
+from ..decoding.loop import Decoder
+from ..jobs.answerer import Answerer, Settings, batch_size, named
 from ..jobs.answers import AnswerFile, InputOrder, StopOnInterrupt, Tally, report_skipped
 from ..jobs.requests import BadRequest, Request, answer_key, encode, model_name, read_requests, unique_requests
 from ..proposers.kernels import warm_up
@@ -160,6 +161,24 @@ def _generate_file(
         verification=None if answerer.exactness is None else str(answerer.exactness))
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn  # (the serve extra: checked before the model loads)
+
+    from ..serve.app import create_app
+    from ..serve.engine import Engine
+
+    model, tokenizer, device = _load(args)
+    proposer = proposer_factory(args.proposer, tokenizer, model.dtype, device)()  # one for every request
+    settings = named(Settings(args.max_new_tokens, _sampling(args), args.seed, args.exact, args.max_batch,
+                              predictions=True, model_name=model_name(args.model)), model)
+    slots = batch_size(model, settings)
+    engine = Engine(lambda: Decoder(model, proposer, slots, exact=settings.exact, predictions=True).prepare())
+    app = create_app(engine, model, tokenizer, settings, api_key=args.api_key)
+    print(f"specula serve: {settings.model_name} on http://{args.host}:{args.port}/v1 ({slots} requests at once; "
+          "Ctrl-C stops)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     sampling = _sampling(args)
     workloads = args.workload_rows  # (every line checked before the model loads)
@@ -291,4 +310,5 @@ def cmd_probe(args: argparse.Namespace) -> None:
                 print(f"after {end - width} tokens: {probe(model, ids[:, :end], width, exact=exact)}")
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "drift": cmd_drift, "probe": cmd_probe}
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "drift": cmd_drift,
+            "probe": cmd_probe}

@@ -116,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specula",
         description="Lossless speculative decoding for HuggingFace causal LMs: same output, fewer model passes.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,drift,probe,proposers}")
-    for add_command in (_add_generate_parser, _add_proposers_parser, _add_bench_parser, _add_drift_parser,
-                        _add_probe_parser):
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     metavar="{generate,serve,bench,drift,probe,proposers}")
+    for add_command in (_add_generate_parser, _add_serve_parser, _add_proposers_parser, _add_bench_parser,
+                        _add_drift_parser, _add_probe_parser):
         add_command(commands)
     return parser
 
@@ -150,6 +151,33 @@ def _add_generate_parser(commands) -> None:
     _add_exact_argument(gen)
     _add_model_arguments(gen)
     _add_decoding_arguments(gen, max_new_tokens=256, temperature=None)
+
+
+def _add_serve_parser(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (chat and text completions, streamed or whole, predictions)",
+        description="Answers POST /v1/chat/completions and /v1/completions as OpenAI's API does (the official "
+        "clients work), with \"prediction\" (predicted outputs: the file being edited) verified as drafts, GET "
+        "/v1/models and GET /health. Requests share the model's passes (continuous batching), each with its own "
+        "settings; the options below are their defaults. A bad request is answered 400 with OpenAI's error object "
+        "naming the field. Ctrl-C or SIGTERM: stops accepting, finishes what is in flight, exits. Needs the serve "
+        "extra: pip install 'specula[serve]'.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine "
+                       "only)")
+    serve.add_argument("--port", type=_int_at_least(1), default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument("--api-key", default=None,
+                       help="answer /v1/ requests only with 'Authorization: Bearer KEY' (default: none asked)")
+    serve.add_argument(
+        "--max-batch", type=_positive_int, default=None,
+        help="requests decoded at once in the same passes (default: the size whose passes make the most tokens per "
+        "second here, measured at start)",
+    )
+    _add_proposer_argument(serve, f"where drafts come from besides a request's prediction: "
+                           f"{', '.join(PROPOSER_NAMES)} (default: prompt-lookup)")
+    _add_exact_argument(serve)
+    _add_model_arguments(serve)
+    _add_decoding_arguments(serve, max_new_tokens=256, temperature=None)
 
 
 def _add_generate_files(gen: argparse.ArgumentParser) -> None:

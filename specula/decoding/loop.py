@@ -129,6 +129,7 @@ class Job:
     # attention mask [1, max_length])
     padded: tuple[np.ndarray, torch.Tensor, torch.Tensor] | None = None
     prediction: np.ndarray | None = None  # [P] the tokens it expects back, drafted from (specula.proposers.prediction)
+    cancelled: bool = False  # set (from any thread) to end its row after the pass under way: its caller went away
 
 
 class Row:
@@ -160,6 +161,7 @@ class Row:
             self.stats.accepted_prediction_tokens = self.prediction.accepted
             self.stats.rejected_prediction_tokens = self.prediction.rejected
         kept, self.finished = self.sequence.append(new_tokens)
+        self.finished = self.finished or self.job.cancelled
         now = time.perf_counter() - self.started
         if self.stats.passes == 1:
             self.stats.prefill_time_s = now
@@ -173,7 +175,9 @@ class Decoder:
     (see :func:`specula.generate` for the arguments).
 
     :meth:`run` is a generator: for every pass it yields, per request, ``(row, kept_tokens)``; ``row.finished``
-    says when a request is done, and a new one takes its place in the same pass as the next step. Each request is
+    says when a request is done (or cancelled: ``job.cancelled``), and a new one takes its place in the same pass as
+    the next step. ``jobs`` may be a live stream: ``None`` from it means none is waiting now (the run goes on with
+    the rows it has, and asks again before the next pass). Each request is
     decoded with its own settings (``job.sampling``, its stopping criteria and length), whatever its batch-mates'.
     Its prompt is computed alone, as ``model.generate`` computes it; its tokens do not depend on the others in its
     batch (bit for bit where verification is row-exact, else up to rounding).
@@ -300,7 +304,7 @@ class Decoder:
         return row.sequence.with_draft(sent, self.model.device) if row.sampling.reads_tokens else None
 
     @torch.inference_mode()
-    def run(self, jobs: Iterable[Job]) -> Iterator[tuple[Row, list[int]]]:
+    def run(self, jobs: Iterable[Job | None]) -> Iterator[tuple[Row, list[int]]]:
         self.prepare()
         jobs, rows = iter(jobs), []  # rows[i]: row i of the target's batch (None: its request finished)
         try:

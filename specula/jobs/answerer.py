@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from jinja2 import TemplateError
@@ -14,9 +14,9 @@ from jinja2 import TemplateError
 from ..decoding.driver import finished_rows
 from ..decoding.loop import Decoder, Job, Row
 from ..hf.generate import prepare_jobs
-from ..verifier.row_exact import is_half_precision
 from ..policy.batch_size import fastest_batch_size, kept_batch_size
 from ..verifier.exactness import choose
+from ..verifier.row_exact import is_half_precision
 from .answer_lines import answer_line
 from .requests import Request, encode, model_name
 
@@ -59,6 +59,48 @@ def generate_options(request: Request, settings: Settings, device: torch.device 
             **{renamed[name]: value for name, value in own.items() if name in renamed}}
 
 
+def named(settings: Settings, model) -> Settings:
+    """``settings`` with the name answers call the model: given, else its folder's (:func:`model_name`)."""
+    return replace(settings, model_name=settings.model_name or (
+        model_name(model.name_or_path) if model.name_or_path else model.config.model_type))
+
+
+def batch_size(model, settings: Settings, largest: int = 32) -> int:
+    """The batch size requests are decoded in: ``settings.batch_size`` where given, else the fastest here (up to
+    ``largest``), measured once and kept where the batch size changes what a request decodes to (ordinary
+    bf16/fp16 verification rounds by the rows of a pass), else measured now."""
+    if settings.batch_size is not None:
+        return settings.batch_size
+    return kept_batch_size(model, largest) if _kept(model, settings) else fastest_batch_size(model, largest=largest)
+
+
+def _kept(model, settings: Settings) -> bool:
+    """Whether the batch size is kept, not measured per run (see :func:`batch_size`)."""
+    return settings.batch_size is None and is_half_precision(model) and not choose(model, settings.exact).exact
+
+
+def job_of(model, tokenizer, request: Request, settings: Settings) -> Job:
+    """The job that decodes ``request`` (its key: the request) with its own settings over the run's; a
+    ``ValueError`` (or the chat template's ``TemplateError``) where it cannot be decoded, such as a prompt longer
+    than the model's context."""
+    device = model.get_input_embeddings().weight.device
+    (job,) = prepare_jobs(model, encode(tokenizer, request).to(device), prediction=request.prediction,
+                          tokenizer=tokenizer, **generate_options(request, settings, device))
+    job.key = request
+    return job
+
+
+def answer_of(row: Row, request: Request, tokenizer, settings: Settings) -> dict:
+    """The answer line of ``request``'s finished row: its text ends before a stop string (OpenAI's ``stop``), and it
+    finished for a ``"stop"`` (EOS, a stop string) or for its ``"length"``."""
+    output = row.output
+    text = tokenizer.decode(output, skip_special_tokens=True)
+    ends = [at for at in (text.find(stop) for stop in request.options.get("stop", ())) if at >= 0]
+    stopped = bool(ends) or (len(output) > 0 and int(output[-1]) in row.job.eos_token_ids)
+    return answer_line(request, text[: min(ends)] if ends else text, "stop" if stopped else "length",
+                       len(row.job.prompt), _stats(row.stats, row.job.prediction is not None), settings.model_name)
+
+
 def _stats(stats, predicted: bool) -> dict:
     """An answer's stats; with a prediction, its tokens verified and kept or rejected (OpenAI's names)."""
     return {
@@ -78,28 +120,19 @@ class Answerer:
 
     def __init__(self, model, tokenizer, proposer, settings: Settings,
                  on_skip: Callable[[Request, str], None]) -> None:
-        self.model, self.tokenizer, self.proposer = model, tokenizer, proposer
-        self.settings, self.on_skip = settings, on_skip
-        self.device = model.get_input_embeddings().weight.device
+        self.model, self.tokenizer, self.proposer, self.on_skip = model, tokenizer, proposer, on_skip
+        self.settings = named(settings, model)
         self.slots = settings.batch_size
-        # the batch size changes what a request decodes to (ordinary bf16/fp16): measured once and kept, not per run
-        self.kept = settings.batch_size is None and is_half_precision(model) and not choose(model, settings.exact).exact
-        self.model_name = settings.model_name or (model_name(model.name_or_path) if model.name_or_path else
-                                                  model.config.model_type)
         self.sizes: list[int] = []  # the batch sizes that ran, for the summary
         self.comparisons = []  # each decoder's Decoder.plain_comparison(), for the summary
         self.exactness = None  # how the last call verified
 
     def _job(self, request: Request) -> Job | None:
         try:
-            (job,) = prepare_jobs(self.model, encode(self.tokenizer, request).to(self.device),
-                                  prediction=request.prediction, tokenizer=self.tokenizer,
-                                  **generate_options(request, self.settings, self.device))
+            return job_of(self.model, self.tokenizer, request, self.settings)
         except (ValueError, TemplateError) as error:  # (the chat template's own refusal: roles out of order ...)
             self.on_skip(request, str(error))
             return None
-        job.key = request
-        return job
 
     def __call__(self, requests: Iterable[Request], largest: int = 32, eager: bool = False
                  ) -> Iterator[tuple[Request, dict]]:
@@ -112,11 +145,10 @@ class Answerer:
         prepared = filter(None, map(self._job, requests))
         if eager:
             prepared = iter(list(prepared))
-        measured = self.settings.batch_size is None and not self.kept
+        measured = self.settings.batch_size is None and not _kept(self.model, self.settings)
         while (first := next(prepared, None)) is not None:
             if self.slots is None:
-                self.slots = (kept_batch_size(self.model, largest) if self.kept else
-                              fastest_batch_size(self.model, largest=largest))
+                self.slots = batch_size(self.model, self.settings, largest)
             decoder = Decoder(self.model, self.proposer, self.slots, exact=self.settings.exact,
                               predictions=self.settings.predictions)
             self.exactness = decoder.prepare().exactness
@@ -138,15 +170,7 @@ class Answerer:
                 self.comparisons[0][2])
 
     def _answer(self, row: Row) -> dict:
-        """The answer line of a finished row: its text ends before a stop string (OpenAI's ``stop``), and it
-        finished for a ``"stop"`` (EOS, a stop string) or for its ``"length"``."""
-        request, output = row.job.key, row.output
-        text = self.tokenizer.decode(output, skip_special_tokens=True)
-        ends = [at for at in (text.find(stop) for stop in request.options.get("stop", ())) if at >= 0]
-        stopped = bool(ends) or (len(output) > 0 and int(output[-1]) in row.job.eos_token_ids)
-        return answer_line(request, text[: min(ends)] if ends else text, "stop" if stopped else "length",
-                           len(row.job.prompt), _stats(row.stats, row.job.prediction is not None),
-                           self.model_name)
+        return answer_of(row, row.job.key, self.tokenizer, self.settings)
 
     def _jobs(self, prepared: Iterator[Job], largest: int) -> Iterator[Job]:
         """The jobs of ``prepared`` until, measured again after every :data:`REMEASURE` of them, the fastest batch

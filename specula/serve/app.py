@@ -1,0 +1,239 @@
+"""The HTTP face of the server: OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` (whole or streamed as
+server-sent events), ``/v1/models`` and ``/health``, over an :class:`~specula.serve.engine.Engine`.
+
+A body is checked by the rules of request files (:func:`specula.jobs.requests.parse_request`, as a Batch API line
+of its endpoint), so every field, range and near miss is answered as there: HTTP 400 with OpenAI's error object,
+``param`` naming the field. Answers are the bodies Batch API output lines carry (:mod:`specula.jobs.answer_lines`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..jobs.answerer import Settings, answer_of, job_of
+from ..jobs.requests import BadRequest, ENDPOINTS, parse_request
+from .engine import Engine
+
+WAIT = 0.25  # seconds between checks that a waiting client is still there
+
+
+class HTTPError(Exception):
+    """An answer with OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.kind, self.code = status, param, kind, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+def create_app(engine: Engine, model, tokenizer, settings: Settings, api_key: str | None = None) -> FastAPI:
+    """The server's app, answering with ``engine`` (closed when the app shuts down: what is in flight finishes)."""
+    numbers = itertools.count(1)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await run_in_threadpool(engine.close)  # (uvicorn stopped accepting: what is in flight finishes)
+        print(f"specula serve: stopped ({engine.answered} answered, {engine.cancelled} cancelled, {engine.failed} "
+              "failed)", file=sys.stderr)
+
+    app = FastAPI(title="specula", lifespan=lifespan)
+
+    @app.exception_handler(HTTPError)
+    async def _error(request: Request, error: HTTPError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(Exception)
+    async def _failure(request: Request, error: Exception) -> JSONResponse:
+        message = f"{type(error).__name__}: {error}".splitlines()[0]
+        return HTTPError(500, f"specula failed on this request ({message})", kind="server_error").response()
+
+    @app.middleware("http")
+    async def _key(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1/") and \
+                request.headers.get("authorization") != f"Bearer {api_key}":
+            return HTTPError(401, "a valid API key is needed: send it as 'Authorization: Bearer KEY'",
+                             kind="invalid_request_error", code="invalid_api_key").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": settings.model_name, "in_flight": engine.in_flight,
+                "answered": engine.answered, "cancelled": engine.cancelled, "failed": engine.failed,
+                "tokens": engine.tokens}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "specula"}]}
+
+    async def complete(request: Request, url: str):
+        body = await _body(request)
+        stream, include_usage = _stream_options(body)
+        parsed = parse_request({"custom_id": f"request-{next(numbers)}", "method": "POST", "url": url,
+                                "body": body}, next(numbers), settings.model_name)
+        if isinstance(parsed, BadRequest):
+            raise HTTPError(400, str(parsed), _param(str(parsed)))
+        try:
+            job = await run_in_threadpool(job_of, model, tokenizer, parsed, settings)
+        except ValueError as error:  # (a prompt longer than the context, a template's refusal ...)
+            raise HTTPError(400, str(error), "messages" if parsed.messages is not None else "prompt") from None
+        events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        handle = engine.submit(job, lambda kept: loop.call_soon_threadsafe(events.put_nowait, kept),
+                               lambda row, error: loop.call_soon_threadsafe(events.put_nowait, (row, error)))
+        if stream:
+            chunks = _chunks(events, handle, parsed, tokenizer, settings, include_usage)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        try:
+            while isinstance(event := await _next(events, request, handle), list):
+                pass  # (tokens: whole answers wait for the end)
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+        return _answer(event, parsed, tokenizer, settings)["response"]["body"]
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, "/v1/completions")
+
+    return app
+
+
+async def _body(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as error:
+        raise HTTPError(400, f"the body is not JSON ({error})") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the body must be a JSON object: the completion request")
+    return body
+
+
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    """Whether to stream the answer and end with a usage chunk (``stream``, ``stream_options.include_usage``), taken
+    out of ``body``."""
+    stream, options = body.pop("stream", None), body.pop("stream_options", None)
+    if stream is not None and not isinstance(stream, bool):
+        raise HTTPError(400, f'"stream" must be true or false, got {json.dumps(stream)}', "stream")
+    if options is not None and not stream:
+        raise HTTPError(400, '"stream_options" is only allowed with "stream": true', "stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise HTTPError(400, '"stream_options" must be {"include_usage": true or false}', "stream_options")
+    return bool(stream), bool((options or {}).get("include_usage"))
+
+
+def _param(message: str) -> str | None:
+    """The field a request-file message names first.
+
+    >>> _param('"max_tokens" must be a whole number >= 1, got 0'), _param('body: unknown field "max_token" for ...')
+    ('max_tokens', 'max_token')
+    """
+    found = re.search(r'"([A-Za-z_]+)"', message)
+    return found.group(1) if found else None
+
+
+async def _next(events: asyncio.Queue, request: Request, handle) -> object:
+    """The next event of a request (a list of kept tokens, or its end: ``(row, error)``); a client that went away
+    cancels it."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), WAIT)
+        except TimeoutError:
+            if await request.is_disconnected():
+                handle.cancel()
+                raise asyncio.CancelledError from None
+
+
+def _answer(event: tuple, parsed, tokenizer, settings: Settings) -> dict:
+    """The answer line of a request's end (``(row, error)``); a failure of the loop is a 500."""
+    row, error = event
+    if error is not None:
+        raise HTTPError(500, f"decoding failed ({type(error).__name__}: {str(error).splitlines()[0]})",
+                        kind="server_error")
+    return answer_of(row, parsed, tokenizer, settings)
+
+
+async def _chunks(events: asyncio.Queue, handle, parsed, tokenizer, settings: Settings, include_usage: bool
+                  ) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk shape: text as passes accept tokens (held back only while it may end
+    in a broken character or the start of a stop string), the finish reason, usage if asked, ``[DONE]``."""
+    chat = parsed.url == "/v1/chat/completions"
+    name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    stops = parsed.options.get("stop", ())
+
+    def chunk(text: str | None, finish: str | None = None, usage: dict | None = None, first: bool = False) -> str:
+        choices = [] if usage is not None else [
+            {"index": 0, "delta": ({"role": "assistant"} if first else {}) | ({} if text is None else
+                                                                                {"content": text}),
+             "logprobs": None, "finish_reason": finish} if chat else
+            {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        data = {"id": name, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": settings.model_name, "choices": choices} | ({"usage": usage} if usage is not None else {})
+        return f"data: {json.dumps(data)}\n\n"
+
+    ids: list[int] = []
+    sent = ""
+    done = False
+    try:
+        if chat:
+            yield chunk("", first=True)
+        while isinstance(event := await events.get(), list):
+            ids += event
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            ready = _ready(text, stops)
+            if len(ready) > len(sent):
+                yield chunk(ready[len(sent):])
+                sent = ready
+        done = True
+        answer = _answer(event, parsed, tokenizer, settings)["response"]["body"]
+        choice = answer["choices"][0]
+        final = choice["message"]["content"] if chat else choice["text"]
+        if final.startswith(sent) and len(final) > len(sent):
+            yield chunk(final[len(sent):])
+        yield chunk(None if chat else "", choice["finish_reason"])
+        if include_usage:
+            yield chunk(None, usage=answer["usage"])
+        yield "data: [DONE]\n\n"
+    except HTTPError as error:
+        yield f"data: {json.dumps({'error': {'message': str(error), 'type': error.kind, 'param': None, 'code': None}})}\n\n"
+    finally:
+        if not done:  # (the client went away: its row ends after the pass under way)
+            handle.cancel()
+
+
+def _ready(text: str, stops) -> str:
+    """What of ``text`` can be sent now: up to a stop string it holds, less a last broken character or a tail that
+    may still become a stop string.
+
+    >>> _ready("ab\\ufffd", ()), _ready("hello wo", ["world"]), _ready("hello world!", ["world"])
+    ('ab', 'hello ', 'hello ')
+    """
+    ends = [at for at in (text.find(stop) for stop in stops) if at >= 0]
+    if ends:
+        return text[: min(ends)]
+    text = text.rstrip("\ufffd")
+    held = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+    return text[: len(text) - held]

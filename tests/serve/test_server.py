@@ -1,0 +1,230 @@
+"""``specula serve`` as a real process on 127.0.0.1, driven by the official ``openai`` client: answers equal
+``model.generate``'s, streams join to them, predictions are counted, concurrent clients get their own answers, bad
+requests get 400 with the field named while the server goes on, a client that goes away frees its row, an API key
+is asked for when set, SIGTERM stops it. Every wait is bounded."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="the server's extra: pip install 'specula[serve]'")
+openai = pytest.importorskip("openai")
+
+from specula.hf import loading  # noqa: E402
+from specula.jobs.requests import encode  # noqa: E402
+
+START = 180  # seconds a server may take to load and measure
+MAX_TOKENS = 12
+PROMPTS = ["the quick brown fox", "tests of the server", "one two three four", "a b c d e f"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(folder, *options: str) -> tuple[subprocess.Popen, str]:
+    """A ``specula serve`` process on a free loopback port, once its health route answers."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specula.cli", "serve", "--model", str(folder), "--dtype", "fp32", "--port", str(port),
+         "--max-new-tokens", str(MAX_TOKENS), *options],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+                if answer.status == 200:
+                    return process, url
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise AssertionError(f"the server did not start: {process.communicate(timeout=30)[1][-2000:]}")
+
+
+def stop(process: subprocess.Popen) -> tuple[int, str]:
+    process.send_signal(signal.SIGTERM)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError("the server did not stop within 60 s of SIGTERM") from None
+    return process.returncode, stderr
+
+
+@pytest.fixture(scope="module")
+def server(model_folder):
+    process, url = start_server(model_folder, "--max-batch", "4", "--proposer", "prompt-lookup")
+    yield url
+    stop(process)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def name(client) -> str:
+    """The name the server gives its model (its folder's)."""
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def reference(model_folder):
+    """What ``model.generate`` makes of a request, as text (fp32, greedy, or sampled after ``manual_seed``)."""
+    model, tokenizer = loading.load_model(model_folder, dtype=torch.float32)
+
+    def generate(request: dict, seed: int | None = None, **kwargs) -> str:
+        ids = encode(tokenizer, request)
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                             do_sample=seed is not None, **kwargs)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    return generate
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as answer:
+        return json.load(answer)
+
+
+def post(url: str, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{url}{path}", body, {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_chat_and_text_completions_are_model_generate(client, name, reference) -> None:
+    answer = client.chat.completions.create(model=name, messages=chat(PROMPTS[0]), temperature=0)
+    assert answer.object == "chat.completion" and answer.choices[0].finish_reason == "length"
+    assert answer.choices[0].message.content == reference({"messages": chat(PROMPTS[0])})
+    assert answer.usage.completion_tokens == MAX_TOKENS
+    text = client.completions.create(model=name, prompt=PROMPTS[1], max_tokens=5, temperature=0)
+    assert text.object == "text_completion" and text.usage.completion_tokens == 5
+    assert reference({"prompt": PROMPTS[1]}).startswith(text.choices[0].text)
+
+
+def test_a_seeded_request_draws_model_generates_tokens(client, name, reference) -> None:
+    drawn = [client.chat.completions.create(model=name, messages=chat(PROMPTS[2]), temperature=0.9,
+                                            seed=seed).choices[0].message.content for seed in (7, 7, 8)]
+    assert drawn[0] == drawn[1] == reference({"messages": chat(PROMPTS[2])}, seed=7, temperature=0.9)
+    assert drawn[2] == reference({"messages": chat(PROMPTS[2])}, seed=8, temperature=0.9) != drawn[0]
+
+
+def test_streamed_chunks_join_to_the_answer(client, name) -> None:
+    whole = client.chat.completions.create(model=name, messages=chat(PROMPTS[3]), temperature=0)
+    chunks = list(client.chat.completions.create(model=name, messages=chat(PROMPTS[3]), temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    text = "".join(choice.delta.content or "" for chunk in chunks for choice in chunk.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+    assert finishes == ["length"] and chunks[-1].usage.completion_tokens == MAX_TOKENS and not chunks[-1].choices
+    streamed = list(client.completions.create(model=name, prompt=PROMPTS[3], temperature=0, stream=True))
+    plain = client.completions.create(model=name, prompt=PROMPTS[3], temperature=0)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == plain.choices[0].text
+
+
+def test_a_prediction_is_verified_and_counted(client, name) -> None:
+    expected = client.chat.completions.create(model=name, messages=chat(PROMPTS[0]), temperature=0)
+    predicted = client.chat.completions.create(
+        model=name, messages=chat(PROMPTS[0]), temperature=0,
+        prediction={"type": "content", "content": expected.choices[0].message.content})
+    assert predicted.choices[0].message.content == expected.choices[0].message.content
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens == 0
+
+
+def test_concurrent_clients_each_get_their_own_answer(client, name, reference) -> None:
+    prompts = [f"{PROMPTS[n % 4]} {n}" for n in range(16)]
+
+    def ask(prompt: str) -> str:
+        return client.chat.completions.create(model=name, messages=chat(prompt), temperature=0
+                                              ).choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, prompts, timeout=300))
+    assert answers == [reference({"messages": chat(prompt)}) for prompt in prompts]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": chat("hi"), "n": 2}, "n"),
+    ({"messages": chat("hi"), "logprobs": True}, "logprobs"),
+    ({"messages": chat("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": []}, "messages"),
+    ({"messages": chat("hi"), "max_token": 5}, "max_token"),
+    ({"messages": chat("hi"), "temperature": -1}, "temperature"),
+    ({"messages": chat("hi"), "prediction": {"type": "file", "content": "x"}}, "prediction"),
+    ({"messages": chat("hi"), "model": "gpt-4o"}, "model"),
+    ({"messages": chat("hi"), "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": chat("word " * 600)}, "messages"),
+])
+def test_a_bad_request_is_a_400_naming_the_field_and_the_server_goes_on(server, body, param) -> None:
+    status, answer = post(server, "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and answer["error"]["param"] == param and answer["error"]["message"], answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert post(server, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}).encode())[0] == 200
+
+
+def test_a_body_that_is_not_json_is_a_400(server) -> None:
+    status, answer = post(server, "/v1/chat/completions", b"{not json")
+    assert status == 400 and "not JSON" in answer["error"]["message"]
+
+
+def test_models_and_health(client, name, server) -> None:
+    assert [model.id for model in client.models.list()] == [health(server)["model"]]
+    assert {"in_flight", "answered", "cancelled", "tokens"} <= set(health(server))
+
+
+def test_a_client_that_goes_away_frees_its_row(server) -> None:
+    before = health(server)
+    body = json.dumps({"prompt": "go on and on", "max_tokens": 400, "stream": True}).encode()
+    request = urllib.request.Request(f"{server}/v1/completions", body, {"Content-Type": "application/json"})
+    answer = urllib.request.urlopen(request, timeout=60)
+    assert answer.readline().startswith(b"data: ")  # (it is decoding)
+    answer.close()  # the client goes away
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (health(server)["cancelled"] > before["cancelled"]
+                                               and health(server)["in_flight"] == 0):
+        time.sleep(0.2)
+    now = health(server)
+    assert now["cancelled"] == before["cancelled"] + 1 and now["in_flight"] == 0
+    assert now["tokens"] - before["tokens"] < 400
+
+
+def test_an_api_key_is_asked_for_when_set_and_sigterm_stops_the_server(model_folder) -> None:
+    process, url = start_server(model_folder, "--api-key", "sesame", "--max-batch", "2")
+    try:
+        refused = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            refused.completions.create(model=model_folder.name, prompt="hi", max_tokens=2)
+        allowed = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0, timeout=60)
+        assert allowed.completions.create(model=model_folder.name, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        assert health(url)["status"] == "ok"  # (the health route needs no key)
+    finally:
+        code, stderr = stop(process)
+    assert code in (0, -signal.SIGTERM) and "stopped" in stderr
