@@ -81,7 +81,7 @@ def test_the_adapter_is_used_only_for_one_sequence_proposers() -> None:
 def test_a_built_in_proposer_subclassed_for_its_one_sequence_hooks_gets_them_called() -> None:
     class Steps(specula.PromptLookup):
         def observe(self, new_ids, num_accepted):
-            self.passes = getattr(self, "passes", 0) + 1
+            self.steps = getattr(self, "steps", 0) + 1
 
     class Drafts(specula.SmallModelDrafter):
         def propose(self, context_ids, max_tokens):
