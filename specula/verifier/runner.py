@@ -7,13 +7,14 @@ import contextlib
 import inspect
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 from transformers.cache_utils import (
     DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer,
 )
+
+from .cache_layers import PreallocatedHybridLayer, PreallocatedLayer
 
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
@@ -23,6 +24,7 @@ from .recurrent import (
 )
 from .packed import packed_for
 from .threads import thread_choice
+from .tree_mask import ancestry_of, block_mask, parents_of, paths_of
 from .row_exact import is_half_precision, row_exact_for
 from .support import (
     UnsupportedModelError, cache_argument, check_batchable, check_cache_length, check_recurrent_rows, check_rollback,
@@ -34,152 +36,6 @@ from .support import (
 # varies), which made steps dearer than they need be (docs/hardware.md, GPUs). One-token steps keep torch's own
 # choice, as model.generate has it.
 _VERIFY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-class PreallocatedLayer(DynamicLayer):
-    """A full-attention cache layer that writes new states into a buffer allocated once, instead of concatenating.
-
-    ``DynamicLayer`` copies its whole cache every step (``torch.cat``), a cost that grows with the context
-    (``docs/hardware.md``, KV cache; ``examples/kv_cache.py`` measures it). Here a step writes only its own states, and
-    attention reads a view of the filled prefix: the same values, shapes and layout on the last two dimensions, so
-    the same logits. A rollback only moves the end. The buffer doubles if ``capacity`` turns out too small.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity = max(capacity, 1)
-        self.length = 0
-        self.rows: int | None = None  # rows in use of a batch's buffers (None: all of them)
-        self.sliding_window: int | None = None  # the window of a sliding-window layer it stands for (batches)
-        self.row_starts: torch.Tensor | None = None  # [rows]: where each row writes its next block (batches)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None) -> None:
-        self.device = key_states.device
-        self.length = 0  # (also after transformers' reset())
-        self._key_buffer = self._empty_like(key_states, self.capacity, slots)
-        self._value_buffer = self._empty_like(value_states, self.capacity, slots)
-        self._expose()
-        self.is_initialized = True
-
-    @staticmethod
-    def _empty_like(states: torch.Tensor, length: int, slots: int | None = None) -> torch.Tensor:
-        # zeros, not garbage: in a batch a row's mask covers slots only longer rows wrote, and attention kernels
-        # compute q.k before masking, so a NaN bit pattern there would poison the row
-        batch, heads, _, dim = states.shape
-        return torch.zeros(slots or batch, heads, length, dim, dtype=states.dtype, device=states.device)
-
-    def _expose(self) -> None:
-        self.keys = self._key_buffer[: self.rows, :, : self.length]
-        self.values = self._value_buffer[: self.rows, :, : self.length]
-
-    def _grow(self, end: int) -> None:
-        """Make room for ``end`` tokens per row (doubling)."""
-        if end > self.capacity:
-            self.capacity = max(end, 2 * self.capacity)
-            for name in ("_key_buffer", "_value_buffer"):
-                grown = self._empty_like(getattr(self, name), self.capacity)
-                grown[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
-                setattr(self, name, grown)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # key_states, value_states: [B, heads, n, dim]; each row's block goes at its own start in a batch
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
-        starts = self.row_starts
-        end = (self.length if starts is None else int(starts.max())) + n
-        self._grow(end)
-        if starts is None or len(starts) == 1:  # (one row: a plain slice)
-            start = self.length if starts is None else end - n
-            self._key_buffer[: len(key_states), :, start:end] = key_states
-            self._value_buffer[: len(value_states), :, start:end] = value_states
-        else:
-            slots = starts[:, None] + torch.arange(n, device=starts.device)  # [B, n]
-            rows = torch.arange(len(starts), device=starts.device)[:, None]  # [B, 1]
-            # (an index_put of these slots only: scatter_ into the whole buffer was far slower, docs/hardware.md)
-            self._key_buffer[rows, :, slots] = key_states.transpose(1, 2)  # [B, n, heads, dim]
-            self._value_buffer[rows, :, slots] = value_states.transpose(1, 2)
-        self.length = end
-        self._expose()
-        return self.keys, self.values
-
-    def put_row(self, index: int, keys: torch.Tensor, values: torch.Tensor, slots: int, end: int) -> None:
-        """Write a request's prompt states (``[1, heads, n, dim]``, computed alone: the last ``n`` of its ``end``
-        tokens, fewer than ``end`` where a sliding window kept only its last ones) as row ``index`` of a batch of up
-        to ``slots`` rows."""
-        if not self.is_initialized:
-            self.lazy_initialization(keys, values, slots)
-        self._grow(end)
-        self._key_buffer[index, :, end - keys.shape[-2] : end] = keys[0]
-        self._value_buffer[index, :, end - values.shape[-2] : end] = values[0]
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these batch rows, moved to the front (finished requests leave the batch)."""
-        if self.is_initialized:
-            for buffer in (self._key_buffer, self._value_buffer):
-                buffer[: len(rows)] = buffer[rows]
-            self.rows = len(rows)
-            self._expose()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop() takes minus the number of tokens to remove, got {tokens_to_remove}.")
-        if self.is_initialized:
-            self.length = max(self.length - abs(tokens_to_remove), 0)
-            self._expose()
-
-
-class PreallocatedHybridLayer(LinearAttentionLayer, PreallocatedLayer):
-    """A batch's layer holding attention and recurrent state at once (Falcon-H1, Zamba's hybrid layers), as
-    transformers' ``LinearAttentionAndFullAttentionLayer`` holds them: its attention a :class:`PreallocatedLayer`, its
-    recurrent states rows of :class:`specula.verifier.recurrent.RecurrentRows`."""
-
-    def __init__(self, capacity: int, number_of_states: int) -> None:
-        PreallocatedLayer.__init__(self, capacity)
-        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
-
-    def lazy_initialization(self, *args, **kwargs) -> None:
-        # attention states come positionally (keys, values[, slots]), recurrent ones as keywords
-        if args:
-            PreallocatedLayer.lazy_initialization(self, *args, **kwargs)
-        else:
-            LinearAttentionLayer.lazy_initialization(self, **kwargs)
-
-
-def _ancestry(trees: list[list[int] | None], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For rows of ``n`` block tokens: whether token ``j`` is ``i`` or one of its ancestors (``[B, n, n]``), and
-    each token's depth (``[B, n]``). ``trees[b]`` gives row ``b``'s parents (``trees[b][i] < i``, ``-1`` for the
-    first; tokens past them, padding, follow the token before); ``None`` is a chain.
-
-    >>> ancestry, depth = _ancestry([[-1, 0, 0, 2], None], 4, torch.device("cpu"))  # 0 -> 1, and 0 -> 2 -> 3
-    >>> ancestry[0].int().tolist(), depth.tolist()
-    ([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], [[0, 1, 1, 2], [0, 1, 2, 3]])
-    """
-    ancestry = np.tril(np.ones((n, n), dtype=bool))[None].repeat(len(trees), axis=0)
-    depth = np.arange(n)[None].repeat(len(trees), axis=0)
-    for b, tree in enumerate(trees):
-        if tree is None:
-            continue
-        parents = _parents([tree], n)[0]
-        for i in range(1, n):  # (only the first token has no parent: -1)
-            ancestry[b, i, :i], depth[b, i] = ancestry[b, parents[i], :i], depth[b, parents[i]] + 1
-    return torch.from_numpy(ancestry).to(device), torch.from_numpy(depth).to(device)
-
-
-def _parents(trees: list[list[int] | None], n: int) -> list[list[int]]:
-    """Each row's parents (see :func:`_ancestry`) for all ``n`` tokens of the block: a chain's the token before,
-    padding after a tree follows its last token."""
-    return [list(range(-1, n - 1)) if tree is None else tree + list(range(len(tree) - 1, n - 1)) for tree in trees]
-
-
-def _paths(ancestry: torch.Tensor, trees: list[list[int] | None]) -> list[list[list[int] | None] | None]:
-    """For each tree row, each block token's ancestors and itself (block indices), ``None`` where they are just
-    the tokens before it; ``None`` for chain rows. ``ancestry``: ``[B, n, n]`` (see :func:`_ancestry`)."""
-    paths = []
-    for row, tree in zip(ancestry.cpu().numpy(), trees):
-        lists = None if tree is None else [np.flatnonzero(seen).tolist() for seen in row]
-        paths.append(None if lists is None else [None if p == list(range(len(p))) else p for p in lists])
-    return paths
 
 
 @contextlib.contextmanager
@@ -421,10 +277,11 @@ class CachedModel:
         n = int(lengths.max())
         starts = self.starts[: self.batch]
         tokens = torch.stack([torch.cat([b, b[-1:].expand(n - len(b))]) for b in blocks])  # [B, n], padded at the end
-        ancestry, depth = _ancestry(trees or [None] * len(blocks), n, self.device)  # [B, n, n]; [B, n]
+        ancestry, depth = ancestry_of(trees or [None] * len(blocks), n, self.device)  # [B, n, n]; [B, n]
         positions = starts[:, None] + depth  # [B, n]
         keys = torch.arange(int(starts.max()) + n, device=self.device)  # every slot a query may see
-        mask = self._block_mask(starts, keys, ancestry, depth, positions)
+        mask = block_mask(starts, keys, ancestry, depth, positions, self.window, self.attention == "eager",
+                          self.dtype, self.mixed)
         first = lengths - torch.tensor(num_logits, device=self.device)  # [B]: first position wanted per row
         keep = n - int(first.min())
         inputs = {
@@ -444,11 +301,11 @@ class CachedModel:
         exact = _as_they_are()
         if self.row_exact and not one_token_step:
             ends = (positions + 1).tolist()  # [B][n]: the keys each token's one-token step sees
-            exact = self.row_exact.applied(self.cache, ends, _paths(ancestry, trees) if trees else None, argmax_only)
+            exact = self.row_exact.applied(self.cache, ends, paths_of(ancestry, trees) if trees else None, argmax_only)
         stepwise = self.stepwise is not None and n > 1
         if self.stepwise is not None:
             self.stepwise.forget()
-        parents = _parents(trees, n) if trees and any(tree is not None for tree in trees) else None  # [B][n]
+        parents = parents_of(trees, n) if trees and any(tree is not None for tree in trees) else None  # [B][n]
         # an ordinary pass over several tokens, or an ordinary one-token step
         fast = (not one_token_step and not self.row_exact) or (one_token_step and self.cheap_steps)
         with (
@@ -473,27 +330,6 @@ class CachedModel:
             self.threads.applied(shape) if self.threads and not step else contextlib.nullcontext(),
         ):
             yield
-
-    def _block_mask(self, starts: torch.Tensor, keys: torch.Tensor, ancestry: torch.Tensor, depth: torch.Tensor,
-                    positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The attention mask of a :meth:`forward_rows` pass (``[B, 1, n, keys]``; for a model with both kinds of
-        layers, one per layer type) over ``keys`` (every slot a query may see), rows' blocks starting at ``starts``
-        (``[B]``), their tokens' ``ancestry`` (``[B, n, n]``), ``depth`` in it and ``positions`` (``[B, n]``)."""
-        n = ancestry.shape[1]
-        inside = keys - starts[:, None]  # [B, keys]: a key's index in its row's block (< 0: the row's cache)
-        in_block = ancestry.gather(2, inside.clamp(0, n - 1)[:, None].expand(-1, n, -1))  # [B, n, keys]
-        seen = (inside < 0)[:, None] | ((inside < n)[:, None] & in_block)  # a token sees its row's past and path
-        masks = {"full_attention": seen}
-        if self.window is not None:  # ... and in a sliding-window layer only the last `window` positions
-            key_positions = torch.where(inside < 0, keys, starts[:, None] + depth.gather(1, inside.clamp(0, n - 1)))
-            masks["sliding_attention"] = seen & (key_positions[:, None] > positions[..., None] - self.window)
-        for kind, seen in masks.items():
-            mask = seen[:, None]  # [B, 1, n, keys]
-            if self.attention == "eager":  # (eager attention adds its mask to the scores)
-                mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(~mask, torch.finfo(self.dtype).min)
-            masks[kind] = mask
-        # models with both kinds of layers take a mask per layer type; the others the one their layers use
-        return masks if self.mixed else masks["sliding_attention" if self.window is not None else "full_attention"]
 
     def keep_rows(self, kept: list[int], paths: list[list[int] | None] | None = None) -> None:
         """After :meth:`forward_rows`: row ``b`` keeps the first ``kept[b]`` tokens of its block, or where

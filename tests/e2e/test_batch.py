@@ -189,6 +189,7 @@ def sharp() -> torch.nn.Module:
     return sharpened
 
 
+@pytest.mark.distribution
 def test_sampling_in_a_batch_keeps_each_rows_distribution() -> None:
     """Chi-square per row: the second new token of each row of a mixed batch (different lengths; verified against a
     draft that the rejection rule accepts or rejects) follows that row's own sum over t1 of p(t1) p(t2|t1)."""

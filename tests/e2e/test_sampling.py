@@ -19,6 +19,7 @@ from sampling_cases import PLAIN, TRUNCATED, sharp_model, joint_of_two_tokens, c
 # ---------------------------------------------------------------------------------------------------------------
 # End to end: specula.generate samples the target's exact joint distribution of the first tokens.
 
+@pytest.mark.distribution
 @pytest.mark.parametrize(
     "settings_, num_draft",
     [(PLAIN, 2), (TRUNCATED, 2), (TRUNCATED, 1)],
@@ -30,12 +31,14 @@ def test_prompt_lookup_samples_the_targets_distribution(settings_, num_draft) ->
     assert chi_square_p_value(counts, expected) > 0.001
 
 
+@pytest.mark.distribution
 def test_stochastic_drafter_samples_the_targets_distribution() -> None:
     counts, expected, stats = sample_first_two(lambda: NoisyModelDrafter(sharp_model(), 2), TRUNCATED, 3000)
     assert 0.1 < stats.acceptance_rate < 0.9
     assert chi_square_p_value(counts, expected) > 0.001
 
 
+@pytest.mark.distribution
 def test_plain_decoding_samples_the_targets_distribution() -> None:
     counts, expected, _ = sample_first_two(lambda: None, TRUNCATED, 2000)
     assert chi_square_p_value(counts, expected) > 0.001
@@ -56,12 +59,14 @@ def test_the_reference_distribution_is_what_model_generate_samples() -> None:
 # The same tests fail on deliberately wrong variants of the rule: the statistics have the power to catch them.
 
 
+@pytest.mark.distribution
 def test_the_test_fails_when_rejections_resample_from_p(monkeypatch) -> None:
     monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: p)
     counts, expected, _ = sample_first_two(lambda: NoisyModelDrafter(sharp_model(), 2), TRUNCATED, 1000)
     assert chi_square_p_value(counts, expected) < 0.001
 
 
+@pytest.mark.distribution
 def test_the_test_fails_when_draft_positions_are_drawn_from_the_wrong_prefix(monkeypatch) -> None:
     """Deterministic drafts: the token at each node is drawn from the scores a token later (after its first child,
     the draft token being verified) instead of that node's own."""
@@ -80,12 +85,14 @@ def test_the_test_fails_when_draft_positions_are_drawn_from_the_wrong_prefix(mon
     assert chi_square_p_value(counts, expected) < 0.001
 
 
+@pytest.mark.distribution
 def test_the_test_fails_when_the_ratio_is_inverted(monkeypatch) -> None:
     monkeypatch.setattr(acceptance, "acceptance_probability", lambda p, q: (q / p.clamp(min=1e-30)).clamp(max=1))
     counts, expected, _ = sample_first_two(lambda: NoisyModelDrafter(sharp_model(), 2), TRUNCATED, 1000)
     assert chi_square_p_value(counts, expected) < 0.001
 
 
+@pytest.mark.distribution
 def test_the_test_fails_when_top_p_is_applied_to_q_only(monkeypatch) -> None:
     """The drafter samples with top-k and top-p, the verifier's p lacks top-p (warpers applied to one side only)."""
     def without_top_p(do_sample, processors, generator):

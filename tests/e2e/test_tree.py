@@ -140,16 +140,19 @@ def fits_the_target(firsts: collections.Counter, pairs: collections.Counter) -> 
             and chi_square_p_value(pairs, conditional) > 0.001)
 
 
+@pytest.mark.distribution
 @pytest.mark.parametrize("make_draft", [deterministic_tree, sampled_tree])
 def test_a_tree_samples_exactly_the_targets_distribution(make_draft) -> None:
     assert fits_the_target(*two_tokens(make_draft))
 
 
+@pytest.mark.distribution
 def test_the_test_fails_without_renormalising_after_a_rejected_child(monkeypatch) -> None:
     monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: (p - q).clamp(min=0))
     assert not fits_the_target(*two_tokens(sampled_tree))
 
 
+@pytest.mark.distribution
 def test_the_test_fails_when_the_walk_follows_the_first_child_whatever_was_drawn(monkeypatch) -> None:
     """Deterministic trees: a drawn token that is a later sibling's moves the walk to the first child, whose
     scores then give the next token (the wrong prefix)."""

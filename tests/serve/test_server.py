@@ -150,9 +150,9 @@ def test_streamed_chunks_join_to_the_answer(client, name) -> None:
 
 
 def test_a_prediction_is_verified_and_counted(client, name) -> None:
-    expected = client.chat.completions.create(model=name, messages=chat(PROMPTS[0]), temperature=0)
+    expected = client.chat.completions.create(model=name, messages=chat(PROMPTS[0]), temperature=0, max_tokens=48)
     predicted = client.chat.completions.create(
-        model=name, messages=chat(PROMPTS[0]), temperature=0,
+        model=name, messages=chat(PROMPTS[0]), temperature=0, max_tokens=48,
         prediction={"type": "content", "content": expected.choices[0].message.content})
     assert predicted.choices[0].message.content == expected.choices[0].message.content
     details = predicted.usage.completion_tokens_details

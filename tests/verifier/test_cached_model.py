@@ -8,7 +8,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from specula.verifier import runner
-from specula.verifier.runner import CachedModel, PreallocatedLayer
+from specula.verifier.cache_layers import PreallocatedLayer
+from specula.verifier.runner import CachedModel
 from tiny_models import ARCHITECTURES, VOCAB, tiny_model
 
 

@@ -1,0 +1,117 @@
+"""Cache layers that a pass writes into in place and a rollback only moves the end of: full attention, and layers
+with both linear and full attention."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A full-attention cache layer that writes new states into a buffer allocated once, instead of concatenating.
+
+    ``DynamicLayer`` copies its whole cache every step (``torch.cat``), a cost that grows with the context
+    (``docs/hardware.md``, KV cache; ``examples/kv_cache.py`` measures it). Here a step writes only its own states, and
+    attention reads a view of the filled prefix: the same values, shapes and layout on the last two dimensions, so
+    the same logits. A rollback only moves the end. The buffer doubles if ``capacity`` turns out too small.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = max(capacity, 1)
+        self.length = 0
+        self.rows: int | None = None  # rows in use of a batch's buffers (None: all of them)
+        self.sliding_window: int | None = None  # the window of a sliding-window layer it stands for (batches)
+        self.row_starts: torch.Tensor | None = None  # [rows]: where each row writes its next block (batches)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None) -> None:
+        self.device = key_states.device
+        self.length = 0  # (also after transformers' reset())
+        self._key_buffer = self._empty_like(key_states, self.capacity, slots)
+        self._value_buffer = self._empty_like(value_states, self.capacity, slots)
+        self._expose()
+        self.is_initialized = True
+
+    @staticmethod
+    def _empty_like(states: torch.Tensor, length: int, slots: int | None = None) -> torch.Tensor:
+        # zeros, not garbage: in a batch a row's mask covers slots only longer rows wrote, and attention kernels
+        # compute q.k before masking, so a NaN bit pattern there would poison the row
+        batch, heads, _, dim = states.shape
+        return torch.zeros(slots or batch, heads, length, dim, dtype=states.dtype, device=states.device)
+
+    def _expose(self) -> None:
+        self.keys = self._key_buffer[: self.rows, :, : self.length]
+        self.values = self._value_buffer[: self.rows, :, : self.length]
+
+    def _grow(self, end: int) -> None:
+        """Make room for ``end`` tokens per row (doubling)."""
+        if end > self.capacity:
+            self.capacity = max(end, 2 * self.capacity)
+            for name in ("_key_buffer", "_value_buffer"):
+                grown = self._empty_like(getattr(self, name), self.capacity)
+                grown[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
+                setattr(self, name, grown)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states, value_states: [B, heads, n, dim]; each row's block goes at its own start in a batch
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        starts = self.row_starts
+        end = (self.length if starts is None else int(starts.max())) + n
+        self._grow(end)
+        if starts is None or len(starts) == 1:  # (one row: a plain slice)
+            start = self.length if starts is None else end - n
+            self._key_buffer[: len(key_states), :, start:end] = key_states
+            self._value_buffer[: len(value_states), :, start:end] = value_states
+        else:
+            slots = starts[:, None] + torch.arange(n, device=starts.device)  # [B, n]
+            rows = torch.arange(len(starts), device=starts.device)[:, None]  # [B, 1]
+            # (an index_put of these slots only: scatter_ into the whole buffer was far slower, docs/hardware.md)
+            self._key_buffer[rows, :, slots] = key_states.transpose(1, 2)  # [B, n, heads, dim]
+            self._value_buffer[rows, :, slots] = value_states.transpose(1, 2)
+        self.length = end
+        self._expose()
+        return self.keys, self.values
+
+    def put_row(self, index: int, keys: torch.Tensor, values: torch.Tensor, slots: int, end: int) -> None:
+        """Write a request's prompt states (``[1, heads, n, dim]``, computed alone: the last ``n`` of its ``end``
+        tokens, fewer than ``end`` where a sliding window kept only its last ones) as row ``index`` of a batch of up
+        to ``slots`` rows."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values, slots)
+        self._grow(end)
+        self._key_buffer[index, :, end - keys.shape[-2] : end] = keys[0]
+        self._value_buffer[index, :, end - values.shape[-2] : end] = values[0]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows, moved to the front (finished requests leave the batch)."""
+        if self.is_initialized:
+            for buffer in (self._key_buffer, self._value_buffer):
+                buffer[: len(rows)] = buffer[rows]
+            self.rows = len(rows)
+            self._expose()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop() takes minus the number of tokens to remove, got {tokens_to_remove}.")
+        if self.is_initialized:
+            self.length = max(self.length - abs(tokens_to_remove), 0)
+            self._expose()
+
+
+class PreallocatedHybridLayer(LinearAttentionLayer, PreallocatedLayer):
+    """A batch's layer holding attention and recurrent state at once (Falcon-H1, Zamba's hybrid layers), as
+    transformers' ``LinearAttentionAndFullAttentionLayer`` holds them: its attention a :class:`PreallocatedLayer`, its
+    recurrent states rows of :class:`specula.verifier.recurrent.RecurrentRows`."""
+
+    def __init__(self, capacity: int, number_of_states: int) -> None:
+        PreallocatedLayer.__init__(self, capacity)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # attention states come positionally (keys, values[, slots]), recurrent ones as keywords
+        if args:
+            PreallocatedLayer.lazy_initialization(self, *args, **kwargs)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
