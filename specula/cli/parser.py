@@ -146,11 +146,8 @@ def _add_generate_parser(commands) -> None:
         "next takes its place (default: the size whose passes make the most tokens per second here, measured at "
         "start)",
     )
-    _add_proposer_argument(gen, f"where drafts come from: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)")
     _add_ray_arguments(gen)
-    _add_exact_argument(gen)
-    _add_model_arguments(gen)
-    _add_decoding_arguments(gen, max_new_tokens=256, temperature=None)
+    _add_request_defaults(gen, "where drafts come from")
 
 
 def _add_serve_parser(commands) -> None:
@@ -173,11 +170,15 @@ def _add_serve_parser(commands) -> None:
         help="requests decoded at once in the same passes (default: the size whose passes make the most tokens per "
         "second here, measured at start)",
     )
-    _add_proposer_argument(serve, f"where drafts come from besides a request's prediction: "
-                           f"{', '.join(PROPOSER_NAMES)} (default: prompt-lookup)")
-    _add_exact_argument(serve)
-    _add_model_arguments(serve)
-    _add_decoding_arguments(serve, max_new_tokens=256, temperature=None)
+    _add_request_defaults(serve, "where drafts come from besides a request's prediction")
+
+
+def _add_request_defaults(parser: argparse.ArgumentParser, drafts: str) -> None:
+    """The options a request decodes with where it does not say: the proposer, exactness, the model, sampling."""
+    _add_proposer_argument(parser, f"{drafts}: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)")
+    _add_exact_argument(parser)
+    _add_model_arguments(parser)
+    _add_decoding_arguments(parser, max_new_tokens=256, temperature=None)
 
 
 def _add_generate_files(gen: argparse.ArgumentParser) -> None:

@@ -32,8 +32,7 @@ from ..verifier.runner import CachedModel
 from ..verifier.support import UnsupportedModelError, vocab_size
 
 # The longest draft the loop sends, whatever the proposer's own limit: the cost model sends what pays up to it. Long
-# enough for a prediction's runs where a wide pass costs about one step (accelerators); on the AVX2 EPYC, drafts of up
-# to 64 and of up to 32 gave the same tokens per second on one-place-edit predictions (BENCHMARKS.md).
+# enough for a prediction's runs where a wide pass costs about a plain one (accelerators; BENCHMARKS.md).
 MAX_DRAFT = 64
 _REQUEST_IDS = itertools.count()  # what proposers know requests by (unique across decoders sharing a proposer)
 
@@ -171,12 +170,12 @@ class Row:
 
 
 class Decoder:
-    """The speculation loop over a stream of requests, up to ``slots`` at a time in one verification pass per step
+    """The speculation loop over a stream of requests, up to ``slots`` at a time in each verification pass
     (see :func:`specula.generate` for the arguments).
 
     :meth:`run` is a generator: for every pass it yields, per request, ``(row, kept_tokens)``; ``row.finished``
     says when a request is done (or cancelled: ``job.cancelled``), and a new one takes its place in the same pass as
-    the next step. ``jobs`` may be a live stream: ``None`` from it means none is waiting now (the run goes on with
+    the next pass. ``jobs`` may be a live stream: ``None`` from it means none is waiting now (the run goes on with
     the rows it has, and asks again before the next pass). Each request is
     decoded with its own settings (``job.sampling``, its stopping criteria and length), whatever its batch-mates'.
     Its prompt is computed alone, as ``model.generate`` computes it; its tokens do not depend on the others in its
@@ -190,14 +189,14 @@ class Decoder:
         self.model, self.slots = model, slots
         self.proposer = None if proposer is None else for_requests(proposer)
         self.drafts = proposer is not None or predictions  # (predictions: jobs may bring them)
-        self.verifies = self.drafts or slots > 1  # (else every pass is a one-token step)
+        self.verifies = self.drafts or slots > 1  # (else every pass is a plain one)
         self.adaptive_draft, self.exact = adaptive_draft, exact
         self._draws = getattr(proposer, "samples_drafts", False)  # (under sampling: drafts drawn at random)
         self.vocab = vocab_size(model)
         self.passes = 0  # target forward passes, prefills included
-        self.prefill_seconds = self.pass_seconds = 0.0  # time in prefills, and in steps (proposing included)
+        self.prefill_seconds = self.pass_seconds = 0.0  # time in prefills, and in the other passes (proposing included)
         self._needs: dict[int, int] = {}  # by request, in the order they started: plain passes after its prefill
-        self._priced: dict[int, list[float]] = {}  # by rows: steps' passes in seconds, and in plain passes of as many
+        self._priced: dict[int, list[float]] = {}  # by rows: passes after prefills in seconds, and in plain passes of as many
         if proposer is not None:
             proposer.check_target(model)
         self._target: CachedModel | None = None
@@ -364,7 +363,7 @@ class Decoder:
         verified = time.perf_counter()
         self._target.keep_rows([len(tokens) for tokens in outcomes],
                                [_path(draft, tokens) for draft, tokens in zip(sent, outcomes)])
-        # (recurrent state fed again after a rejected draft: a second pass, part of what the step cost)
+        # (recurrent state fed again after a rejected draft: a second pass, part of what the pass cost)
         seconds = (time.perf_counter() if self._target.feeds_again else verified) - started
         if store.shared().made != calibrations:  # it calibrated row-exact kernels: no measure of its cost
             seconds = None
@@ -418,6 +417,6 @@ def _tree(draft: Draft) -> list[int] | None:
 
 
 def _path(draft: Draft, new_tokens: list[int]) -> list[int] | None:
-    """The block indices a step over a tree draft keeps (the last token and the accepted path); ``None``: a chain's
+    """The block indices a pass over a tree draft keeps (the last token and the accepted path); ``None``: a chain's
     first ones."""
     return None if draft.parents is None else [0] + [node + 1 for node in draft.path(new_tokens[:-1])]

@@ -1,8 +1,7 @@
 """Pass costs: what a verification pass over ``n`` tokens takes with this model on this machine, measured while
 decoding, on a machine that other programs share.
 
-Load comes and goes, and it slows a pass over several tokens more than a one-token step (a 2-core EPYC running
-another job: a pass over 8 tokens 4.5-5x a step, against 2.5x quiet). So a pass is weighed against the plain
+Load comes and goes, and it slows a pass over several tokens more than a plain pass (docs/hardware.md). So a pass is weighed against the plain
 passes (one token a row) timed nearest it, before or after: its cost is kept as that ratio, estimated robustly (the
 lower median of its recent samples: a stall only ever adds time). An estimate not refreshed for :data:`RECENT`
 passes is stale: a stale width is sent again now and then, out of a credit of :data:`EXPLORE` of the decoding time

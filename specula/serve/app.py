@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..jobs.answerer import Settings, answer_of, job_of
-from ..jobs.requests import BadRequest, ENDPOINTS, parse_request
+from ..jobs.requests import BadRequest, parse_request
 from .engine import Engine
 
 WAIT = 0.25  # seconds between checks that a waiting client is still there

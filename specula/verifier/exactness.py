@@ -2,8 +2,7 @@
 
 A row-exact pass (:mod:`specula.verifier.row_exact`) gives every token of a verification pass the bits of its
 one-token step, so greedy output is ``model.generate``'s bit for bit in bf16 and fp16 too. What that costs differs
-by machine: ~4% on an Emerald Rapids Xeon, ~2x on a 2-core EPYC with AVX512_BF16 (its attention kernel gives a query
-its one-token bits only when computed alone). So by default (``exact=None``) specula measures it, once per machine
+by machine, from a few percent to several times an ordinary pass (docs/exactness.md). So by default (``exact=None``) specula measures it, once per machine
 and model: a pass over ``TIMED_ROWS`` tokens after :data:`CONTEXT` tokens, row-exact against ordinary, interleaved
 (a busy moment slows both), the lower median of the ratios. Exactness is chosen where it costs at most
 :data:`THRESHOLD` times an ordinary pass. The measurement is kept with the calibrations (:mod:`.calibration`), so

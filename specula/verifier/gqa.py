@@ -7,9 +7,7 @@ the same attention without it: SDPA over the heads as they are (``enable_gqa``),
 key/value head folded into one head of ``group x n`` queries (what transformers does for one-token steps with a
 mask), which torch's CPU flash kernel computes in far fewer, larger blocks. A one-token step without a mask (one
 request) transformers computes over the heads as they are; folded it can cost a quarter as much. Which way is
-cheapest depends on the machine, the dtype and the pass (on a 2-core EPYC with AVX512_BF16, SmolLM2's 9 query heads
-over 3 key/value heads in bf16: 8 rows of 5 queries after 1200 keys, folded 1.3 ms a layer, ``enable_gqa`` 2.1,
-repeated 3.0; one query after 1200 keys, folded 0.15 ms, ``enable_gqa`` 0.64; see docs/hardware.md). So it is timed
+cheapest depends on the machine, the dtype and the pass (measurements: docs/hardware.md). So it is timed
 once per head geometry, dtype and kind of pass (one query; several, one row or several) and kept with the
 calibrations (:mod:`specula.machine.store`). Only ordinary passes on a CPU attend so (``CachedModel``): the
 one-token steps of exact decoding stay ``model.generate``'s own, and row-exact passes compute attention their own way.

@@ -1,8 +1,7 @@
 """How many CPU threads an ordinary verification pass runs with: torch's, or one where that is faster now.
 
 On a machine another program keeps busy, torch's threads wait for the slowest of them at every operation, and a
-pass over several tokens loses most: a 2-core AVX2 EPYC with one core busy ran SmolLM2-135M's pass over 8 tokens in
-592 ms with 2 threads and 197 ms with 1 (quiet: 130 and 167 ms). So each ordinary pass over several tokens runs with
+pass over several tokens loses most (one thread can then be several times faster than two: docs/hardware.md). So each ordinary pass over several tokens runs with
 the thread count whose recent passes of its shape were cheaper (:class:`ThreadChoice`), and every :data:`EVERY`-th
 pass of a shape runs with the other one, so that the choice follows the machine both ways at a bounded cost.
 One-token steps and row-exact passes keep torch's thread count (their bits are ``model.generate``'s).

@@ -18,7 +18,6 @@ from transformers.pytorch_utils import Conv1D
 
 from ...machine import store
 from ...machine.memory import spare_bytes
-from .. import calibration
 from ...machine.timing import cheapest, seconds_of
 from ..calibration import CALIBRATION_ROWS, TIMED_ROWS, spread
 
