@@ -148,7 +148,7 @@ def main() -> None:
                      "tok_s_request": statistics.median(r["tok_s_request"] for r in results),
                      "ttft_s": statistics.median(r["ttft"] for r in results), "same_as_none": same})
         rows[-1]["speedup"] = rows[-1]["tok_s"] / base
-    print(f"{Path(folder).name}, {args.dtype}, {args.clients} clients, {args.limit} requests a workload, {args.max_tokens} tokens, "
+    print(f"{args.model or 'SmolLM2-135M-Instruct'}, --dtype {args.dtype}, {args.clients} clients, {args.limit} requests a workload, {args.max_tokens} tokens, "
           f"medians of {args.rounds} interleaved rounds (transformers serve: one); {os.cpu_count()} CPUs")
     print(f"{'workload':<11}{'server':<26}{'tok/s':>8}{'per req':>9}{'TTFT s':>8}{'speedup':>9}{'same':>6}")
     for row in rows:

@@ -235,6 +235,17 @@ def test_missing_default_model_says_how_to_install_it(monkeypatch) -> None:
         run_cli("generate", "--prompt", "hi")
 
 
+def test_serve_without_its_extra_is_a_usage_error_before_the_model_loads(monkeypatch, capsys, no_model_loading) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "uvicorn" else
+                        find_spec(name, *args))
+    with pytest.raises(SystemExit) as stop:
+        run_cli("serve", "--port", "8123")
+    assert stop.value.code == 2 and "pip install 'specula[serve]'" in capsys.readouterr().err
+
+
 def test_help_of_the_installed_command() -> None:
     result = subprocess.run(["specula", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "usage: specula" in result.stdout and "generate" in result.stdout
