@@ -27,7 +27,8 @@ from ..policy.protocol import DraftPolicy, Pass
 from ..proposers.base import Proposer, RequestFailed, RequestProposer, for_requests
 from ..proposers.prediction import Prediction, with_prediction
 from ..verifier.exactness import Exactness, choose
-from ..verifier.row_exact import is_half_precision
+from ..verifier.packed import packed_for
+from ..verifier.row_exact import is_half_precision, row_exact_for
 from ..verifier.runner import CachedModel
 from ..verifier.support import UnsupportedModelError, vocab_size
 
@@ -207,13 +208,19 @@ class Decoder:
 
     def prepare(self) -> Decoder:
         """Measure what the loop decides by, where this machine has not yet (:meth:`run` calls it before its first
-        pass; a caller may earlier): whether verification is exact (:func:`~specula.verifier.exactness.choose`), and
-        the kept pass costs that size drafts in ordinary bf16/fp16."""
+        pass; a caller may earlier): whether verification is exact (:func:`~specula.verifier.exactness.choose`), the
+        kernels its passes take (row-exact linear layers, or packed weights), and the kept pass costs that size drafts
+        in ordinary bf16/fp16. (Attention kernels are chosen per head geometry on a pass's first use, and such a pass
+        is not taken for what passes cost.)"""
         if self.policy is not None:
             return self
         model, slots, verifies = self.model, self.slots, self.verifies
         self.exactness = choose(model, self.exact, verifies)
         self.row_exact = verifies and self.exactness.exact
+        if self.row_exact:  # (built here, kept with the model: no pass of the run measures them)
+            row_exact_for(model)
+        else:
+            packed_for(model)
         # Draft lengths follow measured timings only where the output cannot depend on them: greedy decoding, and
         # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
         # that round as one-token steps do (or in fp32, far below the gaps between logits). With ordinary passes in
