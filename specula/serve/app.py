@@ -225,15 +225,16 @@ async def _chunks(events: asyncio.Queue, handle, parsed, tokenizer, settings: Se
 
 
 def _ready(text: str, stops) -> str:
-    """What of ``text`` can be sent now: up to a stop string it holds, less a last broken character or a tail that
-    may still become a stop string.
+    """What of ``text`` can be sent now: up to a stop string it holds, less what a later token may still change: a
+    last broken character, a tail that may become a stop string, trailing spaces (a tokenizer's clean-up joins
+    ``" ."`` into ``"."``).
 
-    >>> _ready("ab\\ufffd", ()), _ready("hello wo", ["world"]), _ready("hello world!", ["world"])
-    ('ab', 'hello ', 'hello ')
+    >>> _ready("ab\\ufffd", ()), _ready("hello wo", ["world"]), _ready("hello world!", ["world"]), _ready("a b ", ())
+    ('ab', 'hello', 'hello ', 'a b')
     """
     ends = [at for at in (text.find(stop) for stop in stops) if at >= 0]
     if ends:
         return text[: min(ends)]
     text = text.rstrip("\ufffd")
     held = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
-    return text[: len(text) - held]
+    return text[: len(text) - held].rstrip(" ")

@@ -147,6 +147,12 @@ def test_streamed_chunks_join_to_the_answer(client, name) -> None:
     streamed = list(client.completions.create(model=name, prompt=PROMPTS[3], temperature=0, stream=True))
     plain = client.completions.create(model=name, prompt=PROMPTS[3], temperature=0)
     assert "".join(chunk.choices[0].text for chunk in streamed) == plain.choices[0].text
+    stop = plain.choices[0].text[6:9]  # a stop string in the middle of the answer: streamed up to it, not past
+    streamed = list(client.completions.create(model=name, prompt=PROMPTS[3], temperature=0, stream=True, stop=stop))
+    cut = client.completions.create(model=name, prompt=PROMPTS[3], temperature=0, stop=stop)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == cut.choices[0].text == \
+        plain.choices[0].text[: plain.choices[0].text.find(stop)]
+    assert streamed[-1].choices[0].finish_reason == cut.choices[0].finish_reason == "stop"
 
 
 def test_a_prediction_is_verified_and_counted(client, name) -> None:
