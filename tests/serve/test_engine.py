@@ -1,0 +1,69 @@
+"""The server's engine in process: a failure of the loop is told to the requests it held and the next request gets a
+fresh loop; a request cancelled before it started is never decoded; closing finishes what is in flight."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from helpers import hf_greedy
+from tiny_models import tiny_model
+
+import specula
+from specula.serve.engine import Engine
+
+PROMPT = np.array([1, 40, 3, 77, 12, 55, 23, 9, 60, 14])
+NEW = 6
+
+
+class FailsOn(specula.Proposer):
+    """Drafts nothing, and fails for a prompt that starts with ``token``."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, context_ids: np.ndarray, max_tokens: int) -> specula.Draft:
+        if context_ids[0] == self.token:
+            raise ValueError("this request breaks the proposer")
+        return specula.Draft.empty()
+
+
+def submit(engine: Engine, prompt: np.ndarray, cancelled: bool = False):
+    """Submit a job; what its callbacks were told: (tokens, (row, error)) once it ended."""
+    told: dict = {"tokens": []}
+    job = specula.Job(prompt, NEW, cancelled=cancelled)
+    handle = engine.submit(job, told["tokens"].extend, lambda row, error: told.setdefault("end", (row, error)))
+    return handle, told
+
+
+def test_a_failure_is_told_and_the_next_request_gets_a_fresh_loop() -> None:
+    model = tiny_model("llama")
+    loops = []
+
+    def make_decoder():
+        loops.append(specula.Decoder(model, FailsOn(token=5), slots=2))
+        return loops[-1]
+
+    engine = Engine(make_decoder)
+    handle, told = submit(engine, np.concatenate([[5], PROMPT]))
+    assert handle.done.wait(60)
+    row, error = told["end"]
+    assert row is None and "breaks the proposer" in str(error) and engine.failed == 1
+    handle, told = submit(engine, PROMPT)
+    assert handle.done.wait(60)
+    row, error = told["end"]
+    expected = hf_greedy(model, torch.from_numpy(PROMPT)[None], NEW, eos_token_id=[])[0, len(PROMPT):].tolist()
+    assert error is None and row.output.tolist() == told["tokens"] == expected
+    assert len(loops) == 2 and engine.answered == 1 and engine.in_flight == 0
+    engine.close(60)
+
+
+def test_a_request_cancelled_before_it_starts_is_not_decoded_and_close_finishes_the_others() -> None:
+    model = tiny_model("llama")
+    engine = Engine(lambda: specula.Decoder(model, specula.PromptLookup(), slots=1))
+    first, first_told = submit(engine, PROMPT)
+    cancelled, cancelled_told = submit(engine, PROMPT[::-1].copy(), cancelled=True)
+    engine.close(120)  # (queued after both: the first is finished, the cancelled one dropped)
+    assert first.done.is_set() and cancelled.done.is_set()
+    assert first_told["end"][1] is None and len(first_told["tokens"]) == NEW
+    assert cancelled_told == {"tokens": [], "end": (None, None)}
+    assert (engine.answered, engine.cancelled, engine.in_flight) == (1, 1, 0)
