@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -86,13 +87,14 @@ def create_app(engine: Engine, model, tokenizer, settings: Settings, api_key: st
     async def complete(request: Request, url: str):
         body = await _body(request)
         stream, include_usage = _stream_options(body)
-        parsed = parse_request({"custom_id": f"request-{next(numbers)}", "method": "POST", "url": url,
-                                "body": body}, next(numbers), settings.model_name)
+        number = next(numbers)  # (a request without its own seed draws from --seed + number, as a file's line)
+        parsed = parse_request({"custom_id": f"request-{number}", "method": "POST", "url": url, "body": body}, number,
+                               settings.model_name)
         if isinstance(parsed, BadRequest):
             raise HTTPError(400, str(parsed), _param(str(parsed)))
         try:
             job = await run_in_threadpool(job_of, model, tokenizer, parsed, settings)
-        except ValueError as error:  # (a prompt longer than the context, a template's refusal ...)
+        except (ValueError, TemplateError) as error:  # (a prompt longer than the context, a template's refusal)
             raise HTTPError(400, str(error), "messages" if parsed.messages is not None else "prompt") from None
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
