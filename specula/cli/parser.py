@@ -74,11 +74,13 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch device (default: cuda if available, else cpu)")
 
 
-def _add_decoding_arguments(parser: argparse.ArgumentParser, max_new_tokens: int | None,
+def _add_decoding_arguments(parser: argparse.ArgumentParser, max_new_tokens: int | str | None,
                             temperature: float | None) -> None:
-    """How the model decodes (``max_new_tokens=None``: a command that decodes nothing)."""
+    """How the model decodes (``max_new_tokens``: the default, or a sentence saying what none means; ``None``: a
+    command that decodes nothing)."""
     if max_new_tokens is not None:
-        parser.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens,
+        parser.add_argument("--max-new-tokens", type=_positive_int,
+                            default=max_new_tokens if isinstance(max_new_tokens, int) else None,
                             help=f"new tokens per request, at least 1 (default: {max_new_tokens})")
     parser.add_argument(
         "--temperature", type=_non_negative_float, default=temperature,
@@ -170,15 +172,16 @@ def _add_serve_parser(commands) -> None:
         help="requests decoded at once in the same passes (default: the size whose passes make the most tokens per "
         "second here, measured at start)",
     )
-    _add_request_defaults(serve, "where drafts come from besides a request's prediction")
+    _add_request_defaults(serve, "where drafts come from besides a request's prediction",
+                          "as many as the model's context leaves after the prompt, as in OpenAI's API")
 
 
-def _add_request_defaults(parser: argparse.ArgumentParser, drafts: str) -> None:
+def _add_request_defaults(parser: argparse.ArgumentParser, drafts: str, max_new_tokens: int | str = 256) -> None:
     """The options a request decodes with where it does not say: the proposer, exactness, the model, sampling."""
     _add_proposer_argument(parser, f"{drafts}: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)")
     _add_exact_argument(parser)
     _add_model_arguments(parser)
-    _add_decoding_arguments(parser, max_new_tokens=256, temperature=None)
+    _add_decoding_arguments(parser, max_new_tokens=max_new_tokens, temperature=None)
 
 
 def _add_generate_files(gen: argparse.ArgumentParser) -> None:

@@ -35,6 +35,9 @@ from ..verifier.support import UnsupportedModelError, vocab_size
 # The longest draft the loop sends, whatever the proposer's own limit: the cost model sends what pays up to it. Long
 # enough for a prediction's runs where a wide pass costs about a plain one (accelerators; BENCHMARKS.md).
 MAX_DRAFT = 64
+# New tokens a request's cache first makes room for; it doubles where an answer runs longer (a server's request may
+# allow the whole context, which the cache of every slot need not hold from the start).
+FIRST_ROOM = 1024
 _REQUEST_IDS = itertools.count()  # what proposers know requests by (unique across decoders sharing a proposer)
 
 
@@ -271,7 +274,7 @@ class Decoder:
         row.stats.exactness = self.exactness
         if self.proposer is not None:
             self.proposer.start_request(row.request, row.sequence.ids, row.sampling)
-        capacity = len(job.prompt) + job.max_new_tokens + 2 * (MAX_DRAFT + 1)
+        capacity = len(job.prompt) + min(job.max_new_tokens, FIRST_ROOM) + 2 * (MAX_DRAFT + 1)
         if self.slots == 1 or self._target is None:
             self._target = self._cached_model(job, capacity)
         started = time.perf_counter()

@@ -17,6 +17,7 @@ from ..hf.generate import prepare_jobs
 from ..policy.batch_size import fastest_batch_size, kept_batch_size
 from ..verifier.exactness import choose
 from ..verifier.row_exact import is_half_precision
+from ..verifier.support import context_limit
 from .answer_lines import answer_line
 from .requests import Request, encode, model_name
 
@@ -28,7 +29,7 @@ class Settings:
     """The run's defaults, the same wherever its requests run: what a request line does not say for itself (the
     command line's options)."""
 
-    max_new_tokens: int = 256
+    max_new_tokens: int | None = 256  # None: as many as the model's context leaves after the prompt (OpenAI's API)
     sampling: dict = field(default_factory=dict)  # do_sample / temperature / top_k / top_p, as generate() takes them
     seed: int | None = None  # a request on line n without its own "seed" draws from a generator seeded ``seed + n``
     exact: bool | None = None
@@ -84,8 +85,14 @@ def job_of(model, tokenizer, request: Request, settings: Settings) -> Job:
     ``ValueError`` (or the chat template's ``TemplateError``) where it cannot be decoded, such as a prompt longer
     than the model's context."""
     device = model.get_input_embeddings().weight.device
-    (job,) = prepare_jobs(model, encode(tokenizer, request).to(device), prediction=request.prediction,
-                          tokenizer=tokenizer, **generate_options(request, settings, device))
+    prompt, options = encode(tokenizer, request).to(device), generate_options(request, settings, device)
+    if options["max_new_tokens"] is None:  # (the rest of the context; a prompt that fills it is refused below)
+        limit = context_limit(model)
+        if limit is None:  # (a model that states no context: its generation config's length, as model.generate)
+            del options["max_new_tokens"]
+        else:
+            options["max_new_tokens"] = max(limit - prompt.shape[1], 1)
+    (job,) = prepare_jobs(model, prompt, prediction=request.prediction, tokenizer=tokenizer, **options)
     job.key = request
     return job
 

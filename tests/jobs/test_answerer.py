@@ -76,3 +76,30 @@ def test_where_the_batch_size_changes_answers_it_is_measured_once_and_kept(fresh
     if kept:
         assert runs[0][0] == runs[1][0]
     store.forget()
+
+
+def test_without_a_length_a_request_decodes_to_the_end_of_the_context(monkeypatch) -> None:
+    """``max_new_tokens=None`` (the server's default, OpenAI's): each request of a batch runs to the model's context,
+    not to its generation config's length (a request that gives ``max_tokens`` keeps it), its cache growing past the room it first had, and its tokens are
+    ``model.generate``'s (greedy, fp32)."""
+    from specula.decoding import loop
+
+    monkeypatch.setattr(loop, "FIRST_ROOM", 4)
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    model.config.max_position_embeddings = 256
+    model.generation_config.eos_token_id = None
+    model.generation_config.max_length = 30  # (not what a server's request is held to)
+    requests = [parse_request({"id": n, "prompt": f"the quick brown fox {n} jumps over the lazy dog"}, n)
+                for n in range(3)] + [parse_request({"id": 3, "prompt": "print hello world", "max_tokens": 5}, 3)]
+    answerer = Answerer(model, tokenizer, specula.PromptLookup(), Settings(max_new_tokens=None, batch_size=2),
+                        on_skip=lambda request, reason: pytest.fail(reason))
+    answers = {request.line: answer for request, answer in answerer(requests)}
+    assert sorted(answers) == [0, 1, 2, 3]
+    for request in requests:
+        ids = tokenizer(request.prompt, return_tensors="pt")["input_ids"]
+        new = 5 if request.id == 3 else 256 - ids.shape[1]
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+        answer = answers[request.line]
+        assert answer["stats"]["new_tokens"] == new
+        assert answer["text"] == tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True)
+        assert answer["finish_reason"] == "length"
