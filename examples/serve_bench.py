@@ -5,11 +5,13 @@ Each server is started once on a loopback port and driven in turn, round after r
 machine falls on every server alike); each request is streamed through the official ``openai`` client (greedy,
 ``include_usage``). Per workload and server: tokens per second over the whole round (all clients), the median of
 each request's own tokens per second (its tokens over its time from sending to its last chunk), the median time to
-first token, and the speedup of the first against ``none`` (medians over rounds). ``predict`` sends code edits with
-the code they edit as the prediction (the first fenced code block of the request, as an editor sends the file).
+first token, the speedup of the first against ``none`` (medians over rounds), the share of answers identical to
+``none``'s, the mean tokens of an answer and the share the model ended itself (not cut at ``--max-tokens``).
+``predict`` sends code edits with the code they edit as the prediction (the first fenced code block of the request,
+as an editor sends the file).
 
 Usage: python examples/serve_bench.py [--model PATH] [--only code_edit,summarize] [--limit 8] [--clients 8]
-       [--max-tokens 128] [--rounds 3] [--transformers-serve] [--json FILE]
+       [--max-tokens 1024] [--rounds 3] [--transformers-serve] [--json FILE]
 """
 
 from __future__ import annotations
@@ -70,17 +72,20 @@ def one(client: openai.OpenAI, model: str, request, max_tokens: int, predict: bo
     """One streamed request: its tokens, time to first token and time to its last chunk."""
     extra = {"prediction": {"type": "content", "content": predicted_code(request)}} if predict else {}
     sent = time.perf_counter()
-    first, tokens, text = None, 0, []
+    first, tokens, text, finish = None, 0, [], None
     for chunk in client.chat.completions.create(model=model, messages=request.messages, max_tokens=max_tokens,
                                                 temperature=0, stream=True, stream_options={"include_usage": True},
                                                 **extra):
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
             text.append(chunk.choices[0].delta.content)
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     done = time.perf_counter()
-    return {"tokens": tokens, "ttft": (first or done) - sent, "seconds": done - sent, "text": "".join(text)}
+    return {"tokens": tokens, "ttft": (first or done) - sent, "seconds": done - sent, "text": "".join(text),
+            "ended": finish == "stop"}
 
 
 def drive(url: str, requests: list, clients: int, max_tokens: int, predict: bool, model: str | None = None) -> dict:
@@ -94,7 +99,8 @@ def drive(url: str, requests: list, clients: int, max_tokens: int, predict: bool
     wall = time.perf_counter() - started
     return {"tok_s": sum(r["tokens"] for r in results) / wall,
             "tok_s_request": statistics.median(r["tokens"] / r["seconds"] for r in results),
-            "ttft": statistics.median(r["ttft"] for r in results), "texts": [r["text"] for r in results]}
+            "ttft": statistics.median(r["ttft"] for r in results), "texts": [r["text"] for r in results],
+            "tokens": statistics.mean(r["tokens"] for r in results), "ended": statistics.mean(r["ended"] for r in results)}
 
 
 def main() -> None:
@@ -105,7 +111,8 @@ def main() -> None:
     parser.add_argument("--only", default="code_edit,summarize")
     parser.add_argument("--limit", type=int, default=8, help="requests per workload")
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=1024,
+                        help="each request's max_tokens: room for a whole answer (an edit returns the whole file)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-batch", default=None, help="the servers' --max-batch (default: measured)")
     parser.add_argument("--transformers-serve", action="store_true",
@@ -146,14 +153,18 @@ def main() -> None:
                                for a, b in zip(r["texts"], n["texts"]))
         rows.append({"workload": workload, "server": name, "tok_s": statistics.median(r["tok_s"] for r in results),
                      "tok_s_request": statistics.median(r["tok_s_request"] for r in results),
-                     "ttft_s": statistics.median(r["ttft"] for r in results), "same_as_none": same})
+                     "ttft_s": statistics.median(r["ttft"] for r in results), "same_as_none": same,
+                     "tokens": statistics.mean(r["tokens"] for r in results),
+                     "ended": statistics.mean(r["ended"] for r in results)})
         rows[-1]["speedup"] = rows[-1]["tok_s"] / base
     print(f"{args.model or 'SmolLM2-135M-Instruct'}, --dtype {args.dtype}, {args.clients} clients, {args.limit} requests a workload, {args.max_tokens} tokens, "
           f"medians of {args.rounds} interleaved rounds (transformers serve: one); {os.cpu_count()} CPUs")
-    print(f"{'workload':<11}{'server':<26}{'tok/s':>8}{'per req':>9}{'TTFT s':>8}{'speedup':>9}{'same':>6}")
+    print(f"{'workload':<11}{'server':<26}{'tok/s':>8}{'per req':>9}{'TTFT s':>8}{'speedup':>9}{'same':>6}"
+          f"{'tokens':>8}{'ended':>7}")
     for row in rows:
         print(f"{row['workload']:<11}{row['server']:<26}{row['tok_s']:>8.1f}{row['tok_s_request']:>9.2f}"
-              f"{row['ttft_s']:>8.2f}{row['speedup']:>8.2f}x{row['same_as_none']:>6.0%}")
+              f"{row['ttft_s']:>8.2f}{row['speedup']:>8.2f}x{row['same_as_none']:>6.0%}{row['tokens']:>8.0f}"
+              f"{row['ended']:>7.0%}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
