@@ -36,10 +36,12 @@ class Handle:
 
 class Engine:
     """Decodes the jobs submitted to it in the same passes, through loops that ``make_decoder()`` builds (each
-    measured before its first pass). Counts what it did, for the health route."""
+    measured before its first pass: the first before the engine is made, so a server answers its first requests at
+    full speed). Counts what it did, for the health route."""
 
     def __init__(self, make_decoder: Callable[[], Decoder]) -> None:
         self.make_decoder = make_decoder
+        self._next: Decoder | None = make_decoder()  # the loop the next requests run in (None: make a fresh one)
         self._waiting: queue.Queue = queue.Queue()  # handles submitted, not yet in the loop
         self._running: dict[int, Handle] = {}  # by id of the job: those the loop holds (its thread alone changes it)
         self.submitted = self.answered = self.cancelled = self.failed = self.tokens = 0
@@ -82,8 +84,9 @@ class Engine:
 
     def _drive(self) -> None:
         while True:
+            decoder, self._next = self._next or self.make_decoder(), None
             try:
-                for row in finished_rows(self.make_decoder(), self._stream(), self._tokens):
+                for row in finished_rows(decoder, self._stream(), self._tokens):
                     self._end(self._running.pop(id(row.job)), row, None)
                 return  # (closed)
             except Exception as error:  # every request the loop held is told; the next ones get a fresh loop

@@ -3,6 +3,8 @@ fresh loop; a request cancelled before it started is never decoded; closing fini
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from helpers import hf_greedy
@@ -67,3 +69,20 @@ def test_a_request_cancelled_before_it_starts_is_not_decoded_and_close_finishes_
     assert first_told["end"][1] is None and len(first_told["tokens"]) == NEW
     assert cancelled_told == {"tokens": [], "end": (None, None)}
     assert (engine.answered, engine.cancelled, engine.in_flight) == (1, 1, 0)
+
+
+def test_the_first_loop_is_made_before_the_engine_takes_requests() -> None:
+    """A server is up only once its loop is measured (``make_decoder`` prepares it), so its first requests do not
+    wait for the measuring (the mutant making it in the engine's thread fails)."""
+    model, made = tiny_model("llama"), []
+
+    def make_decoder():
+        time.sleep(0.5)  # (measuring takes a while)
+        made.append(specula.Decoder(model, specula.PromptLookup()).prepare())
+        return made[-1]
+
+    engine = Engine(make_decoder)
+    assert len(made) == 1 and made[0].policy is not None
+    handle, told = submit(engine, PROMPT)
+    assert handle.done.wait(60) and told["end"][1] is None and len(made) == 1
+    engine.close(60)
