@@ -169,7 +169,7 @@ class AdaptiveDrafts:
 
 class FixedDrafts:
     """The :class:`~specula.policy.protocol.DraftPolicy` of ``adaptive_draft=False``: ask for every token there is
-    room for, send every draft whole (a tree's first ``max_draft`` tokens). It keeps no state."""
+    room for, up to ``max_draft``, send every draft whole (a tree's first ``max_draft`` tokens). It keeps no state."""
 
     def __init__(self, max_draft: int) -> None:
         self.max_draft = max_draft
@@ -178,7 +178,7 @@ class FixedDrafts:
         return None
 
     def budgets(self, states: Sequence[None], room: Sequence[int]) -> list[int]:
-        return list(room)
+        return [min(left, self.max_draft) for left in room]
 
     def trim(self, states: Sequence[None], drafts: Sequence["Draft"], draft_seconds) -> list[list[int]]:
         return [list(range(min(len(draft), self.max_draft))) for draft in drafts]

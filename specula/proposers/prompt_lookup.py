@@ -13,7 +13,13 @@ class PromptLookup(RequestProposer):
     """Propose the tokens that followed the latest n-gram of the sequence where it occurred before.
 
     The longest suffix of prompt + output (``max_ngram`` tokens down to ``min_ngram``) that occurred earlier is
-    looked up, and up to ``num_draft`` tokens that followed it are proposed (see :func:`specula.proposers.kernels.prompt_lookup`).
+    looked up, and the tokens that followed it are proposed, as many as the loop asks for (see
+    :func:`specula.proposers.kernels.prompt_lookup`).
+
+    How many: by default no limit of its own. The loop asks for what its cost model says pays (from measured pass
+    costs and the acceptance of each match length), so a copy deep in a repeated block or an edited file is drafted
+    as far as verifying it pays; HF's ``prompt_lookup_num_tokens`` fixes 10, which cut such copies short (measured
+    in ``docs/proposers.md``).
 
     Which occurrence: the **most recent** one (HF's ``prompt_lookup_num_tokens`` takes the leftmost, vLLM the
     earliest): text being copied tends to continue the copy it is in the middle of. Which n-grams: down to single
@@ -27,14 +33,16 @@ class PromptLookup(RequestProposer):
     over more tokens only where that is worth it.
 
     Args:
-        num_draft: maximum tokens proposed per step (K); of a tree, per branch.
+        num_draft: at most this many tokens proposed per step (of a tree, per branch); ``None``: as many as asked.
         min_ngram: shortest suffix that may be matched.
         max_ngram: longest suffix tried first.
         branches: occurrences whose continuations are proposed (1: a chain).
     """
 
-    def __init__(self, num_draft: int = 10, min_ngram: int = 1, max_ngram: int = 3, branches: int = 1) -> None:
-        check_int("num_draft", num_draft, 1, " (tokens proposed per step)")
+    def __init__(self, num_draft: int | None = None, min_ngram: int = 1, max_ngram: int = 3, branches: int = 1
+                 ) -> None:
+        if num_draft is not None:
+            check_int("num_draft", num_draft, 1, " (tokens proposed per step; None: as many as asked)")
         check_int("min_ngram", min_ngram, 1)
         check_int("max_ngram", max_ngram, min_ngram, " (min_ngram)")
         check_int("branches", branches, 1, " (occurrences proposed as a tree; 1: a chain)")
@@ -45,7 +53,7 @@ class PromptLookup(RequestProposer):
         self.proposes_trees = branches > 1
 
     def propose(self, context_ids: np.ndarray, max_tokens: int) -> Draft:
-        length = min(self.num_draft, max_tokens)
+        length = max_tokens if self.num_draft is None else min(self.num_draft, max_tokens)
         if self.branches == 1:
             tokens, match_length = prompt_lookup(context_ids, self.min_ngram, self.max_ngram, length)
             return Draft(tokens, source=match_length)

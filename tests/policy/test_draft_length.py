@@ -16,7 +16,7 @@ from specula import Draft
 from specula.decoding.loop import MAX_DRAFT
 from specula.policy import costs
 from specula.policy.acceptance import RANKS, RequestAcceptance
-from specula.policy.adaptive import AdaptiveDrafts, budgets, choose_lengths
+from specula.policy.adaptive import AdaptiveDrafts, FixedDrafts, budgets, choose_lengths
 from specula.policy.costs import KEPT, PassCosts, shared_pass_costs
 from specula.policy.protocol import Pass
 from specula.hf.inputs import left_padded
@@ -423,3 +423,8 @@ def test_sampling_sends_no_drafts_where_passes_cost_more_than_they_gain() -> Non
     out = specula.generate(target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[],
                            temperature=0.7)
     assert out.stats.accepted > 0 and torch.equal(out.sequences, expected)
+
+
+def test_fixed_drafts_ask_for_the_room_up_to_the_longest_draft() -> None:
+    """adaptive_draft=False asks a proposer without a limit of its own (PromptLookup) for no more than it sends."""
+    assert FixedDrafts(8).budgets([None, None, None], [100, 3, 0]) == [8, 3, 0]

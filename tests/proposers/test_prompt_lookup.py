@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from helpers import hf_greedy
+from tiny_models import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -68,6 +71,26 @@ def test_proposer_respects_budget() -> None:
     context = np.array([3, 4, 5, 3, 4, 5, 3, 4], dtype=np.int64)
     assert proposer.propose(context, 6).tokens.tolist() == [5, 3, 4, 5, 3, 4]
     assert proposer.propose(context, 2).tokens.tolist() == [5, 3]
+
+
+def test_by_default_as_many_as_asked() -> None:
+    """No limit of its own: deep in a repeated block it drafts as far as the loop asks (HF's fixed 10 would not)."""
+    context = np.array([3, 4, 5, 6, 7] * 20, dtype=np.int64)
+    assert specula.PromptLookup().propose(context, 40).tokens.tolist() == ([3, 4, 5, 6, 7] * 8)
+    assert specula.PromptLookup(branches=2).propose(context, 40).first_branch() == list(range(40))
+
+
+def test_the_loop_drafts_a_long_copy_past_ten_tokens() -> None:
+    """With no limit of its own, the loop's own (every token there is room for, up to its longest draft) bounds a
+    draft: where the output repeats a block of 8 tokens and more, tokens past a draft's tenth are kept; the output
+    stays model.generate's."""
+    model = tiny_model("llama")
+    prompt = torch.tensor([[1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8] * 2])
+    expected = hf_greedy(model, prompt, 40, eos_token_id=[])
+    out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=40, eos_token_id=[],
+                           adaptive_draft=False)
+    assert out.sequences.tolist() == expected.tolist()
+    assert any(out.stats.accepted_per_position[10:])
 
 
 def reference_candidates(tokens: list[int], min_ngram: int, max_ngram: int, max_draft: int, count: int):
