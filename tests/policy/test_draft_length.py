@@ -14,7 +14,6 @@ from tiny_models import VOCAB, tiny_model
 import specula
 from specula import Draft
 from specula.decoding.loop import MAX_DRAFT
-from specula.policy import costs
 from specula.policy.acceptance import RANKS, RequestAcceptance
 from specula.policy.adaptive import AdaptiveDrafts, FixedDrafts, budgets, choose_lengths
 from specula.policy.costs import KEPT, PassCosts, shared_pass_costs
