@@ -30,6 +30,7 @@ from ..verifier.exactness import Exactness, choose
 from ..verifier.packed import packed_for
 from ..verifier.row_exact import is_half_precision, row_exact_for
 from ..verifier.runner import CachedModel
+from ..verifier.static import compiles
 from ..verifier.support import UnsupportedModelError, vocab_size
 
 # The longest draft the loop sends, whatever the proposer's own limit: the cost model sends what pays up to it. Long
@@ -188,9 +189,9 @@ class Decoder:
 
     def __init__(
         self, model: torch.nn.Module, proposer: Proposer | None, slots: int = 1, adaptive_draft: bool = True,
-        exact: bool | None = None, predictions: bool = False,
+        exact: bool | None = None, predictions: bool = False, compile: bool | None = None,
     ) -> None:
-        self.model, self.slots = model, slots
+        self.model, self.slots, self.compile = model, slots, compile
         self.proposer = None if proposer is None else for_requests(proposer)
         self.drafts = proposer is not None or predictions  # (predictions: jobs may bring them)
         self.verifies = self.drafts or slots > 1  # (else every pass is a plain one)
@@ -218,8 +219,10 @@ class Decoder:
         if self.policy is not None:
             return self
         model, slots, verifies = self.model, self.slots, self.verifies
-        self.exactness = choose(model, self.exact, verifies)
+        self.exactness = Exactness(False, reason="compiled passes verify the ordinary way") \
+            if self.compile and self.exact is None and verifies else choose(model, self.exact, verifies)
         self.row_exact = verifies and self.exactness.exact
+        self.compiles = compiles(model, self.compile, self.row_exact)
         if self.row_exact:  # (built here, kept with the model: no pass of the run measures them)
             row_exact_for(model)
         else:
@@ -256,6 +259,8 @@ class Decoder:
         make = functools.partial(CachedModel, self.model, positions, mask, rollback=self.drafts,
                                  capacity=capacity, row_exact=self.row_exact, slots=self.slots,
                                  cheap_steps=not self.exactness.exact)
+        if self.compiles and job.padded is None:  # (a left-padded prompt alone: model.generate's positions, eager)
+            return make(compiled=True, max_width=MAX_DRAFT + 1)
         # (a prediction and a proposer draft a tree of both: neither is worse than alone)
         trees = self._trees or (job.prediction is not None and self.proposer is not None)
         if self.slots == 1 and trees and job.padded is None:
@@ -275,8 +280,8 @@ class Decoder:
         if self.proposer is not None:
             self.proposer.start_request(row.request, row.sequence.ids, row.sampling)
         capacity = len(job.prompt) + min(job.max_new_tokens, FIRST_ROOM) + 2 * (MAX_DRAFT + 1)
-        if self.slots == 1 or self._target is None:
-            self._target = self._cached_model(job, capacity)
+        if self._target is None or (self.slots == 1 and (self._target.compiled is None or job.padded is not None)):
+            self._target = self._cached_model(job, capacity)  # (compiled passes keep their cache and its shapes)
         started = time.perf_counter()
         feed = job.prompt if job.padded is None else job.padded[0]  # (padded: alone, as model.generate feeds it)
         logits = self._target.start_row(index, torch.from_numpy(feed).to(self._target.device))
@@ -375,7 +380,7 @@ class Decoder:
                                [_path(draft, tokens) for draft, tokens in zip(sent, outcomes)])
         # (recurrent state fed again after a rejected draft: a second pass, part of what the pass cost)
         seconds = (time.perf_counter() if self._target.feeds_again else verified) - started
-        if store.shared().made != calibrations:  # it calibrated row-exact kernels: no measure of its cost
+        if store.shared().made != calibrations or self._target.compiling:  # (it calibrated or compiled kernels)
             seconds = None
         width = max(map(len, blocks))  # (every row is computed this wide)
         self.policy.learn(Pass([row.drafting for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds))

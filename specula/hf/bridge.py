@@ -71,14 +71,16 @@ def decode(
     exact: bool | None = None,
     row_generators: list[torch.Generator] | None = None,
     predictions: list[np.ndarray | None] | None = None,
+    compile: bool | None = None,
 ) -> GenerateOutput:
     """:class:`Decoder` on a validated request of one or more rows, all in one batch (see :func:`specula.generate`);
-    ``row_generators`` gives each row its own random stream, ``predictions`` each its prediction's tokens."""
+    ``row_generators`` gives each row its own random stream, ``predictions`` each its prediction's tokens; ``compile`` as
+    in :func:`specula.generate`."""
     started = time.perf_counter()
     batch, width = request.input_ids.shape
     jobs = jobs_of(request, sampling, stopping_criteria, row_generators, predictions)
     decoder = Decoder(model, proposer, batch, adaptive_draft, exact,
-                      predictions=any(job.prediction is not None for job in jobs))
+                      predictions=any(job.prediction is not None for job in jobs), compile=compile)
     stream = None if streamer is None else lambda row, kept: streamer.put(torch.tensor(kept))
     rows = decode_all(decoder, jobs, stream) if request.max_length > width else {}
     if streamer is not None:

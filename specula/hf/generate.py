@@ -45,6 +45,7 @@ def generate(
     adaptive_draft: bool = True,
     exact: bool | None = None,
     prediction: PredictionInput = None,
+    compile: bool | None = None,
     **generation_kwargs: Any,
 ) -> GenerateOutput:
     """Decode with ``model``, sped up by speculation, without changing what it generates.
@@ -93,6 +94,10 @@ def generate(
             or OpenAI's ``{"type": "content", "content": text}``; for a batch, a list of one per row (``None`` for a
             row without). The output is still the model's; ``stats.accepted_prediction_tokens`` and
             ``stats.rejected_prediction_tokens`` count its tokens verified and kept or rejected.
+        compile: ``True`` runs every pass after the prefill compiled, at static shapes (CUDA graphs on a GPU, inductor
+            on a CPU; :mod:`specula.verifier.static`), verifying the ordinary way; ``False`` runs them eagerly;
+            ``None`` (the default) compiles where a pass is mostly the host's work of launching kernels (a GPU with
+            a small model: measured once per machine and model, kept), never with row-exact verification.
         **generation_kwargs: any other ``model.generate`` argument: ``GenerationConfig`` fields
             (``repetition_penalty=1.2``, ``stop_strings=[...]`` with ``tokenizer=``, ...) or ``generation_config=``.
 
@@ -132,6 +137,7 @@ def generate(
         adaptive_draft=adaptive_draft,
         exact=exact,
         prediction=prediction,
+        compile=compile,
         return_dict_in_generate=True,
         **{name: value for name, value in given.items() if value is not None},
         **generation_kwargs,
@@ -152,6 +158,7 @@ def custom_generate(
     adaptive_draft: bool = True,
     exact: bool | None = None,
     prediction: PredictionInput = None,
+    compile: bool | None = None,
     **model_kwargs,
 ) -> torch.LongTensor | GenerateOutput:
     """Decoding method for ``model.generate(custom_generate=specula.custom_generate, proposer=...)``.
@@ -162,7 +169,7 @@ def custom_generate(
     :class:`GenerateOutput` (``sequences`` and specula's ``stats``). ``generator`` (a ``torch.Generator`` on the
     model's device, or a list of one per row of a batch) makes sampling independent of torch's global RNG (and,
     one per row, of the other rows: a seeded request samples the same in any batch); ``adaptive_draft``,
-    ``exact`` and ``prediction`` (text encoded with ``tokenizer``) as in :func:`specula.generate`.
+    ``exact``, ``prediction`` (text encoded with ``tokenizer``) and ``compile`` as in :func:`specula.generate`.
     """
     del synced_gpus  # one process
     predictions = checked_predictions(prediction, input_ids.shape[0], vocab_size(model), tokenizer,
@@ -170,7 +177,7 @@ def custom_generate(
     request, sampling, generators = prepared(model, input_ids, logits_processor, generation_config, generator,
                                              model_kwargs)
     out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, exact,
-                 generators, predictions)
+                 generators, predictions, compile)
     return out if generation_config.return_dict_in_generate else out.sequences
 
 

@@ -23,6 +23,7 @@ from .recurrent import (
     stop_recording,
 )
 from .packed import packed_for
+from .static import CompiledPasses, bucket_of, buckets_up_to, compiled_passes, static_layers
 from .threads import thread_choice
 from .tree_mask import ancestry_of, block_mask, parents_of, paths_of
 from .row_exact import is_half_precision, row_exact_for
@@ -69,6 +70,11 @@ class CachedModel:
         cheap_steps: one-token steps after a filled cache are computed the cheapest way on this machine, as
             ordinary passes are (attention: :mod:`specula.verifier.gqa`, weights: :mod:`specula.verifier.packed`),
             not as ``model.generate``'s: for ordinary verification, whose output need not have its bits.
+        compiled: every pass after a prompt's prefill has a static shape (rows and tokens a row padded to
+            ``max_width``'s and ``slots``' buckets, attention over the whole cache) and runs compiled
+            (:mod:`specula.verifier.static`); ordinary verification, held as rows (``ragged``). Models whose cache
+            layers are not all attention (recurrent state) are refused with :class:`UnsupportedModelError`.
+        max_width: the most tokens a row of a compiled pass holds (its last token and the longest draft).
     """
 
     def __init__(
@@ -82,6 +88,8 @@ class CachedModel:
         slots: int = 1,
         ragged: bool | None = None,
         cheap_steps: bool = False,
+        compiled: bool = False,
+        max_width: int = 65,
     ) -> None:
         check_standard_cache(model)
         self.model, self.capacity, self.can_roll_back = model, capacity, rollback
@@ -117,13 +125,16 @@ class CachedModel:
         self.unrepeated = model.config._attn_implementation == "sdpa" and self.device.type == "cpu"
         self.cheap_steps = cheap_steps and self.device.type == "cpu" and not row_exact
         self.slots = slots
-        self.ragged = slots > 1 if ragged is None else ragged  # rows keep their own lengths (also when rows leave)
+        self.ragged = compiled or (slots > 1 if ragged is None else ragged)  # rows keep their own lengths
+        self.compiled: CompiledPasses | None = None
         self.takes_trees = self.ragged  # (recurrent layers: stepped, each token from its parent's state)
         self.rows_state: RecurrentRows | None = None  # a batch's recurrent states
         self.batch = 0 if self.ragged else 1  # rows in use
         self._block_lengths: list[int] = []
         if self.ragged:
             self._begin_rows(model, parameters, capacity)
+        if compiled:
+            self._begin_static(capacity, max_width)
 
     def _new_cache(self) -> DynamicCache:
         """An empty cache as ``model.generate`` builds it, its full-attention layers preallocated, recording the past
@@ -159,6 +170,19 @@ class CachedModel:
         self.attention = model.config._attn_implementation
         self.starts = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # [slots]: each row's tokens
         self.dtype = next(model.parameters()).dtype
+
+    def _begin_static(self, capacity: int, max_width: int) -> None:
+        """Passes of static shapes, compiled: the rows' buffers :class:`~specula.verifier.static.StaticLayer` (of a
+        capacity rounded up to a power of two, so that few capacities, each a shape of its own, ever occur)."""
+        if self.row_exact is not None or self.rows_state is not None or self.indexers is not None \
+                or not static_layers(self.cache, 1 << (capacity - 1).bit_length()):
+            raise UnsupportedModelError(
+                f"{describe(self.model)} cannot run compiled passes: specula compiles models whose cache layers all "
+                "hold attention, with ordinary verification (not exact=True); pass compile=False (--no-compile).")
+        self.row_buckets, self.width_buckets = buckets_up_to(self.slots), buckets_up_to(max_width)
+        self.compiled = compiled_passes(self.model, self.cache_argument, self.device)
+        self.packed = self.threads = None  # (eager kernels: a compiled pass makes its own)
+        self.unrepeated = False
 
     def start_row(self, index: int, token_ids: torch.Tensor) -> torch.Tensor:
         """Make row ``index`` (at most the number of rows in use) a new request whose prompt is ``token_ids`` (1-D):
@@ -273,6 +297,8 @@ class CachedModel:
         self._block_lengths = [len(block) for block in blocks]
         if not self.ragged:
             return [self.forward(blocks[0], num_logits[0], argmax_only)]
+        if self.compiled is not None:
+            return self._forward_static(blocks, num_logits, trees)
         lengths = torch.tensor(self._block_lengths, device=self.device)  # [B]
         n = int(lengths.max())
         starts = self.starts[: self.batch]
@@ -317,6 +343,32 @@ class CachedModel:
         self.cached_tokens = len(keys)
         check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")
         return [logits[b, first[b] - (n - keep) : lengths[b] - (n - keep)] for b in range(self.batch)]
+
+    def _forward_static(self, blocks: list[torch.Tensor], num_logits: list[int],
+                        trees: list[list[int] | None] | None) -> list[torch.Tensor]:
+        """:meth:`forward_rows` as a compiled pass of the smallest bucket that holds it: ``R`` rows (the batch's, then
+        padding rows that start at 0 and write where no row is in use) of ``W`` tokens (a block padded with its
+        last token, which no token of the block sees)."""
+        batch, lengths = len(blocks), self._block_lengths
+        rows, width = bucket_of(batch, self.row_buckets), bucket_of(max(lengths), self.width_buckets)
+        starts = torch.zeros(rows, dtype=torch.long, device=self.device)  # [R]
+        starts[:batch] = self.starts[:batch]
+        tokens = torch.zeros(rows, width, dtype=torch.long, device=self.device)  # [R, W]
+        for b, block in enumerate(blocks):
+            tokens[b, : len(block)], tokens[b, len(block) :] = block, block[-1]
+        for layer in self.cache.layers:
+            layer._grow(int(starts.max()) + width)
+            layer.row_starts = starts
+        capacity = self.cache.layers[0].capacity
+        trees = (trees or [None] * batch) + [None] * (rows - batch)
+        ancestry, depth = ancestry_of(trees, width, self.device)  # [R, W, W]; [R, W]
+        positions = starts[:, None] + depth  # [R, W]
+        keys = torch.arange(capacity, device=self.device)  # every slot: what no row wrote yet is masked
+        mask = block_mask(starts, keys, ancestry, depth, positions, self.window, self.attention == "eager",
+                          self.dtype, self.mixed)
+        logits = self.compiled(self.cache, tokens, positions, mask, capacity)  # [R, W, vocab]
+        self.cached_tokens = int(starts[:batch].max()) + width
+        return [logits[b, length - wanted : length] for b, (length, wanted) in enumerate(zip(lengths, num_logits))]
 
     @contextlib.contextmanager
     def _ordinary(self, shape: tuple[int, int]) -> Iterator[None]:
@@ -381,6 +433,11 @@ class CachedModel:
         self.cached_tokens -= num_tokens
         if num_tokens:
             check_cache_length(self.model, self.cache, self.cached_tokens, "a rollback")
+
+    @property
+    def compiling(self) -> bool:
+        """Whether the last pass compiled its shape's code (so that its time is no measure of what a pass costs)."""
+        return self.compiled is not None and self.compiled.compiling
 
     @property
     def feeds_again(self) -> bool:
