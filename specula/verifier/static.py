@@ -166,12 +166,12 @@ def host_bound(model: torch.nn.Module) -> bool:
     """Whether launching a one-token pass of ``model`` takes the host more than :data:`HOST_BOUND` of the pass's
     time on its GPU (measured once per machine and model, kept). On a CPU, where the host computes the pass itself,
     no: compiling there is asked for (``compile=True``)."""
-    weight = model.get_input_embeddings().weight
-    if weight.device.type != "cuda":
+    device, dtype = _device(model), model.get_input_embeddings().weight.dtype
+    if device.type == "cpu":
         return False
     from .exactness import model_key
 
-    key = store.key(weight.device, "host share", model_key(model), weight.dtype, CONTEXT)
+    key = store.key(device, "host share", model_key(model), dtype, CONTEXT)
     host, wall = store.shared().get(key, lambda: _host_share(model))
     return pays_to_compile(host, wall)
 
@@ -192,17 +192,27 @@ def _host_share(model: torch.nn.Module) -> list[float]:
     lower medians of :data:`REPEATS`."""
     from transformers import DynamicCache
 
-    device = model.get_input_embeddings().weight.device
+    device = _device(model)
     ids = torch.randint(3, model.get_input_embeddings().weight.shape[0], (CONTEXT + REPEATS + 1,),
                         generator=torch.Generator().manual_seed(0)).to(device)
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     model(input_ids=ids[None, :CONTEXT], past_key_values=cache, use_cache=True)
     host, wall = [], []
     for i in range(CONTEXT, CONTEXT + REPEATS + 1):
-        torch.cuda.synchronize(device)
+        synchronize(device)
         started = CLOCK()
         model(input_ids=ids[None, i : i + 1], past_key_values=cache, use_cache=True)
         host.append(CLOCK() - started)
-        torch.cuda.synchronize(device)
+        synchronize(device)
         wall.append(CLOCK() - started)
     return [lower_median(host[1:]), lower_median(wall[1:])]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has done the work queued on it (a CPU computes as it is asked)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return model.get_input_embeddings().weight.device

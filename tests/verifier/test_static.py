@@ -1,0 +1,170 @@
+"""Compiled passes of static shapes (specula.verifier.static): the same tokens as model.generate, a handful of graphs
+for every pass, and the choice to compile under fake clocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.utils
+
+import specula
+from helpers import Oracle, hf_greedy
+from specula.hf.inputs import left_padded
+from specula.verifier import static
+from specula.verifier.runner import CachedModel
+from specula.verifier.support import UnsupportedModelError
+from tiny_models import VOCAB, tiny_model
+
+
+def graphs() -> int:
+    """Graphs dynamo made so far in this process."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """Passes traced by dynamo into graphs run as they are (backend "eager"): the shapes and guards of compiled
+    passes, without the time inductor takes to compile each."""
+    monkeypatch.setattr(static, "BACKEND", "eager")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def prompts(*lengths: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=generator) for n in lengths]
+
+
+def test_inductor_passes_decode_as_model_generate():
+    """fp32 greedy through inductor's compiled passes (this CPU's code): model.generate's tokens, and a second run
+    compiles nothing more."""
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    prompt = prompts(40)[0][None]
+    reference = hf_greedy(model, prompt, 40)
+    out = specula.generate(model, prompt, Oracle(reference, 3), max_new_tokens=40, compile=True, adaptive_draft=False)
+    assert torch.equal(out.sequences, reference)
+    assert out.stats.tokens_per_pass > 2
+    before = graphs()
+    again = specula.generate(model, prompt, Oracle(reference, 3), max_new_tokens=40, compile=True,
+                             adaptive_draft=False)
+    assert torch.equal(again.sequences, reference) and graphs() == before
+
+
+@pytest.mark.parametrize("proposer", ["oracle", "tree"])
+def test_compiled_batches_decode_each_row_as_model_generate(traced, proposer):
+    """A left-padded batch of three (chains from a replayed reference, or prompt-lookup trees): each row
+    model.generate's tokens alone."""
+    model = tiny_model("llama")
+    rows = prompts(30, 17, 41)
+    references = [hf_greedy(model, row[None], 30)[0] for row in rows]
+    ids, mask = left_padded(rows, 0)
+    drafts = Oracle(references, 5) if proposer == "oracle" else specula.PromptLookup(branches=4)
+    out = specula.generate(model, ids, drafts, attention_mask=mask, max_new_tokens=30, compile=True)
+    assert torch.equal(out.sequences, hf_greedy(model, ids, 30, attention_mask=mask))
+    assert out.stats.tokens_per_pass > 1
+
+
+def test_compiled_sampling_draws_model_generates_tokens(traced):
+    """Seeded sampling through compiled passes: the very tokens seeded model.generate draws."""
+    model = tiny_model("llama")
+    prompt = prompts(25)[0][None]
+    settings = dict(do_sample=True, temperature=0.8, max_new_tokens=30)
+    torch.manual_seed(5)
+    reference = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+    torch.manual_seed(5)
+    out = specula.generate(model, prompt, specula.PromptLookup(), compile=True, **settings)
+    assert torch.equal(out.sequences, reference)
+
+
+def passes(target: CachedModel, widths: list[int], rows: int = 1) -> None:
+    """Passes over ``widths`` tokens a row (``rows`` rows), each keeping its first token."""
+    for width in widths:
+        blocks = [torch.randint(3, VOCAB, (width,)) for _ in range(rows)]
+        target.forward_rows(blocks, [width] * rows)
+        target.keep_rows([1] * rows)
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_no_pass_compiles_again_within_its_bucket(traced, monkeypatch, padded):
+    """After one pass of each bucket, passes of every width and number of rows inside the buckets make no new
+    graph. The mutant, passes at their own widths (no padding), makes one per width: the count sees it."""
+    if not padded:
+        monkeypatch.setattr("specula.verifier.runner.bucket_of", lambda size, sizes: size)
+    model = tiny_model("llama")
+    target = CachedModel(model, None, None, rollback=True, capacity=100, slots=4, compiled=True, max_width=9)
+    for row, prompt in enumerate(prompts(20, 12, 30, 7)):
+        target.start_row(row, prompt)
+    passes(target, [8, 2, 4], rows=4)  # the buckets of 4 rows x 8, 2 and 4 tokens
+    warmed = graphs()
+    passes(target, [5, 6, 7, 3], rows=4)
+    target.select_rows([0, 2, 3])  # (a request left: 3 rows, in the bucket of 4)
+    passes(target, [4, 6, 2], rows=3)
+    assert (graphs() == warmed) is padded
+    assert target.compiled.shapes >= {(4, 8, 128), (4, 2, 128), (4, 4, 128)}
+
+
+def test_a_full_cache_grows_between_passes(traced):
+    """A row that outgrows the cache's capacity doubles it (a new shape, compiled once) and decodes on."""
+    model = tiny_model("llama")
+    target = CachedModel(model, None, None, rollback=True, capacity=30, compiled=True, max_width=4)
+    target.start_row(0, prompts(28)[0])
+    passes(target, [4] * 6)
+    assert {shape[2] for shape in target.compiled.shapes} == {32, 64}
+
+
+def test_models_with_recurrent_state_are_refused_clearly():
+    model = tiny_model("llama")
+    with pytest.raises(UnsupportedModelError, match="compiled passes.*compile=False"):
+        CachedModel(model, None, None, rollback=True, row_exact=True, compiled=True)
+    with pytest.raises(ValueError, match="cannot be combined with exact=True"):
+        specula.generate(model, prompts(10)[0][None], specula.PromptLookup(), max_new_tokens=4, compile=True,
+                         exact=True)
+
+
+class FakeGPU:
+    """A pass whose kernels take ``host`` seconds to launch and are done ``device`` seconds after the first (the
+    two overlap): its clock, and the synchronisation that waits for the device."""
+
+    def __init__(self, host: float, device: float) -> None:
+        self.host, self.device, self.now, self.launched = host, device, 0.0, 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def forward_hook(self, *args) -> None:
+        self.launched, self.now = self.now, self.now + self.host
+
+    def synchronize(self, device) -> None:
+        self.now = max(self.now, self.launched + self.device)
+
+
+@pytest.mark.parametrize("host, device, compiled", [
+    (0.021, 0.004, True),  # a 135M model on an H100 (BENCHMARKS.md): launching is most of a pass
+    (0.005, 0.060, False),  # a large model: the device is the bottleneck
+])
+def test_passes_compile_by_default_where_the_host_launching_kernels_is_most_of_a_pass(
+        fresh_store, monkeypatch, host, device, compiled):
+    model = tiny_model("llama")
+    gpu = FakeGPU(host, device)
+    monkeypatch.setattr(static, "CLOCK", gpu.clock)
+    monkeypatch.setattr(static, "synchronize", gpu.synchronize)
+    model.register_forward_hook(gpu.forward_hook)
+    assert static.pays_to_compile(*static._host_share(model)) is compiled
+    # on a CPU the host computes the pass itself: nothing measured, nothing compiled unless asked
+    monkeypatch.setattr(static, "_host_share", lambda model: pytest.fail("measured on a CPU"))
+    assert static.compiles(model, None, exact=False) is False
+    assert static.compiles(model, True, exact=False) is True
+
+
+def test_the_choice_is_measured_once_and_kept(fresh_store, monkeypatch):
+    """On a (pretended) GPU the share is measured once per machine and model; a row-exact run never compiles."""
+    model = tiny_model("llama")
+    measured = []
+    monkeypatch.setattr(static, "_host_share", lambda model: measured.append(1) or [0.02, 0.025])
+    monkeypatch.setattr(static, "_device", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(static.store, "device_name", lambda device: "a fake GPU")
+    assert static.compiles(model, None, exact=False) and static.compiles(model, None, exact=False)
+    assert static.compiles(model, None, exact=True) is False
+    assert measured == [1]
