@@ -392,6 +392,41 @@ def test_generate_passes_the_exactness_choice(model_folder, tmp_path, monkeypatc
     assert told in summary and told in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, expected", [((), None), (("--no-compile",), False), (("--compile",), True)])
+def test_generate_passes_the_compile_choice(model_folder, tmp_path, monkeypatch, capsys, flag, expected) -> None:
+    """--compile / --no-compile reach the decoder of a file and the single prompt; a compiled file (fp32, batches
+    of 2) answers what eager passes answer, and its answers and summary say the passes were compiled."""
+    seen = []
+    monkeypatch.setattr(specula.verifier.static, "BACKEND", "eager")  # (dynamo's graphs, not inductor's time)
+
+    class Recording(specula.decoding.loop.Decoder):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs["compile"])
+            super().__init__(*args, **kwargs)
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["compile"])
+        return specula.generate(*args, **kwargs)
+
+    monkeypatch.setattr(specula.jobs.answerer, "Decoder", Recording)
+    monkeypatch.setattr(commands, "generate", recording)
+    (tmp_path / "in.jsonl").write_text("\n".join(REQUESTS[:2]) + "\n")
+    answers = {}
+    for run in (flag, ("--no-compile",)):
+        out = tmp_path / f"out{len(answers)}.jsonl"
+        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", out, "--model", model_folder,
+                "--dtype", "fp32", "--max-new-tokens", 10, "--temperature", 0, "--batch-size", 2, *run)
+        answers[run] = [json.loads(line) for line in out.read_text().splitlines()]
+    summary = capsys.readouterr().err.splitlines()
+    run_cli("generate", "--prompt", "the quick brown fox", "--model", model_folder, "--dtype", "fp32",
+            "--max-new-tokens", 8, *flag)
+    assert seen == [expected, False, expected]
+    assert [a["text"] for a in answers[flag]] == [a["text"] for a in answers[("--no-compile",)]]
+    assert all(a["stats"]["compiled"] is bool(expected) for a in answers[flag])
+    assert any("compiled passes" in line for line in summary) is bool(expected)
+    assert ("compiled passes" in capsys.readouterr().err) is bool(expected)
+
+
 def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_path, capsys, monkeypatch) -> None:
     """A file longer than the batch, prompts of different lengths, bad lines in the middle (fp32): every good line
     is answered once with its id, with the text it gets alone; when a request ends, the next takes its slot while

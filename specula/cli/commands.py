@@ -75,7 +75,7 @@ def _prompt_padding_id(tokenizer) -> int | None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     sampling_settings = _sampling(args)
-    settings = Settings(args.max_new_tokens, sampling_settings, args.seed, args.exact, args.batch_size,
+    settings = Settings(args.max_new_tokens, sampling_settings, args.seed, args.exact, args.compile, args.batch_size,
                         predictions=args.input is not None and _brings_predictions(args.input),
                         model_name=model_name(args.model))
     output = args.answers  # (read by the checks: with --resume, the answers already there)
@@ -100,7 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         }
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         out = generate(model, encode(tokenizer, request).to(device), proposer, max_new_tokens=args.max_new_tokens,
-                       streamer=streamer, exact=args.exact, **sampling_settings)
+                       streamer=streamer, exact=args.exact, compile=args.compile, **sampling_settings)
         print(f"[{out.stats}]", file=sys.stderr)
         return
 
@@ -169,10 +169,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     model, tokenizer, device = _load(args)
     proposer = proposer_factory(args.proposer, tokenizer, model.dtype, device)()  # one for every request
-    settings = named(Settings(args.max_new_tokens, _sampling(args), args.seed, args.exact, args.max_batch,
+    settings = named(Settings(args.max_new_tokens, _sampling(args), args.seed, args.exact, args.compile, args.max_batch,
                               predictions=True, model_name=model_name(args.model)), model)
     slots = batch_size(model, settings)
-    engine = Engine(lambda: Decoder(model, proposer, slots, exact=settings.exact, predictions=True).prepare())
+    engine = Engine(lambda: Decoder(model, proposer, slots, exact=settings.exact, predictions=True,
+                                    compile=settings.compile).prepare())
     app = create_app(engine, model, tokenizer, settings, api_key=args.api_key)
     print(f"specula serve: {settings.model_name} on http://{args.host}:{args.port}/v1 ({slots} requests at once; "
           "Ctrl-C stops)", file=sys.stderr)
@@ -240,10 +241,11 @@ def _bench_methods(args: argparse.Namespace, model, tokenizer, device: str, samp
     predicted = any(row.prediction is not None for rows in args.workload_rows.values() for row in rows)
     for spec in specs:
         methods[_method_name(spec)] = specula_method(
-            model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling)
+            model, proposer_factory(spec, tokenizer, model.dtype, device), compile=args.compile, **sampling)
         if predicted:  # (workload lines that carry a prediction: also with it)
             methods[_method_name(spec) + "+prediction"] = specula_method(
-                model, proposer_factory(spec, tokenizer, model.dtype, device), predicted_with=tokenizer, **sampling)
+                model, proposer_factory(spec, tokenizer, model.dtype, device), predicted_with=tokenizer,
+                compile=args.compile, **sampling)
         if args.also_ordinary:
             methods[_method_name(spec) + "-ordinary"] = specula_method(
                 model, proposer_factory(spec, tokenizer, model.dtype, device), exact=False, **sampling
@@ -263,7 +265,7 @@ def _batch_rows(args: argparse.Namespace, model, tokenizer, device: str, samplin
         batched = {f"{baseline}-b{size}": hf_batch_method(model, pad, **sampling)}
         for spec in args.proposers.split(","):
             batched[f"{_method_name(spec)}-b{size}"] = specula_batch_method(
-                model, proposer_factory(spec, tokenizer, model.dtype, device), **sampling
+                model, proposer_factory(spec, tokenizer, model.dtype, device), compile=args.compile, **sampling
             )
         try:
             batch_rows += run_batch_bench(batched, tokenizer, workloads, args.max_new_tokens, size, rates, reference,

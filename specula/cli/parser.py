@@ -105,6 +105,16 @@ def _add_exact_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_compile_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="--compile: every pass after a prompt's prefill compiled at static shapes (CUDA graphs on a GPU, "
+        "inductor on a CPU; the first run compiles each shape, later runs reuse inductor's cache), verifying the "
+        "ordinary way; --no-compile: eager passes. Default: compiled where launching a pass's kernels is most of its "
+        "time (a GPU with a small model; measured once, kept), never with --exact",
+    )
+
+
 def _add_proposer_argument(parser: argparse.ArgumentParser, text: str) -> None:
     parser.add_argument("--proposer", default="prompt-lookup", help=text)
 
@@ -180,6 +190,7 @@ def _add_request_defaults(parser: argparse.ArgumentParser, drafts: str, max_new_
     """The options a request decodes with where it does not say: the proposer, exactness, the model, sampling."""
     _add_proposer_argument(parser, f"{drafts}: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)")
     _add_exact_argument(parser)
+    _add_compile_argument(parser)
     _add_model_arguments(parser)
     _add_decoding_arguments(parser, max_new_tokens=max_new_tokens, temperature=None)
 
@@ -275,6 +286,7 @@ def _add_bench_parser(commands) -> None:
         help="also run each proposer with ordinary verification passes (exact=False), to see what row-exact "
         "verification costs and buys where the default chose it",
     )
+    _add_compile_argument(bench)
     _add_model_arguments(bench)
     _add_decoding_arguments(bench, max_new_tokens=128, temperature=0.0)
 

@@ -23,7 +23,8 @@ class SpecStats:
     ``accepted_per_position[i]`` counts the passes whose draft token i was accepted.
     ``tree_passes`` counts the passes that sent a tree (a draft that branches), ``tree_drafted`` their draft tokens,
     and ``tree_gain`` the tokens those trees accepted beyond what their first branch alone would have.
-    ``exactness`` says how verification passes were computed (bitwise ``model.generate`` or ordinary) and why.
+    ``exactness`` says how verification passes were computed (bitwise ``model.generate`` or ordinary) and why,
+    ``compiled`` whether they ran compiled at static shapes (:mod:`specula.verifier.static`).
     With a prediction (``prediction=``), ``accepted_prediction_tokens`` / ``rejected_prediction_tokens`` count its
     tokens that passes verified and kept / rejected (as OpenAI's usage reports them).
     """
@@ -44,6 +45,7 @@ class SpecStats:
     rejected_prediction_tokens: int = 0
     rows: list["SpecStats"] = field(default_factory=list, repr=False)  # per request of a batch, in its order
     exactness: "Exactness | None" = None
+    compiled: bool = False
 
     @classmethod
     def total(cls, rows: list["SpecStats"], passes: int, wall_time_s: float, prefill_time_s: float) -> "SpecStats":
@@ -59,6 +61,7 @@ class SpecStats:
             accepted_per_position=per_position, wall_time_s=wall_time_s, prefill_time_s=prefill_time_s,
             draft_time_s=sum(row.draft_time_s for row in rows), rows=rows,
             exactness=next((row.exactness for row in rows if row.exactness is not None), None),
+            compiled=any(row.compiled for row in rows),
             **{name: sum(getattr(row, name) for row in rows) for name in TREE_COUNTERS + PREDICTION_COUNTERS},
         )
 
@@ -101,6 +104,7 @@ class SpecStats:
             + (f", prediction {self.accepted_prediction_tokens} accepted / {self.rejected_prediction_tokens} "
                "rejected" if self.accepted_prediction_tokens or self.rejected_prediction_tokens else "")
             + (f"; {self.exactness}" if self.exactness is not None else "")
+            + ("; compiled passes" if self.compiled else "")
         )
 
 

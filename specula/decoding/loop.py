@@ -282,6 +282,7 @@ class Decoder:
         capacity = len(job.prompt) + min(job.max_new_tokens, FIRST_ROOM) + 2 * (MAX_DRAFT + 1)
         if self._target is None or (self.slots == 1 and (self._target.compiled is None or job.padded is not None)):
             self._target = self._cached_model(job, capacity)  # (compiled passes keep their cache and its shapes)
+        row.stats.compiled = self._target.compiled is not None
         started = time.perf_counter()
         feed = job.prompt if job.padded is None else job.padded[0]  # (padded: alone, as model.generate feeds it)
         logits = self._target.start_row(index, torch.from_numpy(feed).to(self._target.device))

@@ -5,7 +5,7 @@ torch.
 specula's own::
 
     {"id", "text", "finish_reason", "stats": {"new_tokens", "passes", "accepted", "drafted", "seconds", "exact",
-                                              ["accepted_prediction_tokens", "rejected_prediction_tokens"]}}
+                                              "compiled", ["accepted_prediction_tokens", "rejected_prediction_tokens"]}}
 
 Batch API (specula's stats under the body's ``"specula"``)::
 

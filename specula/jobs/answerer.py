@@ -33,6 +33,7 @@ class Settings:
     sampling: dict = field(default_factory=dict)  # do_sample / temperature / top_k / top_p, as generate() takes them
     seed: int | None = None  # a request on line n without its own "seed" draws from a generator seeded ``seed + n``
     exact: bool | None = None
+    compile: bool | None = None  # compiled passes (None: where a pass is mostly launching kernels, specula.generate)
     batch_size: int | None = None  # None: the size measured fastest on this machine
     predictions: bool = False  # whether requests may bring predictions ("prediction")
     model_name: str | None = None  # what answers call the model (None: its folder's name, :func:`model_name`)
@@ -113,7 +114,7 @@ def _stats(stats, predicted: bool) -> dict:
     return {
         "new_tokens": stats.new_tokens, "passes": stats.passes, "accepted": stats.accepted,
         "drafted": stats.drafted, "seconds": round(stats.wall_time_s, 4),
-        "exact": None if stats.exactness is None else stats.exactness.exact,
+        "exact": None if stats.exactness is None else stats.exactness.exact, "compiled": stats.compiled,
     } | ({"accepted_prediction_tokens": stats.accepted_prediction_tokens,
           "rejected_prediction_tokens": stats.rejected_prediction_tokens} if predicted else {})
 
@@ -157,7 +158,7 @@ class Answerer:
             if self.slots is None:
                 self.slots = batch_size(self.model, self.settings, largest)
             decoder = Decoder(self.model, self.proposer, self.slots, exact=self.settings.exact,
-                              predictions=self.settings.predictions)
+                              predictions=self.settings.predictions, compile=self.settings.compile)
             self.exactness = decoder.prepare().exactness
             jobs = itertools.chain([first], prepared)
             try:

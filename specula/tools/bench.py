@@ -132,7 +132,8 @@ def specula_batch_method(
                                   **generate_kwargs)
             job.key = key
             jobs.append(job)
-        decoder = Decoder(model, make_proposer(), batch_size, exact=generate_kwargs.get("exact"))
+        decoder = Decoder(model, make_proposer(), batch_size, exact=generate_kwargs.get("exact"),
+                          compile=generate_kwargs.get("compile"))
         started = time.perf_counter()
         rows = decode_all(decoder, jobs)
         seconds = time.perf_counter() - started
