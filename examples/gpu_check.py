@@ -1,0 +1,293 @@
+"""specula's GPU check: identity with model.generate, pass costs eager and compiled, and throughput against HF's
+ways of decoding, on one GPU with no network, in under 10 minutes (docs/hardware.md, "The GPU check").
+
+Real weights do not travel to such a machine, so models of real sizes are built from their configs with random
+weights (SmolLM2-135M, Qwen2.5-1.5B and Llama-3.1-8B shapes). A random model's drafts mean nothing, so the throughput
+runs draft with :class:`AtRate`: the target's own greedy continuation (recorded by ``model.generate`` first), each
+draft token right with probability ``--accept`` (independently, seeded by the position), so that passes accept
+what a real proposer's do on the workloads here. Its default, 0.585, gives 2.38 tokens per pass with drafts of 10,
+what PromptLookup reached on the code_edit workload with SmolLM2-135M (README's results table, CPU).
+
+Usage (the device machine has torch 2.11 and transformers 5.17; specula needs transformers >= 5.23, whose wheel
+travels in .whl, see docs/hardware.md)::
+
+    python examples/gpu_check.py --out $OUT [--parts identity,bandwidth,passes,decode] [--shapes 135m,1.5b,8b]
+    python examples/gpu_check.py --device cpu --shapes tiny --parts identity,passes,decode   # the script itself, on CPU
+
+Prints each figure as it is measured and writes them all to OUT/gpu_check.json; a part that would overrun
+``--budget`` seconds is skipped and said so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import specula  # noqa: E402
+from specula.verifier.runner import CachedModel  # noqa: E402
+
+SHAPES = {
+    "tiny": lambda: transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "135m": lambda: transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                             max_position_embeddings=8192, tie_word_embeddings=True),
+    "1.5b": lambda: transformers.Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                                             num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                             max_position_embeddings=32768, tie_word_embeddings=True),
+    "8b": lambda: transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                           num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                           max_position_embeddings=131072, tie_word_embeddings=False),
+}
+CONTEXT = 512  # prompt tokens of the timed passes and decodes
+
+
+class AtRate(specula.Proposer):
+    """Drafts the recorded greedy continuation of each prompt with every token right with probability ``accept``
+    (a wrong one is the right one + 1), deterministically by position: acceptance as a real proposer's, on a random
+    model."""
+
+    def __init__(self, references: list[list[int]], accept: float, num_draft: int = 16) -> None:
+        self.references = [np.asarray(r) for r in references]
+        self.accept, self.num_draft = accept, num_draft
+
+    def propose(self, context_ids: np.ndarray, max_tokens: int) -> specula.Draft:
+        start = len(context_ids)
+        for reference in self.references:
+            if start < len(reference) and np.array_equal(reference[:start], context_ids):
+                tokens = reference[start : start + min(self.num_draft, max_tokens)].copy()
+                right = np.random.default_rng(start).random(len(tokens)) < self.accept
+                tokens[~right] = (tokens[~right] + 1) % 100 + 3
+                return specula.Draft(torch.from_numpy(tokens))
+        return specula.Draft.empty()
+
+
+def model_of(shape: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """A model of ``shape`` with random weights (seeded), in eval mode, on ``device``."""
+    torch.manual_seed(0)
+    config = SHAPES[shape]()
+    config.eos_token_id, config.pad_token_id = None, 0
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    return model
+
+
+def synchronized(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def seconds(run, device: str, repeats: int = 5) -> float:
+    """The median of ``repeats`` timed runs after one warm-up."""
+    run()
+    times = []
+    for _ in range(repeats):
+        synchronized(device)
+        started = time.perf_counter()
+        run()
+        synchronized(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def prompts(count: int, length: int, vocab: int, device: str, seed: int = 0) -> torch.Tensor:
+    """``[count, length]`` token ids: random text that repeats itself, as code being edited does."""
+    generator = torch.Generator().manual_seed(seed)
+    block = torch.randint(3, vocab, (count, length // 4), generator=generator)
+    return block.repeat(1, 4)[:, :length].to(device)
+
+
+def identity(args, report) -> None:
+    """Tiny models of several architectures: specula's tokens against model.generate's."""
+    from tiny_models import tiny_model  # (tests/tiny_models.py)
+
+    def same(name: str, ours: torch.Tensor, theirs: torch.Tensor) -> None:
+        report(f"identity/{name}", bool(torch.equal(ours.cpu(), theirs.cpu())))
+
+    for arch in ("llama", "qwen2", "gpt2", "mistral", "gemma3"):
+        model = tiny_model(arch).to(args.device)
+        ids = prompts(1, 40, 96, args.device)
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48)
+        same(f"{arch}/fp32-greedy", specula.generate(model, ids, specula.PromptLookup(), max_new_tokens=48).sequences,
+             reference)
+        same(f"{arch}/fp32-greedy-compiled",
+             specula.generate(model, ids, specula.PromptLookup(), max_new_tokens=48, compile=True).sequences, reference)
+        if arch in ("llama", "qwen2"):
+            half = tiny_model(arch).to(args.device, torch.bfloat16)
+            expected = half.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48)
+            same(f"{arch}/bf16-exact", specula.generate(half, ids, specula.PromptLookup(), max_new_tokens=48,
+                                                        exact=True).sequences, expected)
+    model = tiny_model("llama").to(args.device)
+    rows = [prompts(1, n, 96, args.device, seed=n)[0] for n in (30, 17, 41)]
+    batch, mask = specula.hf.inputs.left_padded(rows, 0)
+    reference = model.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=40, pad_token_id=0)
+    for compiled in (False, True):
+        name = "compiled" if compiled else "eager"
+        same(f"llama/batch-of-3-{name}", specula.generate(model, batch, specula.PromptLookup(), attention_mask=mask,
+                                                          max_new_tokens=40, compile=compiled).sequences, reference)
+        same(f"llama/trees-{name}", specula.generate(model, rows[0][None], specula.PromptLookup(branches=4),
+                                                     max_new_tokens=40, compile=compiled).sequences,
+             model.generate(rows[0][None], attention_mask=torch.ones_like(rows[0][None]), do_sample=False,
+                            max_new_tokens=40))
+        settings = dict(do_sample=True, temperature=0.8, max_new_tokens=40)
+        torch.manual_seed(5)
+        expected = model.generate(rows[1][None], attention_mask=torch.ones_like(rows[1][None]), **settings)
+        torch.manual_seed(5)
+        same(f"llama/seeded-sampling-{name}", specula.generate(model, rows[1][None], specula.PromptLookup(),
+                                                               compile=compiled, **settings).sequences, expected)
+
+
+def bandwidth(args, report) -> None:
+    """What reading a large tensor once costs: the physical limit of a one-token pass (its weights read once)."""
+    size = (4 << 30) if args.device.startswith("cuda") else (256 << 20)
+    data = torch.empty(size // 2, dtype=torch.bfloat16, device=args.device).normal_()
+    took = seconds(lambda: data.sum(dtype=torch.float32), args.device, repeats=10)
+    report("bandwidth/GB_per_s", round(size / took / 1e9, 1))
+    args.bandwidth = size / took
+
+
+def passes(args, report) -> None:
+    """Pass cost by rows x width after CONTEXT tokens, eager and compiled; a compiled one-token pass against the time
+    its weights take to read once."""
+    for shape in args.shapes:
+        model = model_of(shape, args.dtype, args.device)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        vocab = model.config.vocab_size
+        for rows in args.rows if shape != "8b" else args.rows[:1]:
+            for compiled in (False, True):
+                target = CachedModel(model, None, None, rollback=True, capacity=CONTEXT + 64, slots=rows,
+                                     ragged=True, compiled=compiled, max_width=max(args.widths))
+                for row in range(rows):
+                    target.start_row(row, prompts(1, CONTEXT, vocab, args.device, seed=row)[0])
+                for width in args.widths:
+                    blocks = [torch.randint(3, vocab, (width,), device=args.device) for _ in range(rows)]
+
+                    def one_pass():
+                        target.forward_rows(blocks, [width] * rows)
+                        target.keep_rows([0] * rows)
+
+                    took = seconds(one_pass, args.device)
+                    name = f"passes/{shape}/{rows}x{width}/{'compiled' if compiled else 'eager'}_ms"
+                    report(name, round(took * 1000, 3))
+                    if compiled and rows == 1 and width == 1 and getattr(args, "bandwidth", None):
+                        report(f"passes/{shape}/one-token-compiled-over-weight-read", round(took / (weights / args.bandwidth), 2))
+        del model
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def decode(args, report) -> None:
+    """One request and batches, greedy, CONTEXT-token prompts, --new-tokens each: specula (compiled, AtRate drafts;
+    PromptLookup for HF prompt lookup's comparison) against model.generate eager, with a static cache (compiled on a
+    GPU), with prompt lookup, and batched."""
+    for shape in args.shapes:
+        model = model_of(shape, args.dtype, args.device)
+        vocab, new = model.config.vocab_size, args.new_tokens
+        one = prompts(1, CONTEXT, vocab, args.device)
+        mask = torch.ones_like(one)
+
+        def hf(**kwargs):
+            return model.generate(one, attention_mask=mask, do_sample=False, max_new_tokens=new, **kwargs)
+
+        reference = hf()
+        rate = {"hf-eager": seconds(hf, args.device, 3)}
+        rate["hf-static-compiled"] = seconds(lambda: hf(cache_implementation="static"), args.device, 3)
+        rate["hf-prompt-lookup"] = seconds(lambda: hf(prompt_lookup_num_tokens=10), args.device, 3)
+        drafts = AtRate([reference[0].tolist()], args.accept)
+        outputs = {}
+
+        def ours(proposer, compiled, key):
+            outputs[key] = specula.generate(model, one, proposer, max_new_tokens=new, compile=compiled)
+            return outputs[key]
+
+        for compiled in (False, True):
+            tag = "compiled" if compiled else "eager"
+            rate[f"specula-at-rate-{tag}"] = seconds(lambda: ours(drafts, compiled, f"at-rate-{tag}"), args.device, 3)
+            rate[f"specula-prompt-lookup-{tag}"] = seconds(
+                lambda: ours(specula.PromptLookup(), compiled, f"prompt-lookup-{tag}"), args.device, 3)
+        for name, took in rate.items():
+            report(f"decode/{shape}/1-row/{name}/tok_per_s", round(new / took, 1))
+        for key, out in outputs.items():
+            report(f"decode/{shape}/1-row/specula-{key}/tok_per_pass", round(out.stats.tokens_per_pass, 2))
+            report(f"decode/{shape}/1-row/specula-{key}/identical", bool(torch.equal(out.sequences, reference)))
+        for rows in args.batches if shape != "8b" else args.batches[:1]:
+            batch = prompts(rows, CONTEXT, vocab, args.device, seed=rows)
+            masks = torch.ones_like(batch)
+            expected = model.generate(batch, attention_mask=masks, do_sample=False, max_new_tokens=new)
+            took = seconds(lambda: model.generate(batch, attention_mask=masks, do_sample=False, max_new_tokens=new),
+                           args.device, 2)
+            report(f"decode/{shape}/{rows}-rows/hf-batched/tok_per_s", round(rows * new / took, 1))
+            drafts = AtRate([row.tolist() for row in expected], args.accept)
+            for compiled in (False, True):
+                tag = "compiled" if compiled else "eager"
+                out = {}
+                took = seconds(lambda: out.update(o=specula.generate(model, batch, drafts, attention_mask=masks,
+                                                                     max_new_tokens=new, compile=compiled)),
+                               args.device, 2)
+                report(f"decode/{shape}/{rows}-rows/specula-at-rate-{tag}/tok_per_s", round(rows * new / took, 1))
+                report(f"decode/{shape}/{rows}-rows/specula-at-rate-{tag}/identical",
+                       bool(torch.equal(out["o"].sequences, expected)))
+        compiled = specula.verifier.static._PASSES.get(model)
+        if compiled is not None:
+            report(f"decode/{shape}/compiled-shapes", {"count": len(compiled.shapes),
+                                                       "seconds": round(compiled.compile_seconds, 1)})
+        del model
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+PARTS = {"identity": identity, "bandwidth": bandwidth, "passes": passes, "decode": decode}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--shapes", default="135m,1.5b,8b")
+    parser.add_argument("--rows", default="1,8,32", help="rows of the timed passes (8b: the first only)")
+    parser.add_argument("--widths", default="1,4,16")
+    parser.add_argument("--batches", default="8,32", help="rows of the batched decodes (8b: the first only)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--accept", type=float, default=0.585)
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds; parts that would start past it are skipped")
+    parser.add_argument("--compile-backend", default="inductor", help="what compiles passes (eager: dynamo's graphs "
+                        "run as they are, to try the script quickly on a CPU)")
+    args = parser.parse_args()
+    specula.verifier.static.BACKEND = args.compile_backend
+    args.shapes, args.dtype = args.shapes.split(","), torch.bfloat16
+    args.rows, args.widths, args.batches = ([int(n) for n in value.split(",")] for value in (args.rows, args.widths,
+                                                                                              args.batches))
+    started, results = time.perf_counter(), {}
+
+    def report(name: str, value) -> None:
+        results[name] = value
+        print(f"{time.perf_counter() - started:7.1f}s  {name}: {value}", flush=True)
+
+    report("versions", {"torch": torch.__version__, "transformers": transformers.__version__,
+                        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device})
+    for part in args.parts.split(","):
+        if time.perf_counter() - started > args.budget:
+            report(f"skipped/{part}", "out of time")
+            continue
+        try:
+            PARTS[part](args, report)
+        except Exception as error:  # (a failing part is reported; the others still run)
+            report(f"failed/{part}", f"{type(error).__name__}: {error}"[:500])
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
