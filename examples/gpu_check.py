@@ -167,7 +167,8 @@ def passes(args, report) -> None:
         for rows in args.rows if shape != "8b" else args.rows[:1]:
             for compiled in (False, True):
                 target = CachedModel(model, None, None, rollback=True, capacity=CONTEXT + 64, slots=rows,
-                                     ragged=True, compiled=compiled, max_width=max(args.widths))
+                                     ragged=True, compiled="always" if compiled else None,
+                                     max_width=max(args.widths))
                 for row in range(rows):
                     target.start_row(row, prompts(1, CONTEXT, vocab, args.device, seed=row)[0])
                 for width in args.widths:
@@ -259,6 +260,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,32", help="rows of the timed passes (8b: the first only)")
     parser.add_argument("--widths", default="1,4,16")
     parser.add_argument("--batches", default="8,32", help="rows of the batched decodes (8b: the first only)")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="of the models of real shapes")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--accept", type=float, default=0.585)
     parser.add_argument("--budget", type=float, default=540.0, help="seconds; parts that would start past it are skipped")
@@ -266,7 +268,7 @@ def main() -> None:
                         "run as they are, to try the script quickly on a CPU)")
     args = parser.parse_args()
     specula.verifier.static.BACKEND = args.compile_backend
-    args.shapes, args.dtype = args.shapes.split(","), torch.bfloat16
+    args.shapes, args.dtype = args.shapes.split(","), {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     args.rows, args.widths, args.batches = ([int(n) for n in value.split(",")] for value in (args.rows, args.widths,
                                                                                               args.batches))
     started, results = time.perf_counter(), {}

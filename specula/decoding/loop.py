@@ -260,7 +260,7 @@ class Decoder:
                                  capacity=capacity, row_exact=self.row_exact, slots=self.slots,
                                  cheap_steps=not self.exactness.exact)
         if self.compiles and job.padded is None:  # (a left-padded prompt alone: model.generate's positions, eager)
-            return make(compiled=True, max_width=MAX_DRAFT + 1)
+            return make(compiled=self.compiles, max_width=MAX_DRAFT + 1)
         # (a prediction and a proposer draft a tree of both: neither is worse than alone)
         trees = self._trees or (job.prediction is not None and self.proposer is not None)
         if self.slots == 1 and trees and job.padded is None:

@@ -23,7 +23,8 @@ from .recurrent import (
     stop_recording,
 )
 from .packed import packed_for
-from .static import CompiledPasses, bucket_of, buckets_up_to, compiled_passes, static_layers
+from ..machine.timing import lower_median, time_pass
+from .static import ALWAYS, bucket_of, buckets_up_to, compiled_passes, static_layers
 from .threads import thread_choice
 from .tree_mask import ancestry_of, block_mask, parents_of, paths_of
 from .row_exact import is_half_precision, row_exact_for
@@ -37,6 +38,7 @@ from .support import (
 # varies), which made steps dearer than they need be (docs/hardware.md, GPUs). One-token steps keep torch's own
 # choice, as model.generate has it.
 _VERIFY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+REPEATS = 5  # interleaved timings of a bucket's compiled and eager passes, whose ratio decides between them
 
 
 @contextlib.contextmanager
@@ -70,10 +72,11 @@ class CachedModel:
         cheap_steps: one-token steps after a filled cache are computed the cheapest way on this machine, as
             ordinary passes are (attention: :mod:`specula.verifier.gqa`, weights: :mod:`specula.verifier.packed`),
             not as ``model.generate``'s: for ordinary verification, whose output need not have its bits.
-        compiled: every pass after a prompt's prefill has a static shape (rows and tokens a row padded to
-            ``max_width``'s and ``slots``' buckets, attention over the whole cache) and runs compiled
-            (:mod:`specula.verifier.static`); ordinary verification, held as rows (``ragged``). Models whose cache
-            layers are not all attention (recurrent state) are refused with :class:`UnsupportedModelError`.
+        compiled: passes after a prompt's prefill have static shapes (rows and tokens a row padded to ``max_width``'s
+            and ``slots``' buckets, attention over the whole cache) and run compiled (:mod:`specula.verifier.static`):
+            ``"always"``, or ``"where cheaper"`` (in each bucket where a compiled pass measured cheaper than an eager
+            one; kept); ordinary verification, held as rows (``ragged``). Models whose cache layers are not all
+            attention (recurrent state) are refused with :class:`UnsupportedModelError`.
         max_width: the most tokens a row of a compiled pass holds (its last token and the longest draft).
     """
 
@@ -88,7 +91,7 @@ class CachedModel:
         slots: int = 1,
         ragged: bool | None = None,
         cheap_steps: bool = False,
-        compiled: bool = False,
+        compiled: str | None = None,
         max_width: int = 65,
     ) -> None:
         check_standard_cache(model)
@@ -134,7 +137,7 @@ class CachedModel:
         if self.ragged:
             self._begin_rows(model, parameters, capacity)
         if compiled:
-            self._begin_static(capacity, max_width)
+            self._begin_static(capacity, max_width, compiled)
 
     def _new_cache(self) -> DynamicCache:
         """An empty cache as ``model.generate`` builds it, its full-attention layers preallocated, recording the past
@@ -171,7 +174,7 @@ class CachedModel:
         self.starts = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # [slots]: each row's tokens
         self.dtype = next(model.parameters()).dtype
 
-    def _begin_static(self, capacity: int, max_width: int) -> None:
+    def _begin_static(self, capacity: int, max_width: int, how: str) -> None:
         """Passes of static shapes, compiled: the rows' buffers :class:`~specula.verifier.static.StaticLayer` (of a
         capacity rounded up to a power of two, so that few capacities, each a shape of its own, ever occur)."""
         if self.row_exact is not None or self.rows_state is not None or self.indexers is not None \
@@ -181,8 +184,7 @@ class CachedModel:
                 "hold attention, with ordinary verification (not exact=True); pass compile=False (--no-compile).")
         self.row_buckets, self.width_buckets = buckets_up_to(self.slots), buckets_up_to(max_width)
         self.compiled = compiled_passes(self.model, self.cache_argument, self.device)
-        self.packed = self.threads = None  # (eager kernels: a compiled pass makes its own)
-        self.unrepeated = False
+        self.compile_always = how == ALWAYS
 
     def start_row(self, index: int, token_ids: torch.Tensor) -> torch.Tensor:
         """Make row ``index`` (at most the number of rows in use) a new request whose prompt is ``token_ids`` (1-D):
@@ -297,8 +299,13 @@ class CachedModel:
         self._block_lengths = [len(block) for block in blocks]
         if not self.ragged:
             return [self.forward(blocks[0], num_logits[0], argmax_only)]
-        if self.compiled is not None:
+        if self.compiled is not None and self._compiled_pays(blocks, num_logits, trees):
             return self._forward_static(blocks, num_logits, trees)
+        return self._forward_eager(blocks, num_logits, trees, argmax_only)
+
+    def _forward_eager(self, blocks: list[torch.Tensor], num_logits: list[int],
+                       trees: list[list[int] | None] | None, argmax_only: bool) -> list[torch.Tensor]:
+        """:meth:`forward_rows` of a batch (``ragged``), each row's block padded to the longest only."""
         lengths = torch.tensor(self._block_lengths, device=self.device)  # [B]
         n = int(lengths.max())
         starts = self.starts[: self.batch]
@@ -344,6 +351,33 @@ class CachedModel:
         check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")
         return [logits[b, first[b] - (n - keep) : lengths[b] - (n - keep)] for b in range(self.batch)]
 
+    def _compiled_pays(self, blocks: list[torch.Tensor], num_logits: list[int],
+                       trees: list[list[int] | None] | None) -> bool:
+        """Whether this pass runs compiled: always, or where its bucket's compiled passes measured cheaper than eager
+        ones (timed here on first use, on these very blocks, interleaved; what they wrote past the rows' ends is not
+        kept)."""
+        if self.compile_always:
+            return True
+        rows, width = bucket_of(len(blocks), self.row_buckets), bucket_of(max(map(len, blocks)), self.width_buckets)
+        capacity = self._make_room(len(blocks), width)
+
+        def compare() -> float:
+            static = lambda: self._forward_static(blocks, num_logits, trees)  # noqa: E731
+            eager = lambda: self._forward_eager(blocks, num_logits, trees, argmax_only=False)  # noqa: E731
+            static(), eager()  # (compiling, and eager kernels' first use)
+            ratios = [time_pass(static, self.device) / time_pass(eager, self.device) for _ in range(REPEATS)]
+            self._set_rows()
+            return lower_median(ratios)
+
+        return self.compiled.pays((rows, width, capacity), compare)
+
+    def _make_room(self, batch: int, width: int) -> int:
+        """Room in every row's buffers for a pass ``width`` tokens wide after the longest of ``batch`` rows; the
+        capacity then."""
+        for layer in self.cache.layers:
+            layer._grow(int(self.starts[:batch].max()) + width)
+        return self.cache.layers[0].capacity
+
     def _forward_static(self, blocks: list[torch.Tensor], num_logits: list[int],
                         trees: list[list[int] | None] | None) -> list[torch.Tensor]:
         """:meth:`forward_rows` as a compiled pass of the smallest bucket that holds it: ``R`` rows (the batch's, then
@@ -356,17 +390,22 @@ class CachedModel:
         tokens = torch.zeros(rows, width, dtype=torch.long, device=self.device)  # [R, W]
         for b, block in enumerate(blocks):
             tokens[b, : len(block)], tokens[b, len(block) :] = block, block[-1]
+        capacity = self._make_room(batch, width)
         for layer in self.cache.layers:
-            layer._grow(int(starts.max()) + width)
             layer.row_starts = starts
-        capacity = self.cache.layers[0].capacity
         trees = (trees or [None] * batch) + [None] * (rows - batch)
         ancestry, depth = ancestry_of(trees, width, self.device)  # [R, W, W]; [R, W]
         positions = starts[:, None] + depth  # [R, W]
         keys = torch.arange(capacity, device=self.device)  # every slot: what no row wrote yet is masked
         mask = block_mask(starts, keys, ancestry, depth, positions, self.window, self.attention == "eager",
                           self.dtype, self.mixed)
-        logits = self.compiled(self.cache, tokens, positions, mask, capacity)  # [R, W, vocab]
+        for layer in self.cache.layers:
+            layer.static = True
+        try:
+            logits = self.compiled(self.cache, tokens, positions, mask, capacity)  # [R, W, vocab]
+        finally:
+            for layer in self.cache.layers:
+                layer.static = False
         self.cached_tokens = int(starts[:batch].max()) + width
         return [logits[b, length - wanted : length] for b, (length, wanted) in enumerate(zip(lengths, num_logits))]
 

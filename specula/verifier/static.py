@@ -17,6 +17,7 @@ import bisect
 import sys
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -48,10 +49,13 @@ def bucket_of(size: int, sizes: tuple[int, ...]) -> int:
 
 
 class StaticLayer(PreallocatedLayer):
-    """A full-attention cache layer of a batch, with static shapes: a pass writes each row's block at that row's
-    start (``row_starts``, ``[R]``: the pass's rows, padding rows included) and attends over the whole buffer of its
-    ``R`` rows (``[R, heads, capacity, dim]``), so that neither depends on what the rows hold. The buffers grow
-    (doubling) only between passes, and a pass reads no number from the host."""
+    """A full-attention cache layer of a batch, with static shapes while ``static``: a pass writes each row's block
+    at that row's start (``row_starts``, ``[R]``: the pass's rows, padding rows included) and attends over the whole
+    buffer of its ``R`` rows (``[R, heads, capacity, dim]``), so that neither depends on what the rows hold. The
+    buffers grow (doubling) only between passes, and a pass reads no number from the host. Otherwise (an eager
+    pass) a :class:`PreallocatedLayer`."""
+
+    static = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None) -> None:
         super().lazy_initialization(key_states, value_states, slots)
@@ -63,13 +67,15 @@ class StaticLayer(PreallocatedLayer):
             torch._dynamo.mark_static_address(buffer)
 
     def _grow(self, end: int) -> None:
-        # (between passes only: a new capacity is a new shape, whose passes compile again)
+        # (between passes only: a new capacity is a new shape, whose passes compile again; powers of two keep them few)
         if end > self.capacity:
-            super()._grow(end)
+            super()._grow(1 << (end - 1).bit_length())
             self._mark_static()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [R, heads, W, dim]; row_starts: [R]
+        if not self.static:
+            return super().update(key_states, value_states, *args, **kwargs)
         rows, width = key_states.shape[0], key_states.shape[-2]
         slots = self.row_starts[:, None] + torch.arange(width, device=key_states.device)  # [R, W]
         index = torch.arange(rows, device=key_states.device)[:, None]  # [R, 1]
@@ -92,18 +98,25 @@ def static_layers(cache, capacity: int) -> bool:
 BACKEND = "inductor"  # what compiles the passes (tests count graphs with dynamo's "eager", which compiles nothing)
 
 
+# How passes run compiled: in every bucket (compile=True), or in each bucket where a compiled pass measured cheaper
+# than an eager one (the default where compiling pays: see compiles)
+ALWAYS, WHERE_CHEAPER = "always", "where cheaper"
+
+
 class CompiledPasses:
     """A model's forward pass compiled once per bucket of (rows, width, capacity): CUDA graphs on a GPU, inductor's
     kernels on a CPU. One per model (:func:`compiled_passes`), shared by every cache of it; says on stderr, once a
-    bucket, what compiling it cost."""
+    bucket, what compiling it cost. :meth:`pays` says whether a bucket's compiled passes are the cheaper here."""
 
     def __init__(self, model: torch.nn.Module, cache_argument: str, device: torch.device) -> None:
-        self.model, self.cache_argument = model, cache_argument
-        mode = "reduce-overhead" if device.type == "cuda" else None
+        self.model, self.cache_argument, self.device = model, cache_argument, device
         # one graph per bucket, many buckets: more than dynamo keeps by default for one function
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-        self._compiled = torch.compile(_forward, dynamic=False, fullgraph=True, backend=BACKEND,
-                                       mode=mode if BACKEND == "inductor" else None)
+        # CUDA graphs on a GPU; on a CPU the weights folded into the code (inductor's freezing), so that its linear
+        # layers take them prepacked, as eager passes do (specula.verifier.packed)
+        settings = {} if BACKEND != "inductor" else {"mode": "reduce-overhead"} if device.type == "cuda" else \
+            {"options": {"freezing": True}}
+        self._compiled = torch.compile(_forward, dynamic=False, fullgraph=True, backend=BACKEND, **settings)
         self.shapes: set[tuple[int, ...]] = set()  # the buckets compiled so far
         self.compile_seconds = 0.0
         self.compiling = False  # whether the last pass compiled its bucket (no measure of what a pass costs)
@@ -125,6 +138,17 @@ class CompiledPasses:
                       f"cached in {seconds:.1f} s", file=sys.stderr)
         # (CUDA graphs reuse their output's memory at the next replay: a copy outlives it)
         return logits.clone() if tokens.device.type == "cuda" else logits
+
+    def pays(self, shape: tuple[int, int, int], compare: Callable[[], float]) -> bool:
+        """Whether compiled passes of the bucket ``shape`` (rows, width, capacity) cost less than eager ones here:
+        ``compare()`` (a compiled pass's time over an eager one's) measured once per machine, model and bucket, and
+        kept, so that which passes run compiled (which may change their rounding) does not follow the clock."""
+        from .exactness import model_key
+
+        weight = self.model.get_input_embeddings().weight
+        key = store.key(self.device, "compiled pass", model_key(self.model), weight.dtype,
+                        self.model.config._attn_implementation, *shape)
+        return store.shared().get(key, lambda: round(compare(), 3)) < 1.0
 
 
 def _forward(model: torch.nn.Module, cache_argument: str, cache, tokens: torch.Tensor, positions: torch.Tensor, mask
@@ -150,16 +174,17 @@ CONTEXT = 256  # tokens of cache the timed one-token passes follow
 REPEATS = 5
 
 
-def compiles(model: torch.nn.Module, compile: bool | None, exact: bool) -> bool:
-    """Whether ``model``'s passes run compiled: ``compile`` as given (``True`` with row-exact verification is
-    refused: compiled passes verify the ordinary way), else where a pass is mostly the host's work on this device
-    (:func:`host_bound`), never under row-exact verification."""
+def compiles(model: torch.nn.Module, compile: bool | None, exact: bool) -> str | None:
+    """How ``model``'s passes run compiled: ``compile=True`` in every bucket (:data:`ALWAYS`; with row-exact
+    verification refused: compiled passes verify the ordinary way), ``False`` in none (``None``); by default, where
+    a pass is mostly the host's work on this device (:func:`host_bound`) in each bucket where compiled passes
+    measure cheaper (:data:`WHERE_CHEAPER`), never under row-exact verification."""
     if compile and exact:
         raise ValueError("compile=True (--compile) runs ordinary verification passes; it cannot be combined with "
                          "exact=True (--exact): drop one of them.")
     if compile is not None:
-        return bool(compile)
-    return not exact and host_bound(model)
+        return ALWAYS if compile else None
+    return WHERE_CHEAPER if not exact and host_bound(model) else None
 
 
 def host_bound(model: torch.nn.Module) -> bool:

@@ -93,7 +93,7 @@ def test_no_pass_compiles_again_within_its_bucket(traced, monkeypatch, padded):
     if not padded:
         monkeypatch.setattr("specula.verifier.runner.bucket_of", lambda size, sizes: size)
     model = tiny_model("llama")
-    target = CachedModel(model, None, None, rollback=True, capacity=100, slots=4, compiled=True, max_width=9)
+    target = CachedModel(model, None, None, rollback=True, capacity=100, slots=4, compiled=static.ALWAYS, max_width=9)
     for row, prompt in enumerate(prompts(20, 12, 30, 7)):
         target.start_row(row, prompt)
     passes(target, [8, 2, 4], rows=4)  # the buckets of 4 rows x 8, 2 and 4 tokens
@@ -108,7 +108,7 @@ def test_no_pass_compiles_again_within_its_bucket(traced, monkeypatch, padded):
 def test_a_full_cache_grows_between_passes(traced):
     """A row that outgrows the cache's capacity doubles it (a new shape, compiled once) and decodes on."""
     model = tiny_model("llama")
-    target = CachedModel(model, None, None, rollback=True, capacity=30, compiled=True, max_width=4)
+    target = CachedModel(model, None, None, rollback=True, capacity=30, compiled=static.ALWAYS, max_width=4)
     target.start_row(0, prompts(28)[0])
     passes(target, [4] * 6)
     assert {shape[2] for shape in target.compiled.shapes} == {32, 64}
@@ -117,7 +117,7 @@ def test_a_full_cache_grows_between_passes(traced):
 def test_models_with_recurrent_state_are_refused_clearly():
     model = tiny_model("llama")
     with pytest.raises(UnsupportedModelError, match="compiled passes.*compile=False"):
-        CachedModel(model, None, None, rollback=True, row_exact=True, compiled=True)
+        CachedModel(model, None, None, rollback=True, row_exact=True, compiled=static.ALWAYS)
     with pytest.raises(ValueError, match="cannot be combined with exact=True"):
         specula.generate(model, prompts(10)[0][None], specula.PromptLookup(), max_new_tokens=4, compile=True,
                          exact=True)
@@ -154,8 +154,8 @@ def test_passes_compile_by_default_where_the_host_launching_kernels_is_most_of_a
     assert static.pays_to_compile(*static._host_share(model)) is compiled
     # on a CPU the host computes the pass itself: nothing measured, nothing compiled unless asked
     monkeypatch.setattr(static, "_host_share", lambda model: pytest.fail("measured on a CPU"))
-    assert static.compiles(model, None, exact=False) is False
-    assert static.compiles(model, True, exact=False) is True
+    assert static.compiles(model, None, exact=False) is None
+    assert static.compiles(model, True, exact=False) == static.ALWAYS
 
 
 def test_the_choice_is_measured_once_and_kept(fresh_store, monkeypatch):
@@ -165,6 +165,38 @@ def test_the_choice_is_measured_once_and_kept(fresh_store, monkeypatch):
     monkeypatch.setattr(static, "_host_share", lambda model: measured.append(1) or [0.02, 0.025])
     monkeypatch.setattr(static, "_device", lambda model: torch.device("cuda", 0))
     monkeypatch.setattr(static.store, "device_name", lambda device: "a fake GPU")
-    assert static.compiles(model, None, exact=False) and static.compiles(model, None, exact=False)
-    assert static.compiles(model, None, exact=True) is False
+    assert static.compiles(model, None, exact=False) == static.compiles(model, None, exact=False) == static.WHERE_CHEAPER
+    assert static.compiles(model, None, exact=True) is None
     assert measured == [1]
+
+
+def test_by_default_each_bucket_runs_compiled_where_that_measured_cheaper(traced, fresh_store, monkeypatch):
+    """Under a fake clock where compiled passes cost less than eager ones over 8 tokens and more over 1 (as on some
+    CPUs): wide passes run compiled, one-token passes eagerly; each bucket is timed once (a second cache of the
+    model reads the kept choice), and what the timing passes wrote is not kept."""
+    import specula.verifier.runner as runner
+
+    costs = {("compiled", 1): 2.0, ("eager", 1): 1.0, ("compiled", 8): 1.0, ("eager", 8): 3.0}
+    ran, timed, width = [], [], 0
+
+    def fake_time_pass(run, device=None):
+        run()
+        timed.append(ran[-1])
+        return costs[(ran[-1], width)]
+
+    monkeypatch.setattr(runner, "time_pass", fake_time_pass)
+    static_pass, eager_pass = CachedModel._forward_static, CachedModel._forward_eager
+    monkeypatch.setattr(CachedModel, "_forward_static", lambda *a, **k: ran.append("compiled") or static_pass(*a, **k))
+    monkeypatch.setattr(CachedModel, "_forward_eager", lambda *a, **k: ran.append("eager") or eager_pass(*a, **k))
+    model = tiny_model("llama")
+    for _ in range(2):
+        target = CachedModel(model, None, None, rollback=True, capacity=60, compiled=static.WHERE_CHEAPER,
+                             max_width=8)
+        target.start_row(0, prompts(20)[0])
+        for tokens in (8, 1, 6, 1):
+            width = 8 if tokens > 1 else 1
+            target.forward_rows([torch.randint(3, VOCAB, (tokens,))], [tokens])
+            target.keep_rows([1])
+            assert ran[-1] == ("compiled" if tokens > 1 else "eager")
+        assert target.cached_tokens == 24  # (a token kept a pass: the timing passes kept nothing)
+    assert timed.count("compiled") == timed.count("eager") == 2 * runner.REPEATS  # (two buckets, timed once each)
