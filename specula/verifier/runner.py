@@ -24,7 +24,7 @@ from .recurrent import (
 )
 from .packed import packed_for
 from ..machine.timing import lower_median, time_pass
-from .static import ALWAYS, bucket_of, buckets_up_to, compiled_passes, static_layers
+from .static import ALWAYS, CompiledPasses, bucket_of, buckets_up_to, compiled_passes, static_layers
 from .threads import thread_choice
 from .tree_mask import ancestry_of, block_mask, parents_of, paths_of
 from .row_exact import is_half_precision, row_exact_for
