@@ -155,7 +155,8 @@ def _generate_file(
         f"batches of {' and '.join(map(str, sizes)) or answerer.slots}"
         + (f", ~{estimate[0]:.2f}x plain decoding of the same requests (estimated from {estimate[1]})"
            if estimate else "")
-        + (f"; {answerer.exactness}" if answerer.exactness is not None else ""),
+        + (f"; {answerer.exactness}" if answerer.exactness is not None else "")
+        + (f"; passes compiled {answerer.compiled}" if answerer.compiled else ""),
         args.output, stop.requested, args.json, batch_sizes=sizes,
         plain_speedup=None if estimate is None else round(estimate[0], 3),
         verification=None if answerer.exactness is None else str(answerer.exactness))

@@ -95,24 +95,21 @@ def _add_decoding_arguments(parser: argparse.ArgumentParser, max_new_tokens: int
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
 
-def _add_exact_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--exact", action=argparse.BooleanOptionalAction, default=None,
-        help="--exact: verification passes bit for bit as model.generate's one-token steps (greedy output is "
-        "model.generate's in bf16/fp16 too), whatever it costs; --no-exact: the ordinary way, cheaper, but output may "
-        "leave model.generate's at a near-tie. Default: exact in bf16/fp16 where it costs at most 1.1x an ordinary "
-        "pass on this machine (measured once, kept), ordinary in fp32 (see README, 'What is guaranteed')",
-    )
+# The options that force a measured choice either way (--X / --no-X; default: measured on this machine)
+_EXACT_HELP = (
+    "--exact: verification passes bit for bit as model.generate's one-token steps (greedy output is model.generate's "
+    "in bf16/fp16 too), whatever it costs; --no-exact: the ordinary way, cheaper, but output may leave "
+    "model.generate's at a near-tie. Default: exact in bf16/fp16 where it costs at most 1.1x an ordinary pass on this "
+    "machine (measured once, kept), ordinary in fp32 (see README, 'What is guaranteed')")
+_COMPILE_HELP = (
+    "--compile: every pass after a prompt's prefill compiled at static shapes (CUDA graphs on a GPU, inductor on a "
+    "CPU; the first run compiles each shape, later runs reuse inductor's cache), verifying the ordinary way; "
+    "--no-compile: eager passes. Default: compiled where launching a pass's kernels is most of its time (a GPU with a "
+    "small model; measured once, kept), in each shape where that measured cheaper, never with --exact")
 
 
-def _add_compile_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None,
-        help="--compile: every pass after a prompt's prefill compiled at static shapes (CUDA graphs on a GPU, "
-        "inductor on a CPU; the first run compiles each shape, later runs reuse inductor's cache), verifying the "
-        "ordinary way; --no-compile: eager passes. Default: compiled where launching a pass's kernels is most of its "
-        "time (a GPU with a small model; measured once, kept), never with --exact",
-    )
+def _add_switch(parser: argparse.ArgumentParser, name: str, text: str) -> None:
+    parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None, help=text)
 
 
 def _add_proposer_argument(parser: argparse.ArgumentParser, text: str) -> None:
@@ -189,8 +186,8 @@ def _add_serve_parser(commands) -> None:
 def _add_request_defaults(parser: argparse.ArgumentParser, drafts: str, max_new_tokens: int | str = 256) -> None:
     """The options a request decodes with where it does not say: the proposer, exactness, the model, sampling."""
     _add_proposer_argument(parser, f"{drafts}: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)")
-    _add_exact_argument(parser)
-    _add_compile_argument(parser)
+    _add_switch(parser, "exact", _EXACT_HELP)
+    _add_switch(parser, "compile", _COMPILE_HELP)
     _add_model_arguments(parser)
     _add_decoding_arguments(parser, max_new_tokens=max_new_tokens, temperature=None)
 
@@ -286,7 +283,7 @@ def _add_bench_parser(commands) -> None:
         help="also run each proposer with ordinary verification passes (exact=False), to see what row-exact "
         "verification costs and buys where the default chose it",
     )
-    _add_compile_argument(bench)
+    _add_switch(bench, "compile", _COMPILE_HELP)
     _add_model_arguments(bench)
     _add_decoding_arguments(bench, max_new_tokens=128, temperature=0.0)
 
@@ -306,7 +303,7 @@ def _add_drift_parser(commands) -> None:
                               help="send the drafts the cost model picks (default: every draft the proposer has, up "
                                    "to 64 tokens, so that passes are verified even where the cost model would send "
                                    "none)")
-    _add_exact_argument(drift_parser)
+    _add_switch(drift_parser, "exact", _EXACT_HELP)
     _add_model_arguments(drift_parser)
     _add_decoding_arguments(drift_parser, max_new_tokens=128, temperature=None)
 

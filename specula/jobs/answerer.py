@@ -134,6 +134,7 @@ class Answerer:
         self.sizes: list[int] = []  # the batch sizes that ran, for the summary
         self.comparisons = []  # each decoder's Decoder.plain_comparison(), for the summary
         self.exactness = None  # how the last call verified
+        self.compiled: str | None = None  # ... and where its passes ran compiled (specula.verifier.static.compiles)
 
     def _job(self, request: Request) -> Job | None:
         try:
@@ -160,6 +161,7 @@ class Answerer:
             decoder = Decoder(self.model, self.proposer, self.slots, exact=self.settings.exact,
                               predictions=self.settings.predictions, compile=self.settings.compile)
             self.exactness = decoder.prepare().exactness
+            self.compiled = decoder.compiles
             jobs = itertools.chain([first], prepared)
             try:
                 for row in finished_rows(decoder, self._jobs(jobs, largest) if measured else jobs):
