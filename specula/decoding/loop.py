@@ -235,7 +235,7 @@ class Decoder:
         # a sampling drafter), acceptance alone.
         timed = self.row_exact or not is_half_precision(model)
         setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
-        kept = functools.cache(functools.partial(kept_pass_costs, model, MAX_DRAFT))
+        kept = functools.cache(functools.partial(kept_pass_costs, model, MAX_DRAFT, compiled=self.compiles))
         if self.adaptive_draft and not timed and verifies:
             for rows in range(1, slots + 1):  # (measured now, where they were not kept: not in a pass)
                 kept(rows)

@@ -27,6 +27,7 @@ BATCH_CONTEXT = 1024  # ... of several rows (files' requests: retrieved passages
 WIDTHS = (1, 2, 3, 5, 9, 17, 33)  # tokens a row per timed pass (several rows: up to 17)
 ROWS = (1, 2, 4, 8)  # rows of the timed passes
 ROUNDS = 3
+MAX_WIDTH = 65  # tokens a row of the loop's widest pass: compiled passes measured in the loop's own buckets
 
 
 class KeptCosts(PassCosts):
@@ -52,14 +53,15 @@ def widths(rows: int) -> tuple[int, ...]:
     return WIDTHS if rows == 1 else WIDTHS[:-1]
 
 
-def kept_pass_costs(model: torch.nn.Module, max_draft: int, rows: int = 1) -> KeptCosts | None:
+def kept_pass_costs(model: torch.nn.Module, max_draft: int, rows: int = 1, compiled: str | None = None
+                    ) -> KeptCosts | None:
     """The kept pass costs of ``model`` on this machine (measured on first use), as costs of passes of ``rows`` rows
     for drafts of up to ``max_draft`` tokens a row (between two of :data:`ROWS`, interpolated in the rows from their
     tables; past the most, the most's); ``None`` where its passes cannot be timed so. Worked example: 2 rows cost
     1.2 and 4 rows 1.6 plain passes of as many rows over 3 tokens a row, so 3 rows cost 1.4."""
     fewer = max(count for count in ROWS if count <= rows)
     more = min((count for count in ROWS if count >= rows), default=fewer)
-    low, high = _kept_table(model, fewer), _kept_table(model, more)
+    low, high = _kept_table(model, fewer, compiled), _kept_table(model, more, compiled)
     if low is None or high is None:
         return None
     share = (rows - fewer) / (more - fewer) if more > fewer else 0.0
@@ -70,17 +72,17 @@ def kept_pass_costs(model: torch.nn.Module, max_draft: int, rows: int = 1) -> Ke
     return costs
 
 
-def _kept_table(model: torch.nn.Module, rows: int) -> list[float] | None:
+def _kept_table(model: torch.nn.Module, rows: int, compiled: str | None = None) -> list[float] | None:
     """The kept ratios of passes of ``rows`` (one of :data:`ROWS`) over each of :func:`widths`, measured on first
-    use."""
+    use (passes as ``compiled`` runs them: :class:`~specula.verifier.runner.CachedModel`)."""
     weight = next(model.parameters())
-    key = store.key(weight.device, "pass costs", model_key(model), weight.dtype,
-                          model.config._attn_implementation, _context(rows), *([rows] if rows > 1 else []))
-    return store.shared().get(key, lambda: _measure(model, rows))
+    key = store.key(weight.device, "pass costs", model_key(model), weight.dtype, model.config._attn_implementation,
+                    _context(rows), *([rows] if rows > 1 else []), *([f"compiled {compiled}"] if compiled else []))
+    return store.shared().get(key, lambda: _measure(model, rows, compiled))
 
 
 @torch.inference_mode()
-def _measure(model: torch.nn.Module, rows: int = 1) -> list[float] | None:
+def _measure(model: torch.nn.Module, rows: int = 1, compiled: str | None = None) -> list[float] | None:
     """The cost of a pass of ``rows`` rows over each of :func:`widths` tokens a row, over a one-token pass's,
     ordinary verification."""
     from ..verifier.runner import CachedModel
@@ -93,7 +95,8 @@ def _measure(model: torch.nn.Module, rows: int = 1) -> list[float] | None:
                         generator=torch.Generator().manual_seed(0)).to(device)
     seconds: dict[int, list[float]] = {width: [] for width in timed}
     try:
-        target = CachedModel(model, None, None, rollback=True, capacity=len(ids) + 1, slots=rows, cheap_steps=True)
+        target = CachedModel(model, None, None, rollback=True, capacity=len(ids) + 1, slots=rows, cheap_steps=True,
+                             compiled=compiled, max_width=MAX_WIDTH)
         for row in range(rows):
             target.start_row(row, ids[:context])
         at = context  # (every row's cached tokens)

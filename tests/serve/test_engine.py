@@ -86,3 +86,20 @@ def test_the_first_loop_is_made_before_the_engine_takes_requests() -> None:
     handle, told = submit(engine, PROMPT)
     assert handle.done.wait(60) and told["end"][1] is None and len(made) == 1
     engine.close(60)
+
+
+def test_concurrent_requests_share_compiled_passes_inside_the_row_buckets(monkeypatch) -> None:
+    """Continuous batching with compiled passes (dynamo's graphs, 3 slots: buckets of 1, 2 and 3 rows): requests
+    joining and leaving as they come each get model.generate's tokens."""
+    monkeypatch.setattr(specula.verifier.static, "BACKEND", "eager")
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    engine = Engine(lambda: specula.Decoder(model, specula.PromptLookup(), slots=3, compile=True).prepare())
+    prompts = [np.roll(PROMPT, shift) for shift in range(5)]
+    submitted = [submit(engine, prompt) for prompt in prompts]
+    engine.close(120)
+    for prompt, (handle, told) in zip(prompts, submitted):
+        expected = hf_greedy(model, torch.from_numpy(prompt)[None], NEW, eos_token_id=[])[0, len(prompt):].tolist()
+        assert handle.done.is_set() and told["end"][1] is None and told["tokens"] == expected
+        assert told["end"][0].stats.compiled
+    torch._dynamo.reset()

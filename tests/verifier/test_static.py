@@ -200,3 +200,19 @@ def test_by_default_each_bucket_runs_compiled_where_that_measured_cheaper(traced
             assert ran[-1] == ("compiled" if tokens > 1 else "eager")
         assert target.cached_tokens == 24  # (a token kept a pass: the timing passes kept nothing)
     assert timed.count("compiled") == timed.count("eager") == 2 * runner.REPEATS  # (two buckets, timed once each)
+
+
+def test_kept_pass_costs_are_measured_through_compiled_passes_where_the_run_compiles(traced, fresh_store):
+    """Ordinary bf16/fp16 sizes drafts from kept pass costs: a run with compiled passes keeps a table of its own,
+    timed through the same buckets its passes take."""
+    from specula.policy import kept_costs
+
+    model = tiny_model("llama")
+    eager = kept_costs._kept_table(model, 1)
+    compiled = kept_costs._kept_table(model, 1, static.ALWAYS)
+    assert len(eager) == len(compiled) == len(kept_costs.WIDTHS)
+    tables = [key for key in static.store.shared().known if '"pass costs"' in key]
+    assert len(tables) == 2
+    shapes = static._PASSES[model].shapes
+    assert {(1, static.bucket_of(width, static.buckets_up_to(kept_costs.MAX_WIDTH))) for width in kept_costs.WIDTHS} \
+        == {shape[:2] for shape in shapes}
