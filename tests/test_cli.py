@@ -51,7 +51,7 @@ def test_generate_jsonl_keeps_ids_and_reports_bad_lines(model_folder, tmp_path, 
     assert summary["batch_sizes"] and summary["verification"].startswith("ordinary verification (fp32")
     for record in records:
         assert isinstance(record["text"], str)
-        assert set(record["stats"]) == {"new_tokens", "passes", "accepted", "drafted", "seconds", "exact"}
+        assert set(record["stats"]) == {"new_tokens", "passes", "accepted", "drafted", "seconds", "exact", "compiled"}
         assert record["stats"]["new_tokens"] == 12
     err = capsys.readouterr().err
     assert "in.jsonl:2:" in err and "in.jsonl:4:" in err and '"messages"' in err

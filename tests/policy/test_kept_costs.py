@@ -21,7 +21,7 @@ from specula.verifier.runner import CachedModel
 def kept(fresh_store, monkeypatch, tmp_path):
     """Kept tables come from ``table[0]`` (ratios by :data:`kept_costs.WIDTHS`); counts the measurements."""
     table, measured = [None], []
-    monkeypatch.setattr(kept_costs, "_measure", lambda m, rows=1: measured.append(m) or table[0])
+    monkeypatch.setattr(kept_costs, "_measure", lambda m, rows=1, compiled=None: measured.append(m) or table[0])
     yield table, measured
     store.forget()
 
