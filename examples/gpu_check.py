@@ -108,6 +108,14 @@ def prompts(count: int, length: int, vocab: int, device: str, seed: int = 0) -> 
     return block.repeat(1, 4)[:, :length].to(device)
 
 
+def out_of_time(args, what: str, report) -> bool:
+    """Whether the run is past ``--budget`` (then ``what`` is reported skipped)."""
+    if time.perf_counter() - args.started <= args.budget:
+        return False
+    report(f"skipped/{what}", "out of time")
+    return True
+
+
 def identity(args, report) -> None:
     """Tiny models of several architectures: specula's tokens against model.generate's."""
     from tiny_models import tiny_model  # (tests/tiny_models.py)
@@ -161,6 +169,8 @@ def passes(args, report) -> None:
     """Pass cost by rows x width after CONTEXT tokens, eager and compiled; a compiled one-token pass against the time
     its weights take to read once."""
     for shape in args.shapes:
+        if out_of_time(args, f"passes/{shape}", report):
+            continue
         model = model_of(shape, args.dtype, args.device)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         vocab = model.config.vocab_size
@@ -193,6 +203,8 @@ def decode(args, report) -> None:
     PromptLookup for HF prompt lookup's comparison) against model.generate eager, with a static cache (compiled on a
     GPU), with prompt lookup, and batched."""
     for shape in args.shapes:
+        if out_of_time(args, f"decode/{shape}", report):
+            continue
         model = model_of(shape, args.dtype, args.device)
         vocab, new = model.config.vocab_size, args.new_tokens
         one = prompts(1, CONTEXT, vocab, args.device)
@@ -230,14 +242,14 @@ def decode(args, report) -> None:
                            args.device, 2)
             report(f"decode/{shape}/{rows}-rows/hf-batched/tok_per_s", round(rows * new / took, 1))
             drafts = AtRate([row.tolist() for row in expected], args.accept)
-            for compiled in (False, True):
-                tag = "compiled" if compiled else "eager"
+            for name, proposer, compiled in (("at-rate-eager", drafts, False), ("at-rate-compiled", drafts, True),
+                                             ("none-compiled", None, True)):  # (none: plain decoding, the server's)
                 out = {}
-                took = seconds(lambda: out.update(o=specula.generate(model, batch, drafts, attention_mask=masks,
+                took = seconds(lambda: out.update(o=specula.generate(model, batch, proposer, attention_mask=masks,
                                                                      max_new_tokens=new, compile=compiled)),
                                args.device, 2)
-                report(f"decode/{shape}/{rows}-rows/specula-at-rate-{tag}/tok_per_s", round(rows * new / took, 1))
-                report(f"decode/{shape}/{rows}-rows/specula-at-rate-{tag}/identical",
+                report(f"decode/{shape}/{rows}-rows/specula-{name}/tok_per_s", round(rows * new / took, 1))
+                report(f"decode/{shape}/{rows}-rows/specula-{name}/identical",
                        bool(torch.equal(out["o"].sequences, expected)))
         compiled = specula.verifier.static._PASSES.get(model)
         if compiled is not None:
@@ -272,6 +284,7 @@ def main() -> None:
     args.rows, args.widths, args.batches = ([int(n) for n in value.split(",")] for value in (args.rows, args.widths,
                                                                                               args.batches))
     started, results = time.perf_counter(), {}
+    args.started = started
 
     def report(name: str, value) -> None:
         results[name] = value
@@ -280,8 +293,7 @@ def main() -> None:
     report("versions", {"torch": torch.__version__, "transformers": transformers.__version__,
                         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device})
     for part in args.parts.split(","):
-        if time.perf_counter() - started > args.budget:
-            report(f"skipped/{part}", "out of time")
+        if out_of_time(args, part, report):
             continue
         try:
             PARTS[part](args, report)
