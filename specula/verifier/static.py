@@ -14,6 +14,7 @@ inductor's own caches, so a later process compiles the same bucket from them.
 from __future__ import annotations
 
 import bisect
+import inspect
 import sys
 import time
 import weakref
@@ -25,6 +26,7 @@ from transformers.cache_utils import DynamicLayer
 from ..machine import store
 from ..machine.timing import CLOCK, lower_median
 from .cache_layers import PreallocatedLayer
+from .support import cache_argument
 
 
 def buckets_up_to(limit: int) -> tuple[int, ...]:
@@ -220,13 +222,14 @@ def _host_share(model: torch.nn.Module) -> list[float]:
     device = _device(model)
     ids = torch.randint(3, model.get_input_embeddings().weight.shape[0], (CONTEXT + REPEATS + 1,),
                         generator=torch.Generator().manual_seed(0)).to(device)
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    model(input_ids=ids[None, :CONTEXT], past_key_values=cache, use_cache=True)
+    cache = {cache_argument(model, inspect.signature(model.forward).parameters):
+             DynamicCache(config=model.config.get_text_config(decoder=True))}
+    model(input_ids=ids[None, :CONTEXT], use_cache=True, **cache)
     host, wall = [], []
     for i in range(CONTEXT, CONTEXT + REPEATS + 1):
         synchronize(device)
         started = CLOCK()
-        model(input_ids=ids[None, i : i + 1], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[None, i : i + 1], use_cache=True, **cache)
         host.append(CLOCK() - started)
         synchronize(device)
         wall.append(CLOCK() - started)
