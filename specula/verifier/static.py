@@ -122,7 +122,6 @@ class CompiledPasses:
         self.shapes: set[tuple[int, ...]] = set()  # the buckets compiled so far
         self.compile_seconds = 0.0
         self.compiling = False  # whether the last pass compiled its bucket (no measure of what a pass costs)
-        self.quiet = False
 
     def __call__(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, capacity: int) -> torch.Tensor:
         """The logits (``[R, W, vocab]``) of a pass over ``tokens`` (``[R, W]``) at ``positions`` (``[R, W]``) with
@@ -135,9 +134,8 @@ class CompiledPasses:
             self.shapes.add(shape)
             seconds = time.perf_counter() - started
             self.compile_seconds += seconds
-            if not self.quiet:
-                print(f"specula: compiled the passes of {shape[0]} row(s) x {shape[1]} token(s) over {shape[2]} "
-                      f"cached in {seconds:.1f} s", file=sys.stderr)
+            print(f"specula: compiled the passes of {shape[0]} row(s) x {shape[1]} token(s) over {shape[2]} cached in "
+                  f"{seconds:.1f} s", file=sys.stderr)
         # (CUDA graphs reuse their output's memory at the next replay: a copy outlives it)
         return logits.clone() if tokens.device.type == "cuda" else logits
 
