@@ -111,7 +111,8 @@ class CompiledPasses:
     bucket, what compiling it cost. :meth:`pays` says whether a bucket's compiled passes are the cheaper here."""
 
     def __init__(self, model: torch.nn.Module, cache_argument: str, device: torch.device) -> None:
-        self.model, self.cache_argument, self.device = model, cache_argument, device
+        self._model = weakref.ref(model)  # (kept by the model's entry in _PASSES: a strong one would keep it forever)
+        self.cache_argument, self.device = cache_argument, device
         # one graph per bucket, many buckets: more than dynamo keeps by default for one function
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         # CUDA graphs on a GPU; on a CPU the weights folded into the code (inductor's freezing), so that its linear
@@ -138,6 +139,10 @@ class CompiledPasses:
                   f"{seconds:.1f} s", file=sys.stderr)
         # (CUDA graphs reuse their output's memory at the next replay: a copy outlives it)
         return logits.clone() if tokens.device.type == "cuda" else logits
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model()
 
     def pays(self, shape: tuple[int, int, int], compare: Callable[[], float]) -> bool:
         """Whether compiled passes of the bucket ``shape`` (rows, width, capacity) cost less than eager ones here:

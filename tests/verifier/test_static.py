@@ -216,3 +216,18 @@ def test_kept_pass_costs_are_measured_through_compiled_passes_where_the_run_comp
     shapes = static._PASSES[model].shapes
     assert {(1, static.bucket_of(width, static.buckets_up_to(kept_costs.MAX_WIDTH))) for width in kept_costs.WIDTHS} \
         == {shape[:2] for shape in shapes}
+
+
+def test_a_model_that_ran_compiled_passes_is_freed_with_its_last_reference(traced):
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    target = CachedModel(model, None, None, rollback=True, capacity=40, compiled=static.ALWAYS, max_width=4)
+    target.start_row(0, prompts(10)[0])
+    passes(target, [3])
+    gone = weakref.ref(model)
+    del model, target
+    torch._dynamo.reset()  # (dynamo's compiled code keeps what it guards on until reset)
+    gc.collect()
+    assert gone() is None
