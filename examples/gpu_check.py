@@ -117,43 +117,53 @@ def out_of_time(args, what: str, report) -> bool:
 
 
 def identity(args, report) -> None:
-    """Tiny models of several architectures: specula's tokens against model.generate's."""
+    """Tiny models of several architectures: specula's tokens against model.generate's (each check on its own: one
+    that fails is reported with its error, and the others still run)."""
     from tiny_models import tiny_model  # (tests/tiny_models.py)
 
-    def same(name: str, ours: torch.Tensor, theirs: torch.Tensor) -> None:
-        report(f"identity/{name}", bool(torch.equal(ours.cpu(), theirs.cpu())))
+    def same(name: str, ours, theirs) -> None:
+        """Report whether ``ours()`` and ``theirs()`` (token tensors) are equal."""
+        try:
+            report(f"identity/{name}", bool(torch.equal(ours().cpu(), theirs().cpu())))
+        except Exception as error:
+            report(f"identity/{name}", f"failed: {type(error).__name__}: {error}"[:300])
+
+    def greedy(model, ids, new, **kwargs):
+        return lambda: model.generate(ids, attention_mask=kwargs.pop("attention_mask", torch.ones_like(ids)),
+                                      do_sample=False, max_new_tokens=new, pad_token_id=0, **kwargs)
+
+    def ours(model, ids, proposer, new, **kwargs):
+        return lambda: specula.generate(model, ids, proposer, max_new_tokens=new, **kwargs).sequences
 
     for arch in ("llama", "qwen2", "gpt2", "mistral", "gemma3"):
         model = tiny_model(arch).to(args.device)
         ids = prompts(1, 40, 96, args.device)
-        reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48)
-        same(f"{arch}/fp32-greedy", specula.generate(model, ids, specula.PromptLookup(), max_new_tokens=48).sequences,
-             reference)
-        same(f"{arch}/fp32-greedy-compiled",
-             specula.generate(model, ids, specula.PromptLookup(), max_new_tokens=48, compile=True).sequences, reference)
+        same(f"{arch}/fp32-greedy", ours(model, ids, specula.PromptLookup(), 48), greedy(model, ids, 48))
+        same(f"{arch}/fp32-greedy-compiled", ours(model, ids, specula.PromptLookup(), 48, compile=True),
+             greedy(model, ids, 48))
         if arch in ("llama", "qwen2"):
             half = tiny_model(arch).to(args.device, torch.bfloat16)
-            expected = half.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48)
-            same(f"{arch}/bf16-exact", specula.generate(half, ids, specula.PromptLookup(), max_new_tokens=48,
-                                                        exact=True).sequences, expected)
+            same(f"{arch}/bf16-exact", ours(half, ids, specula.PromptLookup(), 48, exact=True), greedy(half, ids, 48))
     model = tiny_model("llama").to(args.device)
     rows = [prompts(1, n, 96, args.device, seed=n)[0] for n in (30, 17, 41)]
     batch, mask = specula.hf.inputs.left_padded(rows, 0)
-    reference = model.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=40, pad_token_id=0)
+    settings = dict(do_sample=True, temperature=0.8, max_new_tokens=40)
+
+    def seeded(run):
+        return lambda: (torch.manual_seed(5), run())[1]
+
     for compiled in (False, True):
         name = "compiled" if compiled else "eager"
-        same(f"llama/batch-of-3-{name}", specula.generate(model, batch, specula.PromptLookup(), attention_mask=mask,
-                                                          max_new_tokens=40, compile=compiled).sequences, reference)
-        same(f"llama/trees-{name}", specula.generate(model, rows[0][None], specula.PromptLookup(branches=4),
-                                                     max_new_tokens=40, compile=compiled).sequences,
-             model.generate(rows[0][None], attention_mask=torch.ones_like(rows[0][None]), do_sample=False,
-                            max_new_tokens=40))
-        settings = dict(do_sample=True, temperature=0.8, max_new_tokens=40)
-        torch.manual_seed(5)
-        expected = model.generate(rows[1][None], attention_mask=torch.ones_like(rows[1][None]), **settings)
-        torch.manual_seed(5)
-        same(f"llama/seeded-sampling-{name}", specula.generate(model, rows[1][None], specula.PromptLookup(),
-                                                               compile=compiled, **settings).sequences, expected)
+        same(f"llama/batch-of-3-{name}",
+             ours(model, batch, specula.PromptLookup(), 40, attention_mask=mask, compile=compiled),
+             greedy(model, batch, 40, attention_mask=mask))
+        same(f"llama/trees-{name}", ours(model, rows[0][None], specula.PromptLookup(branches=4), 40,
+                                         compile=compiled), greedy(model, rows[0][None], 40))
+        same(f"llama/seeded-sampling-{name}",
+             seeded(lambda: specula.generate(model, rows[1][None], specula.PromptLookup(), compile=compiled,
+                                             **settings).sequences),
+             seeded(lambda: model.generate(rows[1][None], attention_mask=torch.ones_like(rows[1][None]),
+                                           **settings)))
 
 
 def bandwidth(args, report) -> None:
@@ -165,99 +175,109 @@ def bandwidth(args, report) -> None:
     args.bandwidth = size / took
 
 
-def passes(args, report) -> None:
+def per_shape(part):
+    """``part(args, report, shape)`` for each of ``--shapes`` in turn, until the budget is spent; a shape that fails is
+    reported with its error and the next one still runs."""
+
+    def run(args, report) -> None:
+        for shape in args.shapes:
+            if out_of_time(args, f"{part.__name__}/{shape}", report):
+                continue
+            try:
+                part(args, report, shape)
+            except Exception as error:
+                report(f"failed/{part.__name__}/{shape}", f"{type(error).__name__}: {error}"[:500])
+            torch._dynamo.reset()  # (the shape's graphs, and the model they hold)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+    return run
+
+
+@per_shape
+def passes(args, report, shape: str) -> None:
     """Pass cost by rows x width after CONTEXT tokens, eager and compiled; a compiled one-token pass against the time
     its weights take to read once."""
-    for shape in args.shapes:
-        if out_of_time(args, f"passes/{shape}", report):
-            continue
-        model = model_of(shape, args.dtype, args.device)
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        vocab = model.config.vocab_size
-        for rows in args.rows if shape != "8b" else args.rows[:1]:
-            for compiled in (False, True):
-                target = CachedModel(model, None, None, rollback=True, capacity=CONTEXT + 64, slots=rows,
-                                     ragged=True, compiled="always" if compiled else None,
-                                     max_width=max(args.widths))
-                for row in range(rows):
-                    target.start_row(row, prompts(1, CONTEXT, vocab, args.device, seed=row)[0])
-                for width in args.widths:
-                    blocks = [torch.randint(3, vocab, (width,), device=args.device) for _ in range(rows)]
+    model = model_of(shape, args.dtype, args.device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    vocab = model.config.vocab_size
+    for rows in args.rows if shape != "8b" else args.rows[:1]:
+        for compiled in (False, True):
+            target = CachedModel(model, None, None, rollback=True, capacity=CONTEXT + 64, slots=rows,
+                                 ragged=True, compiled="always" if compiled else None,
+                                 max_width=max(args.widths))
+            for row in range(rows):
+                target.start_row(row, prompts(1, CONTEXT, vocab, args.device, seed=row)[0])
+            for width in args.widths:
+                blocks = [torch.randint(3, vocab, (width,), device=args.device) for _ in range(rows)]
 
-                    def one_pass():
-                        target.forward_rows(blocks, [width] * rows)
-                        target.keep_rows([0] * rows)
+                def one_pass():
+                    target.forward_rows(blocks, [width] * rows)
+                    target.keep_rows([0] * rows)
 
-                    took = seconds(one_pass, args.device)
-                    name = f"passes/{shape}/{rows}x{width}/{'compiled' if compiled else 'eager'}_ms"
-                    report(name, round(took * 1000, 3))
-                    if compiled and rows == 1 and width == 1 and getattr(args, "bandwidth", None):
-                        report(f"passes/{shape}/one-token-compiled-over-weight-read", round(took / (weights / args.bandwidth), 2))
-        del model
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+                took = seconds(one_pass, args.device)
+                name = f"passes/{shape}/{rows}x{width}/{'compiled' if compiled else 'eager'}_ms"
+                report(name, round(took * 1000, 3))
+                if compiled and rows == 1 and width == 1 and getattr(args, "bandwidth", None):
+                    report(f"passes/{shape}/one-token-compiled-over-weight-read",
+                           round(took / (weights / args.bandwidth), 2))
 
 
-def decode(args, report) -> None:
+@per_shape
+def decode(args, report, shape: str) -> None:
     """One request and batches, greedy, CONTEXT-token prompts, --new-tokens each: specula (compiled, AtRate drafts;
     PromptLookup for HF prompt lookup's comparison) against model.generate eager, with a static cache (compiled on a
     GPU), with prompt lookup, and batched."""
-    for shape in args.shapes:
-        if out_of_time(args, f"decode/{shape}", report):
-            continue
-        model = model_of(shape, args.dtype, args.device)
-        vocab, new = model.config.vocab_size, args.new_tokens
-        one = prompts(1, CONTEXT, vocab, args.device)
-        mask = torch.ones_like(one)
+    model = model_of(shape, args.dtype, args.device)
+    vocab, new = model.config.vocab_size, args.new_tokens
+    one = prompts(1, CONTEXT, vocab, args.device)
+    mask = torch.ones_like(one)
 
-        def hf(**kwargs):
-            return model.generate(one, attention_mask=mask, do_sample=False, max_new_tokens=new, **kwargs)
+    def hf(**kwargs):
+        return model.generate(one, attention_mask=mask, do_sample=False, max_new_tokens=new, **kwargs)
 
-        reference = hf()
-        rate = {"hf-eager": seconds(hf, args.device, 3)}
-        rate["hf-static-compiled"] = seconds(lambda: hf(cache_implementation="static"), args.device, 3)
-        rate["hf-prompt-lookup"] = seconds(lambda: hf(prompt_lookup_num_tokens=10), args.device, 3)
-        drafts = AtRate([reference[0].tolist()], args.accept)
-        outputs = {}
+    reference = hf()
+    rate = {"hf-eager": seconds(hf, args.device, 3)}
+    rate["hf-static-compiled"] = seconds(lambda: hf(cache_implementation="static"), args.device, 3)
+    rate["hf-prompt-lookup"] = seconds(lambda: hf(prompt_lookup_num_tokens=10), args.device, 3)
+    drafts = AtRate([reference[0].tolist()], args.accept)
+    outputs = {}
 
-        def ours(proposer, compiled, key):
-            outputs[key] = specula.generate(model, one, proposer, max_new_tokens=new, compile=compiled)
-            return outputs[key]
+    def ours(proposer, compiled, key):
+        outputs[key] = specula.generate(model, one, proposer, max_new_tokens=new, compile=compiled)
+        return outputs[key]
 
-        for compiled in (False, True):
-            tag = "compiled" if compiled else "eager"
-            rate[f"specula-at-rate-{tag}"] = seconds(lambda: ours(drafts, compiled, f"at-rate-{tag}"), args.device, 3)
-            rate[f"specula-prompt-lookup-{tag}"] = seconds(
-                lambda: ours(specula.PromptLookup(), compiled, f"prompt-lookup-{tag}"), args.device, 3)
-        for name, took in rate.items():
-            report(f"decode/{shape}/1-row/{name}/tok_per_s", round(new / took, 1))
-        for key, out in outputs.items():
-            report(f"decode/{shape}/1-row/specula-{key}/tok_per_pass", round(out.stats.tokens_per_pass, 2))
-            report(f"decode/{shape}/1-row/specula-{key}/identical", bool(torch.equal(out.sequences, reference)))
-        for rows in args.batches if shape != "8b" else args.batches[:1]:
-            batch = prompts(rows, CONTEXT, vocab, args.device, seed=rows)
-            masks = torch.ones_like(batch)
-            expected = model.generate(batch, attention_mask=masks, do_sample=False, max_new_tokens=new)
-            took = seconds(lambda: model.generate(batch, attention_mask=masks, do_sample=False, max_new_tokens=new),
+    for compiled in (False, True):
+        tag = "compiled" if compiled else "eager"
+        rate[f"specula-at-rate-{tag}"] = seconds(lambda: ours(drafts, compiled, f"at-rate-{tag}"), args.device, 3)
+        rate[f"specula-prompt-lookup-{tag}"] = seconds(
+            lambda: ours(specula.PromptLookup(), compiled, f"prompt-lookup-{tag}"), args.device, 3)
+    for name, took in rate.items():
+        report(f"decode/{shape}/1-row/{name}/tok_per_s", round(new / took, 1))
+    for key, out in outputs.items():
+        report(f"decode/{shape}/1-row/specula-{key}/tok_per_pass", round(out.stats.tokens_per_pass, 2))
+        report(f"decode/{shape}/1-row/specula-{key}/identical", bool(torch.equal(out.sequences, reference)))
+    for rows in args.batches if shape != "8b" else args.batches[:1]:
+        batch = prompts(rows, CONTEXT, vocab, args.device, seed=rows)
+        masks = torch.ones_like(batch)
+        expected = model.generate(batch, attention_mask=masks, do_sample=False, max_new_tokens=new)
+        took = seconds(lambda: model.generate(batch, attention_mask=masks, do_sample=False, max_new_tokens=new),
+                       args.device, 2)
+        report(f"decode/{shape}/{rows}-rows/hf-batched/tok_per_s", round(rows * new / took, 1))
+        drafts = AtRate([row.tolist() for row in expected], args.accept)
+        for name, proposer, compiled in (("at-rate-eager", drafts, False), ("at-rate-compiled", drafts, True),
+                                         ("none-compiled", None, True)):  # (none: plain decoding, the server's)
+            out = {}
+            took = seconds(lambda: out.update(o=specula.generate(model, batch, proposer, attention_mask=masks,
+                                                                 max_new_tokens=new, compile=compiled)),
                            args.device, 2)
-            report(f"decode/{shape}/{rows}-rows/hf-batched/tok_per_s", round(rows * new / took, 1))
-            drafts = AtRate([row.tolist() for row in expected], args.accept)
-            for name, proposer, compiled in (("at-rate-eager", drafts, False), ("at-rate-compiled", drafts, True),
-                                             ("none-compiled", None, True)):  # (none: plain decoding, the server's)
-                out = {}
-                took = seconds(lambda: out.update(o=specula.generate(model, batch, proposer, attention_mask=masks,
-                                                                     max_new_tokens=new, compile=compiled)),
-                               args.device, 2)
-                report(f"decode/{shape}/{rows}-rows/specula-{name}/tok_per_s", round(rows * new / took, 1))
-                report(f"decode/{shape}/{rows}-rows/specula-{name}/identical",
-                       bool(torch.equal(out["o"].sequences, expected)))
-        compiled = specula.verifier.static._PASSES.get(model)
-        if compiled is not None:
-            report(f"decode/{shape}/compiled-shapes", {"count": len(compiled.shapes),
-                                                       "seconds": round(compiled.compile_seconds, 1)})
-        del model
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+            report(f"decode/{shape}/{rows}-rows/specula-{name}/tok_per_s", round(rows * new / took, 1))
+            report(f"decode/{shape}/{rows}-rows/specula-{name}/identical",
+                   bool(torch.equal(out["o"].sequences, expected)))
+    compiled = specula.verifier.static._PASSES.get(model)
+    if compiled is not None:
+        report(f"decode/{shape}/compiled-shapes", {"count": len(compiled.shapes),
+                                                   "seconds": round(compiled.compile_seconds, 1)})
 
 
 PARTS = {"identity": identity, "bandwidth": bandwidth, "passes": passes, "decode": decode}
@@ -281,6 +301,9 @@ def main() -> None:
     args = parser.parse_args()
     specula.verifier.static.BACKEND = args.compile_backend
     args.shapes, args.dtype = args.shapes.split(","), {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    for name, given, known in (("shape", args.shapes, SHAPES), ("part", args.parts.split(","), PARTS)):
+        if set(given) - set(known):
+            parser.error(f"unknown {name} {sorted(set(given) - set(known))}: choose from {', '.join(known)}")
     args.rows, args.widths, args.batches = ([int(n) for n in value.split(",")] for value in (args.rows, args.widths,
                                                                                               args.batches))
     started, results = time.perf_counter(), {}
