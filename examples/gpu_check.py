@@ -295,7 +295,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="of the models of real shapes")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--accept", type=float, default=0.585)
-    parser.add_argument("--budget", type=float, default=540.0, help="seconds; parts that would start past it are skipped")
+    parser.add_argument("--budget", type=float, default=540.0,
+                        help="seconds; parts and shapes that would start past it are skipped")
     parser.add_argument("--compile-backend", default="inductor", help="what compiles passes (eager: dynamo's graphs "
                         "run as they are, to try the script quickly on a CPU)")
     args = parser.parse_args()

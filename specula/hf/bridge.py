@@ -74,8 +74,8 @@ def decode(
     compile: bool | None = None,
 ) -> GenerateOutput:
     """:class:`Decoder` on a validated request of one or more rows, all in one batch (see :func:`specula.generate`);
-    ``row_generators`` gives each row its own random stream, ``predictions`` each its prediction's tokens; ``compile`` as
-    in :func:`specula.generate`."""
+    ``row_generators`` gives each row its own random stream, ``predictions`` each its prediction's tokens;
+    ``compile`` as in :func:`specula.generate`."""
     started = time.perf_counter()
     batch, width = request.input_ids.shape
     jobs = jobs_of(request, sampling, stopping_criteria, row_generators, predictions)

@@ -59,7 +59,8 @@ class StaticLayer(PreallocatedLayer):
 
     static = False
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None
+                            ) -> None:
         super().lazy_initialization(key_states, value_states, slots)
         self._mark_static()
 

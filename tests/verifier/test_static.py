@@ -166,7 +166,8 @@ def test_the_choice_is_measured_once_and_kept(fresh_store, monkeypatch):
     monkeypatch.setattr(static, "_host_share", lambda model: measured.append(1) or [0.02, 0.025])
     monkeypatch.setattr(static, "_device", lambda model: torch.device("cuda", 0))
     monkeypatch.setattr(static.store, "device_name", lambda device: "a fake GPU")
-    assert static.compiles(model, None, exact=False) == static.compiles(model, None, exact=False) == static.WHERE_CHEAPER
+    first, second = static.compiles(model, None, exact=False), static.compiles(model, None, exact=False)
+    assert first == second == static.WHERE_CHEAPER
     assert static.compiles(model, None, exact=True) is None
     assert measured == [1]
 
