@@ -152,13 +152,16 @@ def _generate_file(
     sizes = sorted(set(answerer.sizes))
     estimate = answerer.plain_speedup()
     tally.report(
-        f"batches of {' and '.join(map(str, sizes)) or answerer.slots}"
-        + (f", ~{estimate[0]:.2f}x plain decoding of the same requests (estimated from {estimate[1]})"
-           if estimate else "")
+        f"batches of {' and '.join(map(str, sizes)) or answerer.slots}, {answerer.prefill_seconds:.1f}s of it "
+        "prefills"
+        + (f", ~{estimate:.2f}x plain decoding of the same requests (estimated from plain passes timed in the run)"
+           if estimate else ", no estimate against plain decoding (too few plain passes timed; specula bench "
+           "measures it)")
         + (f"; {answerer.exactness}" if answerer.exactness is not None else "")
         + (f"; passes compiled {answerer.compiled}" if answerer.compiled else ""),
         args.output, stop.requested, args.json, batch_sizes=sizes,
-        plain_speedup=None if estimate is None else round(estimate[0], 3),
+        plain_speedup=None if estimate is None else round(estimate, 3),
+        prefill_seconds=round(answerer.prefill_seconds, 3),
         verification=None if answerer.exactness is None else str(answerer.exactness))
 
 

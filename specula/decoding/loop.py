@@ -39,6 +39,9 @@ MAX_DRAFT = 64
 # New tokens a request's cache first makes room for; it doubles where an answer runs longer (a server's request may
 # allow the whole context, which the cache of every slot need not hold from the start).
 FIRST_ROOM = 1024
+# Where drafts are sized by the cost model, a pass of a number of rows that has had PLAIN_FIRST passes (then
+# PLAIN_EVERY) without a plain one (no drafts) is plain: what the summary prices plain decoding by, timed in the run.
+PLAIN_FIRST, PLAIN_EVERY = 2, 32
 _REQUEST_IDS = itertools.count()  # what proposers know requests by (unique across decoders sharing a proposer)
 
 
@@ -201,14 +204,15 @@ class Decoder:
         self.passes = 0  # target forward passes, prefills included
         self.prefill_seconds = self.pass_seconds = 0.0  # time in prefills, and in the other passes (proposing included)
         self._needs: dict[int, int] = {}  # by request, in the order they started: plain passes after its prefill
-        self._priced: dict[int, list[float]] = {}  # by rows: passes after prefills in seconds, and in plain passes of as many
+        self._plain: dict[int, list[float]] = {}  # by rows: seconds of this run's plain passes (timed ones)
+        self._unpriced = collections.Counter()  # by rows: passes since the last plain one
         if proposer is not None:
             proposer.check_target(model)
         self._target: CachedModel | None = None
         self._trees = getattr(proposer, "proposes_trees", False)  # hold a single request as a batch row
         self.exactness: Exactness | None = None  # (chosen by prepare())
         self.policy: DraftPolicy | None = None
-        self._costs = self._timed = self._keep = None
+        self._keep = None
 
     def prepare(self) -> Decoder:
         """Measure what the loop decides by, where this machine has not yet (:meth:`run` calls it before its first
@@ -245,7 +249,6 @@ class Decoder:
                 if self.adaptive_draft and verifies else None
 
         self.policy = (AdaptiveDrafts(MAX_DRAFT, timed, costs) if self.adaptive_draft else FixedDrafts(MAX_DRAFT))
-        self._costs, self._timed = costs, timed
         # (measured costs are kept for the next process)
         self._keep = functools.partial(keep_pass_costs, model, setting, MAX_DRAFT) if timed and self.adaptive_draft \
             and verifies else None
@@ -292,21 +295,20 @@ class Decoder:
         self.prefill_seconds += time.perf_counter() - started
         return row, kept
 
-    def plain_comparison(self) -> tuple[float, float, str] | None:
+    def plain_comparison(self) -> tuple[float, float] | None:
         """What the run would have cost as plain decoding (one token a row a pass) of the same requests in batches of
-        as many rows, and what it cost, in seconds (prefills and proposing included), and where the pass costs come
-        from. Plain decoding is replayed (:func:`_plain_passes`: each request's tokens after its prefill, rows leaving
-        and joining as they would); a plain pass of ``r`` rows costs what this run's passes of ``r`` rows took over
-        what the pass costs (measured, or kept in ordinary bf16/fp16) say they cost in plain passes of as many rows
-        (between the rows that ran, interpolated). ``None`` where nothing was priced (``adaptive_draft=False``, no
-        pass, none of their costs known)."""
-        price = {rows: seconds / plain for rows, (seconds, plain) in sorted(self._priced.items()) if plain}
-        if not price:
-            return None
+        as many rows, and what it cost, in seconds (prefills and proposing included). Plain decoding is replayed
+        (:func:`_plain_passes`: each request's tokens after its prefill, rows leaving and joining as they would); a
+        plain pass of ``r`` rows costs the median of this run's plain passes of ``r`` rows (the cost model sends
+        one now and then: :data:`PLAIN_EVERY`), between the numbers of rows timed so, interpolated. ``None`` where
+        that would price under half of the replayed passes from their own rows' plain passes (no pass,
+        ``adaptive_draft=False`` with drafts in every pass, rows that never ran a plain pass)."""
+        price = {rows: float(np.median(seconds)) for rows, seconds in sorted(self._plain.items())}
         passes = _plain_passes(list(self._needs.values()), self.slots)
+        if sum(count for rows, count in passes.items() if rows in price) * 2 < max(sum(passes.values()), 1):
+            return None
         plain = sum(count * float(np.interp(rows, list(price), list(price.values()))) for rows, count in passes.items())
-        return (self.prefill_seconds + plain, self.prefill_seconds + self.pass_seconds,
-                "measured pass costs" if self._timed else "kept pass costs")
+        return self.prefill_seconds + plain, self.prefill_seconds + self.pass_seconds
 
     def plain_speedup(self) -> float | None:
         """Estimated speedup of the run so far against plain decoding of the same requests
@@ -359,9 +361,12 @@ class Decoder:
         return [row for row in rows if row is not None]
 
     def _propose(self, rows: list[Row]) -> tuple[list[Draft], list[Draft]]:
-        """Each row's proposed draft, and what of it this pass verifies (:func:`propose`)."""
+        """Each row's proposed draft, and what of it this pass verifies (:func:`propose`); none in a plain pass the
+        summary's estimate is due (:data:`PLAIN_EVERY`: counted in passes, so decided alike on every run)."""
+        since = self._unpriced[len(rows)]
+        due = self.adaptive_draft and since >= (PLAIN_EVERY if len(rows) in self._plain else PLAIN_FIRST)
         return propose(self.policy, self.proposer, rows, self.vocab, self.slots > 1,
-                       self._target.takes_trees, asks=self.drafts)
+                       self._target.takes_trees, asks=self.drafts and not due)
 
     def _verify(self, rows: list[Row], proposed: list[Draft], sent: list[Draft]) -> list[list[int]]:
         """One pass over each row's last token and sent draft: the tokens each row keeps (the accepted drafts and the
@@ -385,12 +390,9 @@ class Decoder:
             seconds = None
         width = max(map(len, blocks))  # (every row is computed this wide)
         self.policy.learn(Pass([row.drafting for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds))
-        costs = self._costs(len(rows))
-        if seconds is not None and costs is not None and costs.plain():  # (for the summary's estimate)
-            priced = self._priced.setdefault(len(rows), [0.0, 0.0])  # this pass in seconds, and in plain passes
-            tree = any(draft.is_tree for draft in sent)
-            priced[0] += seconds
-            priced[1] += float(costs.seconds(tree)[len(blocks) * (width - 1)]) / costs.plain()
+        self._unpriced[len(rows)] = 0 if width == 1 else self._unpriced[len(rows)] + 1
+        if width == 1 and seconds is not None:  # (what the summary prices plain decoding by)
+            self._plain.setdefault(len(rows), []).append(seconds)
         return outcomes
 
     def _advance(self, rows: list[Row | None], outcomes: list[list[int]], sent: list[Draft]):

@@ -133,6 +133,7 @@ class Answerer:
         self.slots = settings.batch_size
         self.sizes: list[int] = []  # the batch sizes that ran, for the summary
         self.comparisons = []  # each decoder's Decoder.plain_comparison(), for the summary
+        self.prefill_seconds = 0.0  # what its prefills took, for the summary
         self.exactness = None  # how the last call verified
         self.compiled: str | None = None  # ... and where its passes ran compiled (specula.verifier.static.compiles)
 
@@ -169,15 +170,14 @@ class Answerer:
             finally:
                 self.sizes.append(self.slots)
                 self.comparisons.append(decoder.plain_comparison())
+                self.prefill_seconds += decoder.prefill_seconds
 
-    def plain_speedup(self) -> tuple[float, str] | None:
-        """The estimated speedup of every call so far against plain decoding of the same requests, and where the
-        costs it weighs come from (:meth:`specula.Decoder.plain_comparison`); ``None`` where one decoder's is not
-        known."""
+    def plain_speedup(self) -> float | None:
+        """The estimated speedup of every call so far against plain decoding of the same requests
+        (:meth:`specula.Decoder.plain_comparison`); ``None`` where one decoder's is not known."""
         if not self.comparisons or None in self.comparisons:
             return None
-        return (sum(plain for plain, _, _ in self.comparisons) / sum(cost for _, cost, _ in self.comparisons),
-                self.comparisons[0][2])
+        return sum(plain for plain, _ in self.comparisons) / sum(cost for _, cost in self.comparisons)
 
     def _answer(self, row: Row) -> dict:
         return answer_of(row, row.job.key, self.tokenizer, self.settings)

@@ -27,6 +27,7 @@ KEEP = 8  # samples kept per pass width (plain passes: those of the last FORGET 
 RECENT = 32  # passes after which a width's last sample is stale
 FORGET = 4 * RECENT  # passes after which a width not sent again is forgotten (plain passes: never)
 EXPLORE = 0.02  # share of the decoding time that measuring stale widths again may cost
+CONTRADICTED = 1.5  # a prior is dropped once a width timed here costs this many times what it said
 KEPT = "timed pass costs"  # what the costs one process measured are kept as, for the next (a calibration)
 
 
@@ -39,6 +40,7 @@ class PassCosts:
         # by tokens: a chain pass's cost in plain passes as an earlier process measured it, until this one times it
         # (a stale estimate, forgotten after FORGET passes as any is)
         self.prior = {tokens: ratio for tokens, ratio in (prior or {}).items() if rows < tokens < size}
+        self._given = dict(sorted(self.prior.items()))  # (the prior as given: what this process's timings test)
         self.samples: dict[tuple[int, bool], deque] = {}  # (tokens, tree): (pass number, seconds), newest last
         self.passes = 0  # passes recorded
         self.credit = 0.0  # what measuring stale widths may still cost, in plain passes
@@ -81,6 +83,8 @@ class PassCosts:
                     recent = samples[:, 0] > self.passes - RECENT
                     ratios[tokens - self.rows] = lower_median(ratio[recent] if recent.any() else ratio[-3:])
             unit = (self.rows, False) in self.samples  # (without a plain pass, ratios are seconds)
+            if unit and self.prior and self._contradicted(ratios):
+                self.prior.clear()
             for tokens, ratio in self.prior.items() if (unit or not widths) and self.passes <= FORGET else ():
                 if np.isnan(ratios[tokens - self.rows]):
                     ratios[tokens - self.rows] = ratio
@@ -88,6 +92,18 @@ class PassCosts:
                 ratios[0] = 1.0
             self._estimates[tree] = ratios
         return self._estimates[tree]
+
+    def _contradicted(self, ratios: np.ndarray) -> bool:
+        """Whether a width timed here cost over :data:`CONTRADICTED` times what the prior says (between its widths,
+        interpolated): then none of the prior is trusted, and the widths it priced are explored again as never timed.
+
+        >>> costs = PassCosts(1, 10, {3: 1.2, 5: 1.4})
+        >>> costs._contradicted(np.array([1.0, np.nan, np.nan, 1.5])), costs._contradicted(np.array([1.0, 2.0]))
+        (False, True)
+        """
+        timed = np.flatnonzero(~np.isnan(ratios[1:])) + 1 + self.rows  # tokens of the widths timed here
+        said = np.interp(timed, list(self._given), list(self._given.values()))
+        return bool(np.any(ratios[timed - self.rows] > CONTRADICTED * said))
 
     def seconds(self, tree: bool = False) -> np.ndarray:
         """Estimated seconds now of a pass over ``rows + e`` tokens (index ``e``); widths not measured take the
@@ -107,10 +123,11 @@ class PassCosts:
     def probe(self, best: int, expected: np.ndarray, rates: np.ndarray) -> int:
         """The number of draft tokens a row to send, of ``rates`` (tokens per second, index ``m``: ``m`` tokens a
         row, ``expected`` tokens from the pass): ``best``, or, where the credit covers what it loses against
-        ``best``, the likeliest to pay of the widths whose estimate is stale, to measure it again."""
+        ``best``, the likeliest to pay of the widths whose estimate is stale, to measure it again; none where passes
+        were timed but no plain one (a process primed by a prior: the plain pass is the unit of every other)."""
         plain = self.plain()
-        if plain is None:
-            return best
+        if plain is None:  # (passes timed, none plain: what they cost in plain passes is unknown, so time one now)
+            return 0 if self.samples else best
         for width in sorted(range(len(rates)), key=lambda m: -rates[m]):
             tokens = self.rows * (width + 1)
             last = self.samples.get((tokens, False))
