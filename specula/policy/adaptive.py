@@ -155,11 +155,12 @@ class AdaptiveDrafts:
         return None if any(state.drawn for state in states) else self.costs(len(states))
 
     def learn(self, done: Pass) -> None:
-        """The pass's time goes into the costs of its number of rows (a tree pass's where one row sent a tree),
-        each row's outcome into its acceptance and the pool's."""
-        if self.timed and done.seconds is not None:
-            self.costs(len(done.states)).record(done.tokens, done.seconds,
-                                                tree=any(draft.is_tree for draft in done.sent))
+        """The pass's time goes into the costs of its number of rows (a tree pass's where one row sent a tree; a kept
+        table's check), each row's outcome into its acceptance and the pool's."""
+        costs = self.costs(len(done.states)) if done.seconds is not None else None
+        if costs is not None:  # (timed: the costs decisions follow; else a kept table, checked against the run)
+            (costs.record if self.timed else costs.check)(done.tokens, done.seconds,
+                                                          tree=any(draft.is_tree for draft in done.sent))
         for state, draft, verified, new in zip(done.states, done.proposed, done.sent, done.new_tokens):
             for learner in (state, self.pool):
                 if verified.is_tree:

@@ -10,6 +10,14 @@ with the calibrations (:mod:`specula.machine.store`): later runs on the machine 
 decide alike. Batches read tables of their own (:data:`ROWS`: passes of 2, 4 and 8 rows, up to 17 tokens a row,
 after :data:`BATCH_CONTEXT` tokens each, against a one-token pass of as many rows): a batch of another size interpolates
 between the tables of the rows around it.
+
+A table measured at a bad moment, or on passes unlike a run's (other contexts, other neighbours on the machine),
+may underprice wide passes, and drafts that do not pay would then be sent for good. So a run checks the table against
+its own passes (each width weighed against the plain passes timed nearest it, as :class:`~.costs.PassCosts` weighs
+them; the loop times a plain pass now and then): once :data:`CHECKED` passes of a width cost over
+:data:`UNDERPRICED` times what the table says, that width and every wider one are priced that much dearer, and the
+correction is kept for later runs (which then decide alike again). Short of that, noise in the run's timings changes
+nothing: decisions follow the table, not the clock.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ WIDTHS = (1, 2, 3, 5, 9, 17, 33)  # tokens a row per timed pass (several rows: u
 ROWS = (1, 2, 4, 8)  # rows of the timed passes
 ROUNDS = 3
 MAX_WIDTH = 65  # tokens a row of the loop's widest pass: compiled passes measured in the loop's own buckets
+UNDERPRICED = 1.5  # a width costing this many times what the table says in a run is corrected ...
+CHECKED = 8  # ... once that many passes of it were timed
+CORRECTED = "pass cost corrections"  # what corrections are kept as, by rows
 
 
 class KeptCosts(PassCosts):
@@ -35,12 +46,38 @@ class KeptCosts(PassCosts):
     no draft longer than its widest pass measured (``widest`` tokens a row: a wider one's cost is not known, and
     never will be)."""
 
-    def __init__(self, rows: int, size: int, widest: int) -> None:
+    def __init__(self, rows: int, size: int, widest: int, kept: str | None = None) -> None:
         super().__init__(rows, size)
-        self.widest = widest
+        self.widest, self.kept = widest, kept  # (kept: the store's key of its corrections; None: not kept)
+        self.run = PassCosts(rows, size)  # this run's passes, timed: what the table is checked against
 
     def explored_width(self, tree: bool = False) -> int:
         return min(super().explored_width(tree), self.widest - 1)
+
+    def check(self, tokens: int, seconds: float, tree: bool = False) -> None:
+        """A pass of the run over ``tokens`` tokens took ``seconds``: where :data:`CHECKED` passes as wide cost over
+        :data:`UNDERPRICED` times what the table says, price it and every wider one dearer by what they cost over
+        it (:meth:`correct`), and keep that."""
+        if tree or tokens >= self.size:
+            return
+        self.run.record(tokens, seconds)
+        if tokens == self.rows or len(self.run.samples[tokens, False]) < CHECKED or self.run.plain() is None:
+            return
+        measured, said = self.run.ratios()[tokens - self.rows], self.seconds()[tokens - self.rows]
+        if measured > UNDERPRICED * said:
+            self.correct(tokens, measured / said)
+            if self.kept is not None:  # (on top of what earlier runs found)
+                kept = store.shared().known.get(self.kept, {})
+                store.shared().keep(self.kept, {**kept, str(tokens): round(kept.get(str(tokens), 1.0) * float(
+                    measured / said), 3)})
+
+    def correct(self, tokens: int, factor: float) -> None:
+        """Price passes over ``tokens`` tokens and more ``factor`` times dearer than the table said."""
+        for (width, tree), samples in self.samples.items():
+            if width >= tokens:
+                self.samples[width, tree] = type(samples)([(number, seconds * factor) for number, seconds in samples],
+                                                          maxlen=samples.maxlen)
+        self._estimates.clear()
 
 
 def _context(rows: int) -> int:
@@ -65,10 +102,15 @@ def kept_pass_costs(model: torch.nn.Module, max_draft: int, rows: int = 1, compi
     if low is None or high is None:
         return None
     share = (rows - fewer) / (more - fewer) if more > fewer else 0.0
-    costs = KeptCosts(rows, rows * (max_draft + 1) + 1, widths(more)[-1])
+    weight = next(model.parameters())
+    kept = store.key(weight.device, CORRECTED, model_key(model), weight.dtype, model.config._attn_implementation,
+                     rows, *([f"compiled {compiled}"] if compiled else []))
+    costs = KeptCosts(rows, rows * (max_draft + 1) + 1, widths(more)[-1], kept)
     for width, below, above in zip(widths(more), low, high):
         if rows * width < costs.size:
             costs.record(rows * width, below + (above - below) * share)
+    for tokens, factor in sorted(store.shared().known.get(kept, {}).items(), key=lambda item: int(item[0])):
+        costs.correct(int(tokens), factor)  # (what earlier runs found)
     return costs
 
 
