@@ -322,11 +322,12 @@ def test_auto_dtype_is_resolved_and_reported(model_folder, tmp_path, capsys) -> 
     workloads = tmp_path / "workloads"
     workloads.mkdir()
     (workloads / "copying.jsonl").write_text(REQUESTS[0] + "\n")
-    run_cli("bench", "--workloads", workloads, "--model", model_folder, "--limit", 1, "--repeats", 1,
-            "--max-new-tokens", 4, "--proposers", "none", "--no-oracle", "--device", "cpu", "--json",
-            tmp_path / "rows.json")
+    run_cli("bench", "--workloads", workloads / "copying.jsonl", "--model", model_folder, "--limit", 1, "--repeats",
+            1, "--max-new-tokens", 4, "--proposers", "none", "--no-oracle", "--device", "cpu", "--json",
+            tmp_path / "rows.json")  # (one request file: the user's own)
     expected = commands.DTYPE_NAMES[precision.auto_dtype("cpu", loading._num_parameters(model_folder))]
-    assert {row["dtype"] for row in json.loads((tmp_path / "rows.json").read_text())} == {expected}
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {row["dtype"] for row in rows} == {expected} and {row["workload"] for row in rows} == {"copying"}
     assert f", {expected}, cpu," in capsys.readouterr().out
 
 
@@ -534,7 +535,7 @@ def test_ctrl_c_in_bench_prints_what_was_measured_and_exits_130(stop_at, model_f
     (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/in.jsonl", "--overwrite"], "is the input file"),
     (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/old.jsonl"], "already holds answers; pass --resume"),
     (["generate", "--input", "{tmp}/in.jsonl", "--output", "/proc/out.jsonl"], "cannot be written"),
-    (["bench", "--workloads", "{tmp}/nowhere"], "--workloads {tmp}/nowhere: no such folder"),
+    (["bench", "--workloads", "{tmp}/nowhere"], "--workloads {tmp}/nowhere: no such folder or file"),
     (["bench", "--workloads", "{tmp}", "--json", "{tmp}/nope/rows.json"], "folder {tmp}/nope does not exist"),
     (["drift", "--input", "{tmp}/missing.jsonl"], "no such file"),
     (["drift", "--input", "{tmp}/in.jsonl", "--json", "{tmp}/nope/r.json"], "does not exist"),

@@ -112,9 +112,9 @@ def _input_problem(args: argparse.Namespace) -> str | None:
     if text is not None and not Path(text).is_file():
         return f"--text {text}: no such file"
     workloads = getattr(args, "workloads", None)
-    if workloads is not None:
+    if workloads is not None and not workloads.is_file():
         if not workloads.is_dir():
-            return f"--workloads {workloads}: no such folder"
+            return f"--workloads {workloads}: no such folder or file"
         if not any(workloads.glob("*.jsonl")):
             return f"--workloads {workloads}: no *.jsonl workloads in it"
     return None

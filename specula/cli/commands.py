@@ -155,8 +155,8 @@ def _generate_file(
         f"batches of {' and '.join(map(str, sizes)) or answerer.slots}, {answerer.prefill_seconds:.1f}s of it "
         "prefills"
         + (f", ~{estimate:.2f}x plain decoding of the same requests (estimated from plain passes timed in the run)"
-           if estimate else ", no estimate against plain decoding (too few plain passes timed; specula bench "
-           "measures it)")
+           if estimate else ", no estimate against plain decoding (too few plain passes timed; `specula bench "
+           f"--workloads {args.input} --batch-sizes {max(sizes, default=1)}` measures it)")
         + (f"; {answerer.exactness}" if answerer.exactness is not None else "")
         + (f"; passes compiled {answerer.compiled}" if answerer.compiled else ""),
         args.output, stop.requested, args.json, batch_sizes=sizes,

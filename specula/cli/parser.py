@@ -259,7 +259,8 @@ def _add_bench_parser(commands) -> None:
         "Ctrl-C prints (and with --json writes) the rows measured so far and exits with status 130.",
     )
     bench.add_argument("--workloads", type=Path, required=True,
-                       help="folder of *.jsonl workloads (request files, as for generate; e.g. examples)")
+                       help="folder of *.jsonl workloads (request files, as for generate; e.g. examples), or one "
+                            "request file")
     bench.add_argument("--limit", type=_positive_int, default=4, help="prompts per workload (default: 4)")
     bench.add_argument("--repeats", type=_positive_int, default=3,
                        help="runs per prompt and method; the median counts (default: 3)")

@@ -40,8 +40,9 @@ MAX_DRAFT = 64
 # allow the whole context, which the cache of every slot need not hold from the start).
 FIRST_ROOM = 1024
 # Where drafts are sized by the cost model, a pass of a number of rows that has had PLAIN_FIRST passes (then
-# PLAIN_EVERY) without a plain one (no drafts) is plain: what the summary prices plain decoding by, timed in the run.
-PLAIN_FIRST, PLAIN_EVERY = 2, 32
+# PLAIN_EVERY) without a plain one (no drafts) is plain: what the summary prices plain decoding by, timed in the run
+# (and kept pass costs are checked against). A short request (a notebook's) is seldom held up by one.
+PLAIN_FIRST, PLAIN_EVERY = 8, 32
 _REQUEST_IDS = itertools.count()  # what proposers know requests by (unique across decoders sharing a proposer)
 
 
@@ -234,9 +235,9 @@ class Decoder:
         # Draft lengths follow measured timings only where the output cannot depend on them: greedy decoding, and
         # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
         # that round as one-token steps do (or in fp32, far below the gaps between logits). With ordinary passes in
-        # bf16/fp16 they follow pass costs measured once per machine and kept (by rows and tokens), so that a
-        # request decodes the same on every run; a pass with a row whose drafts are drawn at random (sampled, from
-        # a sampling drafter), acceptance alone.
+        # bf16/fp16 they follow pass costs measured once per machine and kept (by rows and tokens; corrected where a
+        # run's passes cost far more: specula.policy.kept_costs), so that a request decodes the same on every run; a
+        # pass with a row whose drafts are drawn at random (sampled, from a sampling drafter), acceptance alone.
         timed = self.row_exact or not is_half_precision(model)
         setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
         kept = functools.cache(functools.partial(kept_pass_costs, model, MAX_DRAFT, compiled=self.compiles))

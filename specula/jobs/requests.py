@@ -319,10 +319,11 @@ def file_shape(path: Path) -> bool | None:
 
 
 def load_workloads(directory: Path, limit: int, names: list[str] | None = None) -> dict[str, list[Request]]:
-    """The first ``limit`` requests of every ``*.jsonl`` in ``directory`` (or only ``names``), by workload name;
-    every line of those files is checked first (:class:`BadRequest` names the first bad one)."""
+    """The first ``limit`` requests of every ``*.jsonl`` in ``directory`` (or only ``names``; or of ``directory``
+    itself, a request file), by workload name; every line of those files is checked first (:class:`BadRequest`
+    names the first bad one)."""
     workloads = {}
-    for path in sorted(Path(directory).glob("*.jsonl")):
+    for path in [Path(directory)] if Path(directory).is_file() else sorted(Path(directory).glob("*.jsonl")):
         if names and path.stem not in names:
             continue
         rows = []

@@ -22,13 +22,14 @@ nothing: decisions follow the table, not the clock.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..machine import store
 from ..machine.timing import lower_median, time_pass
 from ..verifier.exactness import model_key
 from ..verifier.support import UnsupportedModelError, vocab_size
-from .costs import PassCosts
+from .costs import PassCosts, nearest_plain
 
 CONTEXT = 256  # tokens of cache the timed passes of one row follow
 BATCH_CONTEXT = 1024  # ... of several rows (files' requests: retrieved passages, code to edit, articles)
@@ -61,9 +62,12 @@ class KeptCosts(PassCosts):
         if tree or tokens >= self.size:
             return
         self.run.record(tokens, seconds)
-        if tokens == self.rows or len(self.run.samples[tokens, False]) < CHECKED or self.run.plain() is None:
+        timed, plain = (np.array(self.run.samples.get((width, False), [])).reshape(-1, 2)  # [passes, 2]
+                        for width in (tokens, self.rows))
+        if tokens == self.rows or len(timed) < CHECKED or not len(plain):
             return
-        measured, said = self.run.ratios()[tokens - self.rows], self.seconds()[tokens - self.rows]
+        measured = lower_median(timed[:, 1] / nearest_plain(timed[:, 0], plain[:, 0], plain[:, 1]))  # (its last KEEP)
+        said = self.seconds()[tokens - self.rows]
         if measured > UNDERPRICED * said:
             self.correct(tokens, measured / said)
             if self.kept is not None:  # (on top of what earlier runs found)

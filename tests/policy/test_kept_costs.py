@@ -130,13 +130,14 @@ def test_a_batch_table_times_its_rows_against_a_one_token_pass_of_as_many(fresh_
     store.forget()
 
 
-def test_the_speedup_over_plain_decoding_is_priced_by_plain_passes_timed_in_the_run(kept) -> None:
+def test_the_speedup_over_plain_decoding_is_priced_by_plain_passes_timed_in_the_run(kept, monkeypatch) -> None:
     """Ordinary bf16, untimed: whatever the kept table says, a plain pass is priced at the median of the run's own
     plain passes (the loop sends one after PLAIN_FIRST passes with drafts, then every PLAIN_EVERY: counted in passes,
     so the answer is the same on every run), and plain decoding of the request takes one such pass a token after its
     prefill."""
     table, _ = kept
     table[0] = [1 + (width - 1) / 8 for width in kept_costs.WIDTHS]
+    monkeypatch.setattr(loop, "PLAIN_FIRST", 2)  # (a short request)
     model_ = model("llama")
     reference = model_.generate(prompt(), attention_mask=torch.ones_like(prompt()), do_sample=False,
                                 max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0)
