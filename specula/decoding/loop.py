@@ -22,6 +22,7 @@ from ..core.stats import SpecStats
 from ..machine import store
 from ..policy.adaptive import AdaptiveDrafts, FixedDrafts
 from ..policy.costs import PassCosts, keep_pass_costs, shared_pass_costs
+from ..policy.guard import DraftGuard
 from ..policy.kept_costs import kept_pass_costs
 from ..policy.protocol import DraftPolicy, Pass
 from ..proposers.base import Proposer, RequestFailed, RequestProposer, for_requests
@@ -207,6 +208,7 @@ class Decoder:
         self._needs: dict[int, int] = {}  # by request, in the order they started: plain passes after its prefill
         self._plain: dict[int, list[float]] = {}  # by rows: seconds of this run's plain passes (timed ones)
         self._unpriced = collections.Counter()  # by rows: passes since the last plain one
+        self._guard: DraftGuard | None = None  # (where timings may decide: prepare())
         if proposer is not None:
             proposer.check_target(model)
         self._target: CachedModel | None = None
@@ -250,6 +252,7 @@ class Decoder:
                 if self.adaptive_draft and verifies else None
 
         self.policy = (AdaptiveDrafts(MAX_DRAFT, timed, costs) if self.adaptive_draft else FixedDrafts(MAX_DRAFT))
+        self._guard = DraftGuard() if timed and self.adaptive_draft else None
         # (measured costs are kept for the next process)
         self._keep = functools.partial(keep_pass_costs, model, setting, MAX_DRAFT) if timed and self.adaptive_draft \
             and verifies else None
@@ -363,11 +366,13 @@ class Decoder:
 
     def _propose(self, rows: list[Row]) -> tuple[list[Draft], list[Draft]]:
         """Each row's proposed draft, and what of it this pass verifies (:func:`propose`); none in a plain pass the
-        summary's estimate is due (:data:`PLAIN_EVERY`: counted in passes, so decided alike on every run)."""
+        summary's estimate is due (:data:`PLAIN_EVERY`: counted in passes, so decided alike on every run), nor where
+        timings may decide and drafts lost against plain passes here (:mod:`specula.policy.guard`)."""
         since = self._unpriced[len(rows)]
         due = self.adaptive_draft and since >= (PLAIN_EVERY if len(rows) in self._plain else PLAIN_FIRST)
+        resting = self._guard is not None and not self._guard.allows(len(rows))  # (drafts lost here: guard.py)
         return propose(self.policy, self.proposer, rows, self.vocab, self.slots > 1,
-                       self._target.takes_trees, asks=self.drafts and not due)
+                       self._target.takes_trees, asks=self.drafts and not due and not resting)
 
     def _verify(self, rows: list[Row], proposed: list[Draft], sent: list[Draft]) -> list[list[int]]:
         """One pass over each row's last token and sent draft: the tokens each row keeps (the accepted drafts and the
@@ -394,6 +399,9 @@ class Decoder:
         self._unpriced[len(rows)] = 0 if width == 1 else self._unpriced[len(rows)] + 1
         if width == 1 and seconds is not None:  # (what the summary prices plain decoding by)
             self._plain.setdefault(len(rows), []).append(seconds)
+        if seconds is not None and self._guard is not None:
+            self._guard.record(len(rows), seconds, sum(map(len, outcomes)) if width > 1 else None,
+                               self._plain.get(len(rows), []))
         return outcomes
 
     def _advance(self, rows: list[Row | None], outcomes: list[list[int]], sent: list[Draft]):
