@@ -57,6 +57,8 @@ class RequestAcceptance:
         self.draft_seconds = 0.0  # smoothed time of one propose() call
         self.steps_since_probe = 0
         self.off_branch = (0.0, 0.0)  # tokens off their first branches that sent trees were expected to / did accept
+        self.outcomes = 0  # outcomes recorded so far: what _rates was computed at
+        self._known: dict[object, tuple[tuple[int, int], np.ndarray]] = {}  # source: (outcomes, pool's), its _rates
 
     # Estimates
     def _counts(self, source: object) -> tuple[np.ndarray, np.ndarray]:
@@ -108,7 +110,18 @@ class RequestAcceptance:
         expected to do half as well as the one before it. (Not toward the rank before at the same position: deep in
         a copy the first child is right 90% of the time, but when it is wrong the others rarely are. Replaying
         PromptLookup trees on code_edit, the second child at the first position was right 14% of the times it was
-        tried, at later ones 2 of 10; expected 45% there, trees were sent that gained 3 tokens for the 10 expected.)"""
+        tried, at later ones 2 of 10; expected 45% there, trees were sent that gained 3 tokens for the 10 expected.)
+        Computed again only once an outcome was recorded here or in the pool (every row asks for it every pass);
+        read-only."""
+        at = (self.outcomes, -1 if self.pool is None else self.pool.outcomes)
+        known = self._known.get(source)
+        if known is None or known[0] != at:
+            rates = self._computed_rates(source)
+            rates.flags.writeable = False
+            self._known[source] = known = (at, rates)
+        return known[1]
+
+    def _computed_rates(self, source: object) -> np.ndarray:
         empty = np.zeros((self.max_draft, RANKS))
         trials, accepts = self.acceptance.get(source, (empty, empty))
         if self.pool is not None:
@@ -169,6 +182,7 @@ class RequestAcceptance:
         the one the next token matches (accepted), or all of them (rejected)."""
         tokens, children = draft.tokens.tolist(), draft.children()
         trials, accepts = self._counts(draft.source)
+        self.outcomes += 1
         node = -1
         for position, token in enumerate(new_tokens[: self.max_draft]):
             kids = children[node + 1]
