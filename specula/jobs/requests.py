@@ -59,6 +59,7 @@ DEFAULT_ONLY = {
 # Fields that do not change an answer: accepted and kept out of its decoding.
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
              "parallel_tool_calls")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's chat roles
 _OWN_FIELDS = ("id", "messages", "prompt", "prediction", "model")
 _KNOWN = set(SETTINGS) | set(DEFAULT_ONLY) | set(NO_EFFECT) | set(_OWN_FIELDS)
 
@@ -208,6 +209,9 @@ def _messages(messages: object) -> list[dict]:
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _Problem(f'"messages"[{index}] must be an object with a "role" and a "content"')
+        if message["role"] not in ROLES:
+            raise _Problem(f'"messages"[{index}]: unknown role {json.dumps(message["role"])}; OpenAI\'s roles are '
+                           + ", ".join(ROLES))
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)

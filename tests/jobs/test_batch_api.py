@@ -66,6 +66,8 @@ def batch_line(custom_id: str, body: dict, url: str = "/v1/chat/completions") ->
     ({"messages": []}, '"messages" must be a non-empty list'),
     ({"messages": [{"role": "user", "content": None}]}, '"messages"\\[0\\] must have a "content": text'),
     ({"messages": [{"content": "hi"}]}, '"messages"\\[0\\] must be an object with a "role"'),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "hi"}]},
+     '"messages"\\[1\\]: unknown role "wizard"; OpenAI\'s roles are system, developer, user, assistant'),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      '"messages"\\[0\\]: specula reads text only'),
 ])

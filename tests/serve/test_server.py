@@ -182,6 +182,7 @@ def test_concurrent_clients_each_get_their_own_answer(client, name, reference) -
     ({"messages": chat("hi"), "logprobs": True}, "logprobs"),
     ({"messages": chat("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({"messages": chat("hi"), "max_token": 5}, "max_token"),
     ({"messages": chat("hi"), "temperature": -1}, "temperature"),
     ({"messages": chat("hi"), "prediction": {"type": "file", "content": "x"}}, "prediction"),
