@@ -23,6 +23,8 @@ from typing import TypeVar
 
 import torch
 
+from .load import LoadMeter
+
 # How specula computes passes: part of every key, changed whenever what a kept measurement measured changes (pass
 # costs and the cost of exactness follow how ordinary passes are computed), so that none outlives its subject.
 PASSES = 3
@@ -77,17 +79,24 @@ class Store:
             self.known = {}
         self.seconds = 0.0  # spent measuring in this process
         self.made = 0  # measurements made in this process (a pass that made one is no measure of its cost)
+        self.unkept: dict = {}  # measurements made while other programs took the CPUs: this process's only
         self._told = False
 
     def get(self, key: str, measure: Callable[[], T]) -> T:
-        """The measurement under ``key``: kept, else made by ``measure()`` (JSON-serialisable) and kept."""
-        if key not in self.known:
-            started = time.perf_counter()
+        """The measurement under ``key``: kept, else made by ``measure()`` (JSON-serialisable) and kept, unless other
+        programs took the CPUs meanwhile (:mod:`.load`): then this process uses it, and a later one measures again."""
+        if key in self.known:
+            return self.known[key]
+        if key not in self.unkept:
+            meter, started = LoadMeter(), time.perf_counter()
             value = measure()
             self.seconds += time.perf_counter() - started
             self.made += 1
-            self.keep(key, value)
-        return self.known[key]
+            if not meter.disturbed():
+                self.keep(key, value)
+                return self.known[key]
+            self.unkept[key] = value
+        return self.unkept[key]
 
     def keep(self, key: str, value: object) -> None:
         """Keep ``value`` (JSON-serialisable) under ``key``, replacing what was there."""
@@ -111,8 +120,10 @@ class Store:
     def tell(self) -> None:
         """Say once per process, on stderr, what measuring cost, if anything was measured."""
         if self.seconds and not self._told:
+            unkept = (f"; {len(self.unkept)} of its measurements ran while other programs took the CPUs, so they are "
+                      "not kept: a later run measures them again") if self.unkept else ""
             print(f"specula: measured this machine in {self.seconds:.1f} s (kept in {self.path}; later runs reuse "
-                  "it)", file=sys.stderr)
+                  f"it{unkept})", file=sys.stderr)
             self._told = True
 
 

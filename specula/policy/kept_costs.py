@@ -16,7 +16,8 @@ may underprice wide passes, and drafts that do not pay would then be sent for go
 its own passes (each width weighed against the plain passes timed nearest it, as :class:`~.costs.PassCosts` weighs
 them; the loop times a plain pass now and then): once :data:`CHECKED` passes of a width cost over
 :data:`UNDERPRICED` times what the table says, that width and every wider one are priced that much dearer, and the
-correction is kept for later runs (which then decide alike again). Short of that, noise in the run's timings changes
+correction is kept for later runs (which then decide alike again), unless other programs took the CPUs meanwhile
+(:mod:`specula.machine.load`: then it holds for that run only). Short of that, noise in the run's timings changes
 nothing: decisions follow the table, not the clock.
 """
 
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from ..machine import store
+from ..machine.load import LoadMeter
 from ..machine.timing import lower_median, time_pass
 from ..verifier.exactness import model_key
 from ..verifier.support import UnsupportedModelError, vocab_size
@@ -51,6 +53,7 @@ class KeptCosts(PassCosts):
         super().__init__(rows, size)
         self.widest, self.kept = widest, kept  # (kept: the store's key of its corrections; None: not kept)
         self.run = PassCosts(rows, size)  # this run's passes, timed: what the table is checked against
+        self.load = LoadMeter()  # what other programs took of the CPUs meanwhile (a busy run's correction is not kept)
 
     def explored_width(self, tree: bool = False) -> int:
         return min(super().explored_width(tree), self.widest - 1)
@@ -70,7 +73,7 @@ class KeptCosts(PassCosts):
         said = self.seconds()[tokens - self.rows]
         if measured > UNDERPRICED * said:
             self.correct(tokens, measured / said)
-            if self.kept is not None:  # (on top of what earlier runs found)
+            if self.kept is not None and not self.load.disturbed():  # (on top of what earlier runs found)
                 kept = store.shared().known.get(self.kept, {})
                 store.shared().keep(self.kept, {**kept, str(tokens): round(kept.get(str(tokens), 1.0) * float(
                     measured / said), 3)})

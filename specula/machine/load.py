@@ -1,0 +1,56 @@
+"""How much of the CPUs other programs took while a measurement ran: a measurement made while they took much is
+used for the run at hand but not kept, so that what the store keeps (and every later run decides by) is the
+machine's, not the moment's.
+
+Read from ``/proc/stat`` (every CPU's busy time, the hypervisor's steal included) less this process's own CPU time;
+where there is no ``/proc/stat`` (not Linux) nothing is known, and every measurement is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+BUSY = 0.25  # CPUs' worth of time other programs took, on average over a measurement, that makes it disturbed
+
+
+def cpu_seconds() -> tuple[float, float, float] | None:
+    """(seconds every CPU was busy so far, seconds this process ran so far, wall seconds now); ``None`` where the
+    CPUs' busy time is not readable."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
+    return ((user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), time.process_time(),
+            time.monotonic())
+
+
+class LoadMeter:
+    """What other programs took of the CPUs since it was made (or :meth:`restart` ed).
+
+    Worked example: over 2 wall seconds the CPUs were busy 3.5 s, this process ran 3 s of it: others took 0.25 of
+    a CPU on average, which is :data:`BUSY`, so the span was disturbed."""
+
+    def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        self._start = cpu_seconds()
+
+    def others(self) -> float | None:
+        """CPUs' worth of time other programs took on average since the start; ``None`` where unknown or no time
+        passed."""
+        now = cpu_seconds()
+        if now is None or self._start is None or now[2] <= self._start[2]:
+            return None
+        busy, own, wall = (end - start for end, start in zip(now, self._start))
+        return max(busy - own, 0.0) / wall
+
+    def disturbed(self) -> bool:
+        """Whether other programs took at least :data:`BUSY` of the CPUs since the start."""
+        others = self.others()
+        return others is not None and others >= BUSY

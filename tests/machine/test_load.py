@@ -1,0 +1,94 @@
+"""A measurement made while other programs took the CPUs is used by its run and not kept: what the store keeps, and
+every later run decides by, is the machine's (specula.machine.load, specula.machine.store)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from specula.machine import load, store
+from specula.policy import kept_costs
+
+
+class Machine:
+    """A fake ``/proc/stat``: the CPUs' busy seconds, this process's and the wall clock, advanced by :meth:`spend`."""
+
+    def __init__(self) -> None:
+        self.busy = self.own = self.wall = 0.0
+
+    def spend(self, wall: float, own: float, others: float) -> None:
+        self.wall += wall
+        self.own += own
+        self.busy += own + others
+
+    def __call__(self) -> tuple[float, float, float]:
+        return self.busy, self.own, self.wall
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    fake = Machine()
+    monkeypatch.setattr(load, "cpu_seconds", fake)
+    monkeypatch.setattr(load, "BUSY", 0.25)  # (the suite's conftest turns the check off)
+    return fake
+
+
+def test_the_worked_example(machine) -> None:
+    meter = load.LoadMeter()
+    machine.spend(wall=2.0, own=3.0, others=0.5)
+    assert meter.others() == pytest.approx(0.25) and meter.disturbed()
+    meter.restart()
+    machine.spend(wall=2.0, own=3.9, others=0.1)
+    assert meter.others() == pytest.approx(0.05) and not meter.disturbed()
+
+
+def test_a_measurement_made_while_others_took_the_cpus_is_used_but_not_kept(machine, fresh_store) -> None:
+    """Busy: the run uses what it measured (once), the file keeps nothing, the next process measures again and, quiet,
+    keeps that (mutant: kept whatever the load, the busy value would be read back for good)."""
+    made = []
+
+    def measure(value: float, others: float):
+        def run():
+            machine.spend(wall=1.0, own=1.8, others=others)
+            made.append(value)
+            return value
+        return run
+
+    key = store.key(__import__("torch").device("cpu"), "pass costs", "a model")
+    assert store.shared().get(key, measure(2.0, others=1.0)) == 2.0  # a core busy meanwhile
+    assert store.shared().get(key, measure(3.0, others=0.0)) == 2.0 and made == [2.0]  # (this process: as measured)
+    assert not fresh_store.exists() or key not in json.loads(fresh_store.read_text())
+    store.forget()  # the next process
+    assert store.shared().get(key, measure(1.3, others=0.05)) == 1.3
+    store.forget()
+    assert store.shared().get(key, measure(9.0, others=0.0)) == 1.3 and made == [2.0, 1.3]
+
+
+def test_a_busy_runs_correction_holds_for_that_run_only(machine, fresh_store) -> None:
+    """A kept table underpricing a run's passes is corrected in that run; kept only where other programs did not take
+    the CPUs meanwhile."""
+    for others, kept in ((1.0, False), (0.0, True)):
+        costs = kept_costs.KeptCosts(1, 34, 33, kept=f"corrections {others}")
+        for width in kept_costs.WIDTHS:
+            costs.record(width, 1.0 + 0.1 * (width - 1))
+        machine.spend(wall=10.0, own=18.0, others=10.0 * others)
+        for _ in range(kept_costs.CHECKED):
+            costs.check(1, 1.0)
+            costs.check(5, 5.0)  # (the table says 1.4)
+        assert costs.seconds()[4] == pytest.approx(5.0)
+        assert (costs.kept in store.shared().known) is kept
+
+
+def test_a_program_spinning_on_a_cpu_is_seen() -> None:
+    """The real ``/proc/stat``: another process spinning for a second took about one CPU."""
+    if load.cpu_seconds() is None:
+        pytest.skip("no /proc/stat on this system: nothing is known of other programs (every measurement is kept)")
+    meter = load.LoadMeter()
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"])
+    spinner.wait(timeout=30)
+    time.sleep(0.05)
+    assert meter.others() > 0.5
