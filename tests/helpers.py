@@ -9,6 +9,21 @@ import specula
 from specula.tools.replay import Replay
 
 
+class TickingClock:
+    """A fake ``time.perf_counter``: a millisecond a call, and a jump where a test says a step is slow (instead of
+    sleeping, which a loaded machine would confuse with the passes' own time)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+    def jump(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def exact_generate(*args, **kwargs) -> specula.GenerateOutput:
     """``specula.generate`` with row-exact verification (``exact=True``), whatever the default would choose on this
     machine: what tests of bitwise identity in bf16 and fp16 run."""

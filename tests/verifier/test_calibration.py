@@ -15,6 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import specula
 from specula.verifier.row_exact import attention, grouping, linear
 from specula.machine import store, timing
+from helpers import TickingClock
 from specula.policy.costs import shared_pass_costs
 from specula.decoding.loop import MAX_DRAFT
 
@@ -158,15 +159,16 @@ def test_calibrations_are_kept_and_made_again_when_what_they_depend_on_changes(f
 def test_a_pass_that_calibrates_is_not_taken_for_what_passes_cost(fresh_store, monkeypatch, tmp_path) -> None:
     """The first row-exact pass calibrates attention, which takes seconds on a real model. Timed, that pass made
     the cost model take drafts for ruinous and never send one again (Qwen2.5-Coder-1.5B on a 2-core EPYC: 0.99x
-    HF greedy on the first run, 2.05x on later ones). Here calibrating takes a second longer than it does: no pass
-    cost the cost model keeps may include it (the mutant that times every pass keeps a cost over a second)."""
-    calibrate = grouping._calibrate_attention
+    HF greedy on the first run, 2.05x on later ones). Here calibrating takes 1000 s longer on a fake clock: no pass
+    cost the cost model keeps may include it (the mutant that times every pass keeps a cost over 1000 s)."""
+    calibrate, clock = grouping._calibrate_attention, TickingClock()
 
     def slow(*args, **kwargs):
-        time.sleep(1.0)
+        clock.jump(1000.0)
         return calibrate(*args, **kwargs)
 
     monkeypatch.setattr(attention, "_calibrate_attention", slow)
+    monkeypatch.setattr(time, "perf_counter", clock)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=0)
@@ -175,7 +177,7 @@ def test_a_pass_that_calibrates_is_not_taken_for_what_passes_cost(fresh_store, m
     out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=24, eos_token_id=[], exact=True)
     assert store.shared().made > 0 and out.stats.passes > 1
     costs = shared_pass_costs(model, (model.device, model.dtype), MAX_DRAFT)
-    assert costs.samples and max(seconds for samples in costs.samples.values() for _, seconds in samples) < 1.0
+    assert costs.samples and max(seconds for samples in costs.samples.values() for _, seconds in samples) < 1000.0
     store.forget()
 
 
