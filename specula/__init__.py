@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # (for type checkers and editors: each re-exported as itself)
     from .core.sampling import Sampling as Sampling
     from .core.stats import GenerateOutput as GenerateOutput, SpecStats as SpecStats
     from .hf.generate import custom_generate as custom_generate, generate as generate, prepare_jobs as prepare_jobs
+    from .hf.loading import load_model as load_model
     from .proposers.base import Proposer as Proposer, RequestProposer as RequestProposer
     from .proposers.ngram import NGramPredictor as NGramPredictor
     from .proposers.prompt_lookup import PromptLookup as PromptLookup
@@ -33,7 +34,8 @@ _HOMES = {  # each public name -> the module that defines it
     "NGramPredictor": "proposers.ngram", "PromptLookup": "proposers.prompt_lookup", "Proposer": "proposers.base",
     "RequestProposer": "proposers.base", "Sampling": "core.sampling", "SmallModelDrafter": "proposers.small_model",
     "SpecStats": "core.stats", "UnsupportedModelError": "verifier.support", "custom_generate": "hf.generate",
-    "generate": "hf.generate", "prepare_jobs": "hf.generate", "tune_cpu_layout": "verifier.cpu_layout",
+    "generate": "hf.generate", "load_model": "hf.loading", "prepare_jobs": "hf.generate",
+    "tune_cpu_layout": "verifier.cpu_layout",
 }
 __all__ = sorted(_HOMES)
 __version__ = "0.1.0"
