@@ -174,7 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     model, tokenizer, device = _load(args)
     proposer = proposer_factory(args.proposer, tokenizer, model.dtype, device)()  # one for every request
     settings = named(Settings(args.max_new_tokens, _sampling(args), args.seed, args.exact, args.compile,
-                              args.max_batch, predictions=True, model_name=model_name(args.model)), model)
+                              args.batch_size, predictions=True, model_name=model_name(args.model)), model)
     slots = batch_size(model, settings)
     engine = Engine(lambda: Decoder(model, proposer, slots, exact=settings.exact, predictions=True,
                                     compile=settings.compile).prepare())

@@ -175,9 +175,9 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--api-key", default=None,
                        help="answer /v1/ requests only with 'Authorization: Bearer KEY' (default: none asked)")
     serve.add_argument(
-        "--max-batch", type=_positive_int, default=None,
+        "--batch-size", "--max-batch", dest="batch_size", metavar="N", type=_positive_int, default=None,
         help="requests decoded at once in the same passes (default: the size whose passes make the most tokens per "
-        "second here, measured at start)",
+        "second here, measured at start; --max-batch: the same)",
     )
     _add_request_defaults(serve, "where drafts come from besides a request's prediction",
                           "as many as the model's context leaves after the prompt, as in OpenAI's API")

@@ -68,7 +68,7 @@ def stop(process: subprocess.Popen) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def server(model_folder):
-    process, url = start_server(model_folder, "--max-batch", "4", "--proposer", "prompt-lookup")
+    process, url = start_server(model_folder, "--batch-size", "4", "--proposer", "prompt-lookup")
     yield url
     stop(process)
 
