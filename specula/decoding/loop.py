@@ -303,11 +303,12 @@ class Decoder:
         """What the run would have cost as plain decoding (one token a row a pass) of the same requests in batches of
         as many rows, and what it cost, in seconds (prefills and proposing included). Plain decoding is replayed
         (:func:`_plain_passes`: each request's tokens after its prefill, rows leaving and joining as they would); a
-        plain pass of ``r`` rows costs the median of this run's plain passes of ``r`` rows (the cost model sends
-        one now and then: :data:`PLAIN_EVERY`), between the numbers of rows timed so, interpolated. ``None`` where
+        plain pass of ``r`` rows costs the mean of this run's plain passes of ``r`` rows (the cost model sends one now
+        and then: :data:`PLAIN_EVERY`; the mean, as the run's own passes are summed with their stalls), between the
+        numbers of rows timed so, interpolated. ``None`` where
         that would price under half of the replayed passes from their own rows' plain passes (no pass,
         ``adaptive_draft=False`` with drafts in every pass, rows that never ran a plain pass)."""
-        price = {rows: float(np.median(seconds)) for rows, seconds in sorted(self._plain.items())}
+        price = {rows: float(np.mean(seconds)) for rows, seconds in sorted(self._plain.items())}
         passes = _plain_passes(list(self._needs.values()), self.slots)
         if sum(count for rows, count in passes.items() if rows in price) * 2 < max(sum(passes.values()), 1):
             return None

@@ -243,13 +243,13 @@ def test_the_decoder_estimates_its_speedup_over_plain_decoding(monkeypatch) -> N
 
 def test_the_estimate_replays_plain_decoding_of_the_same_requests() -> None:
     """Known stats: requests needing 4, 1, 4 and 2 passes after their prefills, two slots. Plain decoding takes
-    passes of 2 rows (4|1, then 3|4 ... ) and a last one of 1 row; a pass of 2 rows is priced at 2 s (the median of
+    passes of 2 rows (4|1, then 3|4 ... ) and a last one of 1 row; a pass of 2 rows is priced at 2 s (the mean of
     the run's plain passes of 2 rows), of 1 row at 1 s. Where under half of those passes are priced by plain passes
     of their own rows, there is no estimate."""
     decoder = specula.Decoder(model("llama"), None, slots=2)
     decoder._needs = {0: 4, 1: 1, 2: 4, 3: 2}
     assert loop._plain_passes(list(decoder._needs.values()), 2) == {2: 5, 1: 1}
-    decoder._plain = {1: [1.0, 5.0, 0.5], 2: [2.0, 1.5, 9.0]}
+    decoder._plain = {1: [1.0, 0.5, 1.5], 2: [2.0, 3.5, 0.5]}
     decoder.prefill_seconds, decoder.pass_seconds = 2.0, 4.0
     assert decoder.plain_comparison() == pytest.approx((2.0 + 5 * 2.0 + 1 * 1.0, 2.0 + 4.0))
     assert decoder.plain_speedup() == pytest.approx(13 / 6)
