@@ -256,6 +256,7 @@ class Decoder:
         # (measured costs are kept for the next process)
         self._keep = functools.partial(keep_pass_costs, model, setting, MAX_DRAFT) if timed and self.adaptive_draft \
             and verifies else None
+        store.shared().tell()
         return self
 
     def _cached_model(self, job: Job, capacity: int) -> CachedModel:

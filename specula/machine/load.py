@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 BUSY = 0.25  # CPUs' worth of time other programs took, on average over a measurement, that makes it disturbed
+# what the CPUs' busy time may read high by over a span: a tick of each CPU's counter at either end
+GRAIN = 2 * (os.cpu_count() or 1) / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.0
 
 
 def cpu_seconds() -> tuple[float, float, float] | None:
@@ -42,13 +44,13 @@ class LoadMeter:
         self._start = cpu_seconds()
 
     def others(self) -> float | None:
-        """CPUs' worth of time other programs took on average since the start; ``None`` where unknown or no time
-        passed."""
+        """CPUs' worth of time other programs took on average since the start (beyond what the counters' ticks
+        may add: :data:`GRAIN`); ``None`` where unknown or no time passed."""
         now = cpu_seconds()
         if now is None or self._start is None or now[2] <= self._start[2]:
             return None
         busy, own, wall = (end - start for end, start in zip(now, self._start))
-        return max(busy - own, 0.0) / wall
+        return max(busy - own - GRAIN, 0.0) / wall
 
     def disturbed(self) -> bool:
         """Whether other programs took at least :data:`BUSY` of the CPUs since the start."""

@@ -80,7 +80,8 @@ class Store:
         self.seconds = 0.0  # spent measuring in this process
         self.made = 0  # measurements made in this process (a pass that made one is no measure of its cost)
         self.unkept: dict = {}  # measurements made while other programs took the CPUs: this process's only
-        self._told = False
+        self._told = (0.0, 0)  # (seconds, unkept measurements) said on stderr so far
+        self._depth = 0  # measurements under way (one may make others: counted once)
 
     def get(self, key: str, measure: Callable[[], T]) -> T:
         """The measurement under ``key``: kept, else made by ``measure()`` (JSON-serialisable) and kept, unless other
@@ -89,8 +90,12 @@ class Store:
             return self.known[key]
         if key not in self.unkept:
             meter, started = LoadMeter(), time.perf_counter()
-            value = measure()
-            self.seconds += time.perf_counter() - started
+            self._depth += 1
+            try:
+                value = measure()
+            finally:
+                self._depth -= 1
+            self.seconds += 0.0 if self._depth else time.perf_counter() - started
             self.made += 1
             if not meter.disturbed():
                 self.keep(key, value)
@@ -118,13 +123,14 @@ class Store:
             self.path.write_text(json.dumps(self.known, indent=1))
 
     def tell(self) -> None:
-        """Say once per process, on stderr, what measuring cost, if anything was measured."""
-        if self.seconds and not self._told:
-            unkept = (f"; {len(self.unkept)} of its measurements ran while other programs took the CPUs, so they are "
-                      "not kept: a later run measures them again") if self.unkept else ""
-            print(f"specula: measured this machine in {self.seconds:.1f} s (kept in {self.path}; later runs reuse "
-                  f"it{unkept})", file=sys.stderr)
-            self._told = True
+        """Say on stderr what measuring cost since this was last said, if anything was measured."""
+        seconds, unkept = self.seconds - self._told[0], len(self.unkept) - self._told[1]
+        if seconds > 0:
+            busy = (f"; {unkept} of its measurements ran while other programs took the CPUs, so they are not kept: a "
+                    "later run measures them again") if unkept else ""
+            print(f"specula: measured this machine in {seconds:.1f} s{' more' if self._told[0] else ''} (kept in "
+                  f"{self.path}; later runs reuse it{busy})", file=sys.stderr)
+            self._told = (self.seconds, len(self.unkept))
 
 
 _SHARED: Store | None = None

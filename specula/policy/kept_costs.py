@@ -146,8 +146,12 @@ def _measure(model: torch.nn.Module, rows: int = 1, compiled: str | None = None)
     try:
         target = CachedModel(model, None, None, rollback=True, capacity=len(ids) + 1, slots=rows, cheap_steps=True,
                              compiled=compiled, max_width=MAX_WIDTH)
-        for row in range(rows):
-            target.start_row(row, ids[:context])
+        target.start_row(0, ids[:context])
+        for row in range(1, rows):  # (every row the same tokens: copied, not computed again, where the cache can)
+            if target.rows_state is None:
+                target.copy_prefix(0, row, context)
+            else:
+                target.start_row(row, ids[:context])
         at = context  # (every row's cached tokens)
         for _ in range(ROUNDS + 1):  # (the first round warms up)
             for width in timed:

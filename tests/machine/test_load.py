@@ -34,6 +34,7 @@ def machine(monkeypatch):
     fake = Machine()
     monkeypatch.setattr(load, "cpu_seconds", fake)
     monkeypatch.setattr(load, "BUSY", 0.25)  # (the suite's conftest turns the check off)
+    monkeypatch.setattr(load, "GRAIN", 0.0)
     return fake
 
 
@@ -44,6 +45,16 @@ def test_the_worked_example(machine) -> None:
     meter.restart()
     machine.spend(wall=2.0, own=3.9, others=0.1)
     assert meter.others() == pytest.approx(0.05) and not meter.disturbed()
+
+
+def test_a_short_span_is_not_disturbed_by_the_counters_ticks(machine, monkeypatch) -> None:
+    """Over 0.1 s the CPUs' counters (a tick a CPU each end, two CPUs) may read 0.04 s more than this process ran."""
+    monkeypatch.setattr(load, "GRAIN", 0.04)
+    meter = load.LoadMeter()
+    machine.spend(wall=0.1, own=0.16, others=0.04)
+    assert meter.others() == pytest.approx(0.0) and not meter.disturbed()
+    machine.spend(wall=0.1, own=0.1, others=0.1)
+    assert meter.disturbed()
 
 
 def test_a_measurement_made_while_others_took_the_cpus_is_used_but_not_kept(machine, fresh_store) -> None:
