@@ -16,6 +16,16 @@ from .indexer import PerQueryIndexers
 # (tests/e2e/test_architectures.py). They decode through specula without a proposer (one-token steps), not with one.
 # (Recurrent layers that differ so are verified step by step: specula.verifier.recurrent.STEP_BY_STEP.)
 _SPLIT_DEPENDENT = {"moshi": "its attention mask has no sliding window while its KV cache keeps one"}
+# layers (by class, in their library) whose result for one token depends on the other tokens of the pass, or whose
+# kernels round otherwise for one token than for several whatever the model's dtype says
+_SPLIT_DEPENDENT_LAYERS = {
+    ("bitsandbytes", "Linear8bitLt"): "its bitsandbytes 8-bit layers pick outlier columns from every token of a pass, "
+    "so one token's result depends on the others (a 6-token pass gave logits up to 1.54 from one-token steps); load "
+    "it with torchao's int8 weight-only quantization instead",
+    ("bitsandbytes", "Linear4bit"): "its bitsandbytes 4-bit layers run other kernels for one token than for several, "
+    "in bf16 or fp16 whatever the model's dtype, which round otherwise; load it with torchao's int4 weight-only "
+    "quantization instead",
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -67,6 +77,11 @@ def check_split_independent(model: torch.nn.Module, cache: DynamicCache, indexer
     """Refuse models for which a pass over several tokens computes something else than one-token steps
     (``indexers``: a sparse-attention model's, which must select the keys of each query alone)."""
     reason = _SPLIT_DEPENDENT.get(model.config.model_type)
+    for module in model.modules():
+        kind = (type(module).__module__.partition(".")[0], type(module).__name__)
+        if kind in _SPLIT_DEPENDENT_LAYERS:
+            reason = _SPLIT_DEPENDENT_LAYERS[kind]
+            break
     if indexers is not None and not indexers.covers(model):
         reason = (
             "its sparse attention picks the top-k keys of each query with an indexer specula cannot call one query "
