@@ -32,7 +32,7 @@ from ..verifier.packed import packed_for
 from ..verifier.row_exact import is_half_precision, row_exact_for
 from ..verifier.runner import CachedModel
 from ..verifier.static import compiles
-from ..verifier.support import UnsupportedModelError, vocab_size
+from ..verifier.support import UnsupportedModelError, model_device, vocab_size
 
 # The longest draft the loop sends, whatever the proposer's own limit: the cost model sends what pays up to it. Long
 # enough for a prediction's runs where a wide pass costs about a plain one (accelerators; BENCHMARKS.md).
@@ -241,7 +241,7 @@ class Decoder:
         # run's passes cost far more: specula.policy.kept_costs), so that a request decodes the same on every run; a
         # pass with a row whose drafts are drawn at random (sampled, from a sampling drafter), acceptance alone.
         timed = self.row_exact or not is_half_precision(model)
-        setting = (model.get_input_embeddings().weight.device, getattr(model, "dtype", None))
+        setting = (model_device(model), getattr(model, "dtype", None))
         kept = functools.cache(functools.partial(kept_pass_costs, model, MAX_DRAFT, compiled=self.compiles))
         if self.adaptive_draft and not timed and verifies:
             for rows in range(1, slots + 1):  # (measured now, where they were not kept: not in a pass)
@@ -261,7 +261,8 @@ class Decoder:
 
     def _cached_model(self, job: Job, capacity: int) -> CachedModel:
         # position ids as model.generate passes them (some models number tokens wrongly by themselves: Bamba)
-        positions, mask = (torch.arange(len(job.prompt) + job.max_new_tokens, device=self.model.device)[None], None)
+        positions = torch.arange(len(job.prompt) + job.max_new_tokens, device=model_device(self.model))[None]
+        mask = None
         if job.padded is not None:
             positions, mask = job.padded[1:]
         make = functools.partial(CachedModel, self.model, positions, mask, rollback=self.drafts,
@@ -324,7 +325,7 @@ class Decoder:
 
     def _tokens(self, row: Row, sent: Draft) -> torch.Tensor | None:
         """What logits processors read: the row's sequence followed by the draft it sends."""
-        return row.sequence.with_draft(sent, self.model.device) if row.sampling.reads_tokens else None
+        return row.sequence.with_draft(sent, self._target.device) if row.sampling.reads_tokens else None
 
     @torch.inference_mode()
     def run(self, jobs: Iterable[Job | None]) -> Iterator[tuple[Row, list[int]]]:
@@ -380,7 +381,7 @@ class Decoder:
         """One pass over each row's last token and sent draft: the tokens each row keeps (the accepted drafts and the
         target's own), the KV cache rolled back past the rest, the policy told."""
         started, calibrations = time.perf_counter(), store.shared().made
-        device = self.model.device
+        device = self._target.device
         blocks = [torch.cat([torch.from_numpy(row.sequence.ids[-1:]), draft.tokens]).to(device)
                   for row, draft in zip(rows, sent)]
         argmax_only = all(row.sampling.greedy and not row.sampling.processors for row in rows)  # (logits unused)

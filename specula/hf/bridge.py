@@ -19,6 +19,7 @@ from ..core.sampling import Sampling
 from ..core.stats import GenerateOutput, SpecStats
 from ..proposers.base import Proposer
 from ..verifier.cache_names import cache_in
+from ..verifier.support import model_device
 from .inputs import Request, prepare_request
 
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -133,16 +134,16 @@ def _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator,
         raise ValueError(
             f"generator holds {len(generator)} generators for a batch of {input_ids.shape[0]}; give one per row."
         )
-    model_device = model.get_input_embeddings().weight.device
+    device = model_device(model)
     for one in generators:
         if not isinstance(one, torch.Generator):
             raise ValueError(
                 f"generator must be a torch.Generator, a list of one per row, or None; got {type(one).__name__}."
             )
-        if one.device.type != model_device.type:
+        if one.device.type != device.type:
             raise ValueError(
-                f"generator is on {one.device} but the model is on {model_device}; create it with "
-                f"torch.Generator(device={str(model_device)!r})."
+                f"generator is on {one.device} but the model is on {device}; create it with "
+                f"torch.Generator(device={str(device)!r})."
             )
 
 

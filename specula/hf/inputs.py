@@ -9,7 +9,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from ..verifier.support import context_limit, vocab_size
+from ..verifier.support import context_limit, model_device, vocab_size
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def prepare_request(
         )
         max_length = limit
 
-    device = model.get_input_embeddings().weight.device
+    device = model_device(model)
     full_mask = torch.ones(batch, max_length, dtype=torch.long)
     if attention_mask is not None:
         full_mask[:, :prompt_length] = attention_mask.cpu()

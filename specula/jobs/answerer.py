@@ -17,7 +17,7 @@ from ..hf.generate import prepare_jobs
 from ..policy.batch_size import fastest_batch_size, kept_batch_size
 from ..verifier.exactness import choose
 from ..verifier.row_exact import is_half_precision
-from ..verifier.support import context_limit
+from ..verifier.support import context_limit, model_device
 from .answer_lines import answer_line
 from .requests import Request, encode, model_name
 
@@ -85,7 +85,7 @@ def job_of(model, tokenizer, request: Request, settings: Settings) -> Job:
     """The job that decodes ``request`` (its key: the request) with its own settings over the run's; a
     ``ValueError`` (or the chat template's ``TemplateError``) where it cannot be decoded, such as a prompt longer
     than the model's context."""
-    device = model.get_input_embeddings().weight.device
+    device = model_device(model)
     prompt, options = encode(tokenizer, request).to(device), generate_options(request, settings, device)
     if options["max_new_tokens"] is None:  # (the rest of the context; a prompt that fills it is refused below)
         limit = context_limit(model)

@@ -11,7 +11,7 @@ from ..machine.profile import profile_of
 from ..machine.timing import lower_median, time_pass
 from ..verifier.exactness import choose, model_key
 from ..verifier.runner import CachedModel
-from ..verifier.support import UnsupportedModelError, vocab_size
+from ..verifier.support import UnsupportedModelError, model_device, vocab_size
 
 @torch.inference_mode()
 def fastest_batch_size(
@@ -32,7 +32,7 @@ def fastest_batch_size(
     profile = profile_of(model)
     if not again and profile.batch_size is not None and profile.batch_size[0] >= largest:
         return profile.batch_size[1]
-    device = model.get_input_embeddings().weight.device
+    device = model_device(model)
     exact = choose(model, None).exact
     try:
         target = CachedModel(model, None, None, rollback=True, capacity=context + 16 * largest + 1,

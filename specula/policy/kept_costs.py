@@ -30,7 +30,7 @@ from ..machine import store
 from ..machine.load import LoadMeter
 from ..machine.timing import lower_median, time_pass
 from ..verifier.exactness import model_key
-from ..verifier.support import UnsupportedModelError, vocab_size
+from ..verifier.support import UnsupportedModelError, model_device, vocab_size
 from .costs import PassCosts, nearest_plain
 
 CONTEXT = 256  # tokens of cache the timed passes of one row follow
@@ -136,7 +136,7 @@ def _measure(model: torch.nn.Module, rows: int = 1, compiled: str | None = None)
     ordinary verification."""
     from ..verifier.runner import CachedModel
 
-    device = model.get_input_embeddings().weight.device
+    device = model_device(model)
     timed = widths(rows)
     passes = (ROUNDS + 1) * len(timed)  # (each keeps its first token, as the loop's passes do)
     context = _context(rows)

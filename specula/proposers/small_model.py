@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..verifier.runner import CachedModel
-from ..verifier.support import UnsupportedModelError, vocab_size
+from ..verifier.support import UnsupportedModelError, model_device, vocab_size
 from ..core.draft import Draft, check_int
 from .base import RequestProposer
 from ..core.sampling import Sampling
@@ -69,7 +69,7 @@ class SmallModelDrafter(RequestProposer):
         self.num_draft, self.max_draft, self.adaptive = num_draft, max_draft, adaptive
         self.min_confidence = min_confidence
         self.tokenizer = tokenizer
-        self.device = draft_model.get_input_embeddings().weight.device
+        self.device = model_device(draft_model)
         self.target_vocab = self.shared_vocab = vocab_size(draft_model)
         self.requests: dict[object, _Request] = {}  # what it keeps per request, by request id
         self.batch = _Rows()  # the draft model's cache for requests drafted together

@@ -25,7 +25,7 @@ from ..machine import store
 from ..machine.timing import lower_median, time_pass
 from .calibration import TIMED_ROWS
 from .row_exact import SUPPORTED_ATTENTION, is_half_precision
-from .support import UnsupportedModelError, vocab_size
+from .support import UnsupportedModelError, model_device, vocab_size
 
 THRESHOLD = 1.10  # exactness is chosen by default where a row-exact pass costs at most this many ordinary ones
 CONTEXT = 256  # tokens of cache the timed passes follow
@@ -85,7 +85,7 @@ def measured_cost(model: torch.nn.Module) -> float | None:
 def _measure(model: torch.nn.Module) -> float | None:
     from .runner import CachedModel
 
-    device = model.get_input_embeddings().weight.device
+    device = model_device(model)
     ids = torch.randint(3, vocab_size(model), (CONTEXT + REPEATS + 1 + TIMED_ROWS,),
                         generator=torch.Generator().manual_seed(0)).to(device)
 

@@ -30,7 +30,7 @@ from .tree_mask import ancestry_of, block_mask, parents_of, paths_of
 from .row_exact import is_half_precision, row_exact_for
 from .support import (
     UnsupportedModelError, cache_argument, check_batchable, check_cache_length, check_recurrent_rows, check_rollback,
-    check_split_independent, check_standard_cache, describe, multi_token_failure,
+    check_split_independent, check_standard_cache, describe, model_device, multi_token_failure,
 )
 
 # Attention kernels for multi-token passes on a GPU: every backend but cuDNN's. cuDNN builds an execution plan for
@@ -114,7 +114,7 @@ class CachedModel:
             check_split_independent(model, self.cache, self.indexers)
         parameters = inspect.signature(model.forward).parameters
         self.cache_argument = cache_argument(model, parameters)
-        self.device = model.get_input_embeddings().weight.device
+        self.device = model_device(model)
         self.positions = positions if "position_ids" in parameters else None
         self.attention_mask = attention_mask
         self.accepts_logits_to_keep = "logits_to_keep" in parameters

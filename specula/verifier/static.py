@@ -26,7 +26,7 @@ from transformers.cache_utils import DynamicLayer
 from ..machine import store
 from ..machine.timing import CLOCK, lower_median
 from .cache_layers import PreallocatedLayer
-from .support import cache_argument
+from .support import cache_argument, model_device
 
 
 def buckets_up_to(limit: int) -> tuple[int, ...]:
@@ -197,7 +197,7 @@ def host_bound(model: torch.nn.Module) -> bool:
     """Whether launching a one-token pass of ``model`` takes the host more than :data:`HOST_BOUND` of the pass's
     time on its GPU (measured once per machine and model, kept). On a CPU, where the host computes the pass itself,
     no: compiling there is asked for (``compile=True``)."""
-    device, dtype = _device(model), model.get_input_embeddings().weight.dtype
+    device, dtype = model_device(model), model.get_input_embeddings().weight.dtype
     if device.type == "cpu":
         return False
     from .exactness import model_key
@@ -223,7 +223,7 @@ def _host_share(model: torch.nn.Module) -> list[float]:
     lower medians of :data:`REPEATS`."""
     from transformers import DynamicCache
 
-    device = _device(model)
+    device = model_device(model)
     ids = torch.randint(3, model.get_input_embeddings().weight.shape[0], (CONTEXT + REPEATS + 1,),
                         generator=torch.Generator().manual_seed(0)).to(device)
     cache = {cache_argument(model, inspect.signature(model.forward).parameters):
@@ -245,6 +245,3 @@ def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-
-def _device(model: torch.nn.Module) -> torch.device:
-    return model.get_input_embeddings().weight.device

@@ -37,6 +37,19 @@ def vocab_size(model: torch.nn.Module) -> int:
     return model.get_input_embeddings().weight.shape[0]
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model`` computes: its input embedding's device; where accelerate offloads it (weights on ``meta`` until
+    a hook brings them for a forward), the device the hooks compute on."""
+    embeddings = model.get_input_embeddings()
+    if embeddings.weight.device.type != "meta":
+        return embeddings.weight.device
+    for module in (embeddings, model):
+        device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if device is not None:
+            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return embeddings.weight.device
+
+
 def context_limit(model: torch.nn.Module) -> int | None:
     """The longest sequence the model's positions support, if its config says."""
     config = model.config.get_text_config(decoder=True)

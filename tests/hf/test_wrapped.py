@@ -93,3 +93,4 @@ def test_the_cli_applies_an_adapter_folder(model_folder, tmp_path) -> None:
     assert json.loads((tmp_path / "out.jsonl").read_text())["text"] == expected
     with pytest.raises(SystemExit, match="is not a PEFT adapter's folder"):
         cli.main(["generate", "--prompt", "hi", "--model", str(model_folder), "--adapter", str(tmp_path)])
+
