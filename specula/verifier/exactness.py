@@ -67,8 +67,9 @@ def choose(model: torch.nn.Module, exact: bool | None, verifies: bool = True) ->
 
 
 def model_key(model: torch.nn.Module) -> str:
-    """What the cost depends on besides the machine: the model's parameter shapes, dtype and attention."""
-    shapes = str([(name, tuple(p.shape)) for name, p in model.named_parameters()])
+    """What a measurement of the model depends on besides the machine: its parameters' names, shapes, dtypes and
+    kinds of tensor (a quantized weight is another tensor subclass: its passes cost otherwise)."""
+    shapes = str([(name, tuple(p.shape), str(p.dtype), type(p.data).__name__) for name, p in model.named_parameters()])
     return hashlib.sha1(shapes.encode()).hexdigest()[:16]
 
 

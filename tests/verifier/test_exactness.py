@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 import torch
-from bf16_cases import NEW_TOKENS, model, prompt
+import transformers
+from bf16_cases import CONFIGS, NEW_TOKENS, model, prompt
 
 import specula
 from specula.machine import store, timing
@@ -96,7 +97,7 @@ def test_a_request_decodes_the_same_on_every_run_in_one_process_and_in_two(tmp_p
         import json, sys
         sys.path[:0] = sys.argv[1:]
         import specula
-        from bf16_cases import NEW_TOKENS, model, prompt
+        from bf16_cases import CONFIGS, NEW_TOKENS, model, prompt
         print(json.dumps({exact: specula.generate(model("qwen2"), prompt(), specula.PromptLookup(),
                                                   max_new_tokens=NEW_TOKENS, eos_token_id=[],
                                                   exact=exact).sequences[0].tolist() for exact in (True, False)}))
@@ -105,3 +106,23 @@ def test_a_request_decodes_the_same_on_every_run_in_one_process_and_in_two(tmp_p
     done = subprocess.run([sys.executable, "-c", script, tests], capture_output=True, text=True, check=True)
     other = json.loads(done.stdout.strip().splitlines()[-1])
     assert other == {"true": runs[True][0], "false": runs[False][0]}
+
+
+def test_a_models_measurements_are_its_own_by_shape_dtype_and_kind_of_weight() -> None:
+    """Pass costs and the rest are kept by model_key: a model with one weight quantized (here: in another dtype, or a
+    tensor subclass, as torchao's weights are) is measured apart from the plain one, the same model alike."""
+
+    class Quantized(torch.Tensor):
+        pass
+
+    def fresh() -> torch.nn.Module:
+        return transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"](), dtype=torch.float32)
+
+    plain, other, subclassed = fresh(), fresh(), fresh()
+    assert exactness.model_key(plain) == exactness.model_key(fresh())
+    layer = other.model.layers[0].mlp.down_proj
+    layer.weight = torch.nn.Parameter(layer.weight.data.bfloat16(), requires_grad=False)
+    assert exactness.model_key(other) != exactness.model_key(plain)
+    layer = subclassed.model.layers[0].mlp.down_proj
+    layer.weight = torch.nn.Parameter(layer.weight.data.as_subclass(Quantized), requires_grad=False)
+    assert exactness.model_key(subclassed) != exactness.model_key(plain)
