@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import itertools
@@ -33,6 +32,7 @@ from ..verifier.row_exact import is_half_precision, row_exact_for
 from ..verifier.runner import CachedModel
 from ..verifier.static import compiles
 from ..verifier.support import UnsupportedModelError, model_device, vocab_size
+from .estimate import PlainEstimate
 
 # The longest draft the loop sends, whatever the proposer's own limit: the cost model sends what pays up to it. Long
 # enough for a prediction's runs where a wide pass costs about a plain one (accelerators; BENCHMARKS.md).
@@ -40,10 +40,6 @@ MAX_DRAFT = 64
 # New tokens a request's cache first makes room for; it doubles where an answer runs longer (a server's request may
 # allow the whole context, which the cache of every slot need not hold from the start).
 FIRST_ROOM = 1024
-# Where drafts are sized by the cost model, a pass of a number of rows that has had PLAIN_FIRST passes (then
-# PLAIN_EVERY) without a plain one (no drafts) is plain: what the summary prices plain decoding by, timed in the run
-# (and kept pass costs are checked against). A short request (a notebook's) is seldom held up by one.
-PLAIN_FIRST, PLAIN_EVERY = 8, 32
 _REQUEST_IDS = itertools.count()  # what proposers know requests by (unique across decoders sharing a proposer)
 
 
@@ -205,9 +201,7 @@ class Decoder:
         self.vocab = vocab_size(model)
         self.passes = 0  # target forward passes, prefills included
         self.prefill_seconds = self.pass_seconds = 0.0  # time in prefills, and in the other passes (proposing included)
-        self._needs: dict[int, int] = {}  # by request, in the order they started: plain passes after its prefill
-        self._plain: dict[int, list[float]] = {}  # by rows: seconds of this run's plain passes (timed ones)
-        self._unpriced = collections.Counter()  # by rows: passes since the last plain one
+        self.estimate = PlainEstimate(slots)  # the summary's: the run's plain passes, what its requests needed
         self._guard: DraftGuard | None = None  # (where timings may decide: prepare())
         if proposer is not None:
             proposer.check_target(model)
@@ -302,20 +296,9 @@ class Decoder:
         return row, kept
 
     def plain_comparison(self) -> tuple[float, float] | None:
-        """What the run would have cost as plain decoding (one token a row a pass) of the same requests in batches of
-        as many rows, and what it cost, in seconds (prefills and proposing included). Plain decoding is replayed
-        (:func:`_plain_passes`: each request's tokens after its prefill, rows leaving and joining as they would); a
-        plain pass of ``r`` rows costs the mean of this run's plain passes of ``r`` rows (the cost model sends one now
-        and then: :data:`PLAIN_EVERY`; the mean, as the run's own passes are summed with their stalls), between the
-        numbers of rows timed so, interpolated. ``None`` where
-        that would price under half of the replayed passes from their own rows' plain passes (no pass,
-        ``adaptive_draft=False`` with drafts in every pass, rows that never ran a plain pass)."""
-        price = {rows: float(np.mean(seconds)) for rows, seconds in sorted(self._plain.items())}
-        passes = _plain_passes(list(self._needs.values()), self.slots)
-        if sum(count for rows, count in passes.items() if rows in price) * 2 < max(sum(passes.values()), 1):
-            return None
-        plain = sum(count * float(np.interp(rows, list(price), list(price.values()))) for rows, count in passes.items())
-        return self.prefill_seconds + plain, self.prefill_seconds + self.pass_seconds
+        """What the run would have cost as plain decoding of the same requests in batches of as many rows, and what it
+        cost, in seconds (prefills and proposing included): :meth:`PlainEstimate.comparison`."""
+        return self.estimate.comparison(self.prefill_seconds, self.pass_seconds)
 
     def plain_speedup(self) -> float | None:
         """Estimated speedup of the run so far against plain decoding of the same requests
@@ -369,10 +352,9 @@ class Decoder:
 
     def _propose(self, rows: list[Row]) -> tuple[list[Draft], list[Draft]]:
         """Each row's proposed draft, and what of it this pass verifies (:func:`propose`); none in a plain pass the
-        summary's estimate is due (:data:`PLAIN_EVERY`: counted in passes, so decided alike on every run), nor where
+        summary's estimate is due (:meth:`PlainEstimate.due`: counted in passes, so decided alike on every run), nor where
         timings may decide and drafts lost against plain passes here (:mod:`specula.policy.guard`)."""
-        since = self._unpriced[len(rows)]
-        due = self.adaptive_draft and since >= (PLAIN_EVERY if len(rows) in self._plain else PLAIN_FIRST)
+        due = self.adaptive_draft and self.estimate.due(len(rows))
         resting = self._guard is not None and not self._guard.allows(len(rows))  # (drafts lost here: guard.py)
         return propose(self.policy, self.proposer, rows, self.vocab, self.slots > 1,
                        self._target.takes_trees, asks=self.drafts and not due and not resting)
@@ -399,12 +381,10 @@ class Decoder:
             seconds = None
         width = max(map(len, blocks))  # (every row is computed this wide)
         self.policy.learn(Pass([row.drafting for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds))
-        self._unpriced[len(rows)] = 0 if width == 1 else self._unpriced[len(rows)] + 1
-        if width == 1 and seconds is not None:  # (what the summary prices plain decoding by)
-            self._plain.setdefault(len(rows), []).append(seconds)
+        self.estimate.record(len(rows), width, seconds)
         if seconds is not None and self._guard is not None:
             self._guard.record(len(rows), seconds, sum(map(len, outcomes)) if width > 1 else None,
-                               self._plain.get(len(rows), []))
+                               self.estimate.plain.get(len(rows), []))
         return outcomes
 
     def _advance(self, rows: list[Row | None], outcomes: list[list[int]], sent: list[Draft]):
@@ -416,28 +396,9 @@ class Decoder:
                 self._finish(row)
 
     def _finish(self, row: Row) -> None:
-        self._needs[row.request] = len(row.output) - 1
+        self.estimate.finished(row.request, len(row.output) - 1)
         if self.proposer is not None:
             self.proposer.stop_request(row.request)
-
-
-def _plain_passes(needs: list[int], slots: int) -> collections.Counter:
-    """How many passes of each number of rows plain decoding takes for requests needing ``needs`` one-token passes
-    each after their prefills, started in this order in ``slots`` slots (a finished request's slot taken by the next
-    before the following pass). Worked example: needs [3, 1, 2] in 2 slots: a pass of 2 rows (3 -> 2, 1 done), then
-    of 2 (2 -> 1, and the third joins: 2 -> 1), then of 2 (both done): {2: 3}; in 1 slot, {1: 6}.
-
-    >>> _plain_passes([3, 1, 2], 2), _plain_passes([3, 1, 2], 1)
-    (Counter({2: 3}), Counter({1: 6}))
-    """
-    waiting, running, passes = iter(needs), [], collections.Counter()
-    while True:
-        while len(running) < slots and (need := next(waiting, None)) is not None:
-            running += [need] if need > 0 else []  # (a request done with its prefill takes no pass)
-        if not running:
-            return passes
-        passes[len(running)] += 1
-        running = [need - 1 for need in running if need > 1]
 
 
 def _tree(draft: Draft) -> list[int] | None:

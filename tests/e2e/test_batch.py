@@ -13,7 +13,7 @@ from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, chi_square_p_value, 
 from tiny_models import VOCAB, tiny_model
 
 import specula
-from specula.decoding import loop
+from specula.decoding import estimate
 from specula.verifier.runner import UnsupportedModelError
 from specula.decoding.loop import MAX_DRAFT
 
@@ -219,7 +219,7 @@ def test_sampling_in_a_batch_keeps_each_rows_distribution() -> None:
 
 def test_the_decoder_estimates_its_speedup_over_plain_decoding(monkeypatch) -> None:
     """From the plain passes it timed: well above 1 with drafts that are always right."""
-    monkeypatch.setattr(loop, "PLAIN_FIRST", 2)  # (short requests)
+    monkeypatch.setattr(estimate, "PLAIN_FIRST", 2)  # (short requests)
     rows = prompts()
     expected = [alone("llama", row, eos_token_id=[]) for row in rows]
     references = [torch.tensor(row.tolist() + out) for row, out in zip(rows, expected)]
@@ -227,10 +227,10 @@ def test_the_decoder_estimates_its_speedup_over_plain_decoding(monkeypatch) -> N
     decoder = specula.Decoder(model("llama"), Oracle(references, 6), slots=2)
     outputs = {row.job.key: row.sequence.ids[len(row.job.prompt) :].tolist() for row, _ in decoder.run(jobs)}
     assert [outputs[b] for b in range(len(rows))] == expected  # (two slots for four requests: continuous)
-    assert decoder.plain_speedup() is not None and 2 in decoder._plain  # (a plain pass of two rows was timed)
+    assert decoder.plain_speedup() is not None and 2 in decoder.estimate.plain  # (a plain pass of two rows was timed)
     # Were every pass to cost a second whatever its rows and tokens, the estimate would be plain decoding's passes
     # (a token a row a pass, two rows at a time) over the passes the run took.
-    decoder._plain = {2: [1.0]}
+    decoder.estimate.plain = {2: [1.0]}
     decoder.prefill_seconds, decoder.pass_seconds = 0.0, float(decoder.passes - len(rows))
     plain_passes = sum(len(out) - 1 for out in expected) / 2
     assert decoder.plain_speedup() == pytest.approx(plain_passes / (decoder.passes - len(rows)))
@@ -247,15 +247,15 @@ def test_the_estimate_replays_plain_decoding_of_the_same_requests() -> None:
     the run's plain passes of 2 rows), of 1 row at 1 s. Where under half of those passes are priced by plain passes
     of their own rows, there is no estimate."""
     decoder = specula.Decoder(model("llama"), None, slots=2)
-    decoder._needs = {0: 4, 1: 1, 2: 4, 3: 2}
-    assert loop._plain_passes(list(decoder._needs.values()), 2) == {2: 5, 1: 1}
-    decoder._plain = {1: [1.0, 0.5, 1.5], 2: [2.0, 3.5, 0.5]}
+    decoder.estimate.needs = {0: 4, 1: 1, 2: 4, 3: 2}
+    assert estimate.plain_passes(list(decoder.estimate.needs.values()), 2) == {2: 5, 1: 1}
+    decoder.estimate.plain = {1: [1.0, 0.5, 1.5], 2: [2.0, 3.5, 0.5]}
     decoder.prefill_seconds, decoder.pass_seconds = 2.0, 4.0
     assert decoder.plain_comparison() == pytest.approx((2.0 + 5 * 2.0 + 1 * 1.0, 2.0 + 4.0))
     assert decoder.plain_speedup() == pytest.approx(13 / 6)
-    decoder._plain = {2: [2.0]}  # (the pass of 1 row priced as the nearest rows timed)
+    decoder.estimate.plain = {2: [2.0]}  # (the pass of 1 row priced as the nearest rows timed)
     assert decoder.plain_comparison() == pytest.approx((2.0 + 6 * 2.0, 2.0 + 4.0))
-    decoder._plain = {1: [1.0], 3: [3.0]}  # (none of the 5 passes of 2 rows priced by their own)
+    decoder.estimate.plain = {1: [1.0], 3: [3.0]}  # (none of the 5 passes of 2 rows priced by their own)
     assert decoder.plain_comparison() is None
 
 

@@ -15,7 +15,7 @@ from specula.policy.acceptance import RequestAcceptance
 from specula import Draft
 from specula.policy.adaptive import AdaptiveDrafts, choose_lengths
 from specula.policy.protocol import Pass
-from specula.decoding import loop
+from specula.decoding import estimate
 from specula.machine import store, timing
 from specula.verifier.runner import CachedModel
 
@@ -137,7 +137,7 @@ def test_the_speedup_over_plain_decoding_is_priced_by_plain_passes_timed_in_the_
     prefill."""
     table, _ = kept
     table[0] = [1 + (width - 1) / 8 for width in kept_costs.WIDTHS]
-    monkeypatch.setattr(loop, "PLAIN_FIRST", 2)  # (a short request)
+    monkeypatch.setattr(estimate, "PLAIN_FIRST", 2)  # (a short request)
     model_ = model("llama")
     reference = model_.generate(prompt(), attention_mask=torch.ones_like(prompt()), do_sample=False,
                                 max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0)
@@ -148,7 +148,7 @@ def test_the_speedup_over_plain_decoding_is_priced_by_plain_passes_timed_in_the_
     list(decoder.run([specula.Job(prompt()[0].numpy(), NEW_TOKENS)]))
     plain, cost = decoder.plain_comparison()
     widths = [tokens for tokens, _ in steps]
-    assert widths[0] > 1 and widths[loop.PLAIN_FIRST] == 1  # (drafts pay from the first pass: the plain one is due)
+    assert widths[0] > 1 and widths[estimate.PLAIN_FIRST] == 1  # (drafts pay from the first pass: the plain one is due)
     price = np.mean([seconds for tokens, seconds in steps if tokens == 1 and seconds is not None])
     assert plain == pytest.approx(decoder.prefill_seconds + (NEW_TOKENS - 1) * price)
     assert cost == pytest.approx(decoder.prefill_seconds + decoder.pass_seconds)
@@ -185,7 +185,7 @@ def _decide(machine, costs: kept_costs.KeptCosts, passes: int = 300, noise: floa
     policy = AdaptiveDrafts(32, timed=False, costs=lambda rows: costs)
     state, sent_lengths, since, plain = policy.start(), [], 0, False
     for _ in range(passes):
-        due = since >= (loop.PLAIN_EVERY if plain else loop.PLAIN_FIRST)
+        due = since >= (estimate.PLAIN_EVERY if plain else estimate.PLAIN_FIRST)
         budget = 0 if due else policy.budgets([state], [1000])[0]
         proposed = Draft(np.arange(1, budget + 1)) if budget else Draft.empty()
         sent = proposed.select(policy.trim([state], [proposed], [None])[0])
