@@ -52,6 +52,16 @@ class PreallocatedLayer(DynamicLayer):
                 grown[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
                 setattr(self, name, grown)
 
+    def fit(self, end: int) -> None:
+        """Give back the room past ``end`` tokens a row where the buffers hold over twice that (a long request left
+        its slot): the memory follows the rows in use."""
+        end = max(end, self.length)
+        if self.is_initialized and self.capacity > 2 * end:
+            self.capacity = end
+            for name in ("_key_buffer", "_value_buffer"):
+                setattr(self, name, getattr(self, name)[:, :, :end].clone())
+            self._expose()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, heads, n, dim]; each row's block goes at its own start in a batch
         if not self.is_initialized:

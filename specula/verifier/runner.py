@@ -210,7 +210,16 @@ class CachedModel:
         self.starts[index] = len(token_ids)
         self.batch = max(self.batch, index + 1)
         self._set_rows()
+        self._fit()
         return logits
+
+    def _fit(self) -> None:
+        """Buffers at most twice as long as the rows in use need (or as the capacity asked for): what a long request
+        took is given back once it left its slot."""
+        end = max(int(self.starts[: self.batch].max()) if self.batch else 0, self.capacity)
+        for layer in self.cache.layers:
+            if isinstance(layer, PreallocatedLayer):
+                layer.fit(end)
 
     def truncate_row(self, index: int, length: int) -> None:
         """Row ``index`` forgets all but its first ``length`` tokens (held alone: :meth:`rollback`)."""
@@ -456,6 +465,7 @@ class CachedModel:
         self.batch = len(rows)
         if rows:
             self._set_rows()
+            self._fit()
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` cached tokens. Always called after a forward pass, even with 0, because

@@ -44,3 +44,25 @@ def test_crop_takes_a_negative_count():
         layer.crop(2)
     layer.crop(-2)
     assert layer.get_seq_length() == 1
+
+
+def test_the_room_a_long_request_took_is_given_back_when_it_leaves() -> None:
+    """Two rows, one of 400 tokens: its buffers grow to hold it; once it left (and when another request takes its
+    slot), they shrink to what the rows in use need, and the short row goes on computing what it would have without
+    it (up to fp32 rounding: views of other lengths)."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (400,), generator=torch.Generator().manual_seed(0))
+    target = CachedModel(model, None, None, rollback=True, capacity=16, slots=2, ragged=True)
+    alone = CachedModel(model, None, None, rollback=True, capacity=16, slots=2, ragged=True)  # (no long row)
+    for cached in (target, alone):
+        cached.start_row(0, ids[:10])
+    target.start_row(1, ids)
+    layer = target.cache.layers[0]
+    assert layer.capacity >= 400 and layer._key_buffer.shape[2] >= 400
+    target.select_rows([0])  # (the long request ended)
+    assert layer.capacity <= 32 and layer._key_buffer.shape[2] <= 32
+    step = [ids[10:13]]
+    torch.testing.assert_close(target.forward_rows(step, [3])[0], alone.forward_rows(step, [3])[0])  # (fp32 rounding)
+    target.start_row(1, ids)  # (the slot taken by another long one, then by a short one)
+    target.start_row(1, ids[:12])
+    assert layer.capacity <= 32

@@ -164,7 +164,7 @@ def test_the_choice_is_measured_once_and_kept(fresh_store, monkeypatch):
     model = tiny_model("llama")
     measured = []
     monkeypatch.setattr(static, "_host_share", lambda model: measured.append(1) or [0.02, 0.025])
-    monkeypatch.setattr(static, "_device", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(static, "model_device", lambda model: torch.device("cuda", 0))
     monkeypatch.setattr(static.store, "device_name", lambda device: "a fake GPU")
     first, second = static.compiles(model, None, exact=False), static.compiles(model, None, exact=False)
     assert first == second == static.WHERE_CHEAPER
