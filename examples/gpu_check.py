@@ -139,8 +139,9 @@ def identity(args, report) -> None:
         model = tiny_model(arch).to(args.device)
         ids = prompts(1, 40, 96, args.device)
         same(f"{arch}/fp32-greedy", ours(model, ids, specula.PromptLookup(), 48), greedy(model, ids, 48))
-        same(f"{arch}/fp32-greedy-compiled", ours(model, ids, specula.PromptLookup(), 48, compile=True),
-             greedy(model, ids, 48))
+        if True in args.modes:
+            same(f"{arch}/fp32-greedy-compiled", ours(model, ids, specula.PromptLookup(), 48, compile=True),
+                 greedy(model, ids, 48))
         if arch in ("llama", "qwen2"):
             half = tiny_model(arch).to(args.device, torch.bfloat16)
             same(f"{arch}/bf16-exact", ours(half, ids, specula.PromptLookup(), 48, exact=True), greedy(half, ids, 48))
@@ -152,7 +153,7 @@ def identity(args, report) -> None:
     def seeded(run):
         return lambda: (torch.manual_seed(5), run())[1]
 
-    for compiled in (False, True):
+    for compiled in args.modes:
         name = "compiled" if compiled else "eager"
         same(f"llama/batch-of-3-{name}",
              ours(model, batch, specula.PromptLookup(), 40, attention_mask=mask, compile=compiled),
@@ -195,6 +196,7 @@ def per_shape(part):
 
 
 @per_shape
+@torch.inference_mode()  # (as specula's loop runs its passes: no autograd, so CUDA graphs replay)
 def passes(args, report, shape: str) -> None:
     """Pass cost by rows x width after CONTEXT tokens, eager and compiled; a compiled one-token pass against the time
     its weights take to read once."""
@@ -202,7 +204,9 @@ def passes(args, report, shape: str) -> None:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     vocab = model.config.vocab_size
     for rows in args.rows if shape != "8b" else args.rows[:1]:
-        for compiled in (False, True):
+        if out_of_time(args, f"passes/{shape}/{rows}-rows", report):
+            return
+        for compiled in args.modes:
             target = CachedModel(model, None, None, rollback=True, capacity=CONTEXT + 64, slots=rows,
                                  ragged=True, compiled="always" if compiled else None,
                                  max_width=max(args.widths))
@@ -238,7 +242,8 @@ def decode(args, report, shape: str) -> None:
 
     reference = hf()
     rate = {"hf-eager": seconds(hf, args.device, 3)}
-    rate["hf-static-compiled"] = seconds(lambda: hf(cache_implementation="static"), args.device, 3)
+    if True in args.modes:
+        rate["hf-static-compiled"] = seconds(lambda: hf(cache_implementation="static"), args.device, 3)
     rate["hf-prompt-lookup"] = seconds(lambda: hf(prompt_lookup_num_tokens=10), args.device, 3)
     drafts = AtRate([reference[0].tolist()], args.accept)
     outputs = {}
@@ -247,7 +252,7 @@ def decode(args, report, shape: str) -> None:
         outputs[key] = specula.generate(model, one, proposer, max_new_tokens=new, compile=compiled)
         return outputs[key]
 
-    for compiled in (False, True):
+    for compiled in args.modes:
         tag = "compiled" if compiled else "eager"
         rate[f"specula-at-rate-{tag}"] = seconds(lambda: ours(drafts, compiled, f"at-rate-{tag}"), args.device, 3)
         rate[f"specula-prompt-lookup-{tag}"] = seconds(
@@ -258,6 +263,8 @@ def decode(args, report, shape: str) -> None:
         report(f"decode/{shape}/1-row/specula-{key}/tok_per_pass", round(out.stats.tokens_per_pass, 2))
         report(f"decode/{shape}/1-row/specula-{key}/identical", bool(torch.equal(out.sequences, reference)))
     for rows in args.batches if shape != "8b" else args.batches[:1]:
+        if out_of_time(args, f"decode/{shape}/{rows}-rows", report):
+            break
         batch = prompts(rows, CONTEXT, vocab, args.device, seed=rows)
         masks = torch.ones_like(batch)
         expected = model.generate(batch, attention_mask=masks, do_sample=False, max_new_tokens=new)
@@ -265,8 +272,10 @@ def decode(args, report, shape: str) -> None:
                        args.device, 2)
         report(f"decode/{shape}/{rows}-rows/hf-batched/tok_per_s", round(rows * new / took, 1))
         drafts = AtRate([row.tolist() for row in expected], args.accept)
-        for name, proposer, compiled in (("at-rate-eager", drafts, False), ("at-rate-compiled", drafts, True),
-                                         ("none-compiled", None, True)):  # (none: plain decoding, the server's)
+        for name, proposer, compiled in (("at-rate-eager", drafts, False), ("none-eager", None, False),
+                                         ("at-rate-compiled", drafts, True), ("none-compiled", None, True)):
+            if compiled not in args.modes:  # (none: plain decoding, the server's)
+                continue
             out = {}
             took = seconds(lambda: out.update(o=specula.generate(model, batch, proposer, attention_mask=masks,
                                                                  max_new_tokens=new, compile=compiled)),
@@ -297,6 +306,7 @@ def main() -> None:
     parser.add_argument("--accept", type=float, default=0.585)
     parser.add_argument("--budget", type=float, default=540.0,
                         help="seconds; parts and shapes that would start past it are skipped")
+    parser.add_argument("--modes", default="eager,compiled", help="passes eager, compiled, or both")
     parser.add_argument("--compile-backend", default="inductor", help="what compiles passes (eager: dynamo's graphs "
                         "run as they are, to try the script quickly on a CPU)")
     args = parser.parse_args()
@@ -305,14 +315,18 @@ def main() -> None:
     for name, given, known in (("shape", args.shapes, SHAPES), ("part", args.parts.split(","), PARTS)):
         if set(given) - set(known):
             parser.error(f"unknown {name} {sorted(set(given) - set(known))}: choose from {', '.join(known)}")
+    args.modes = [{"eager": False, "compiled": True}[mode] for mode in args.modes.split(",")]
     args.rows, args.widths, args.batches = ([int(n) for n in value.split(",")] for value in (args.rows, args.widths,
                                                                                               args.batches))
     started, results = time.perf_counter(), {}
     args.started = started
 
+    args.out.mkdir(parents=True, exist_ok=True)
+
     def report(name: str, value) -> None:
         results[name] = value
         print(f"{time.perf_counter() - started:7.1f}s  {name}: {value}", flush=True)
+        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1))  # (each figure kept as it comes)
 
     report("versions", {"torch": torch.__version__, "transformers": transformers.__version__,
                         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device})
@@ -323,8 +337,6 @@ def main() -> None:
             PARTS[part](args, report)
         except Exception as error:  # (a failing part is reported; the others still run)
             report(f"failed/{part}", f"{type(error).__name__}: {error}"[:500])
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,28 @@ def fresh_store(monkeypatch, tmp_path):
     store.forget()
     yield path
     store.forget()
+
+@pytest.fixture
+def drafts_cost_nothing(fresh_store, monkeypatch):
+    """Passes as a GPU's, whatever the CI machine's clock: kept pass costs flat (a pass over any number of tokens
+    costs a one-token pass) and a fake clock on which every pass takes a second, so that the cost model and its
+    guard send drafts wherever they may be accepted (tests that count accepted tokens)."""
+    from helpers import TickingClock
+
+    from specula.policy import kept_costs
+    from specula.verifier.runner import CachedModel
+
+    clock, forward_rows = TickingClock(), CachedModel.forward_rows
+
+    def one_second(self, *args, **kwargs):
+        clock.jump(1.0)
+        return forward_rows(self, *args, **kwargs)
+
+    monkeypatch.setattr(kept_costs, "_measure", lambda model, rows=1, compiled=None: [1.0] * len(
+        kept_costs.widths(rows)))
+    monkeypatch.setattr(CachedModel, "forward_rows", one_second)
+    monkeypatch.setattr(time, "perf_counter", clock)
+
 
 @pytest.fixture(scope="session")
 def model_folder(tmp_path_factory):

@@ -11,7 +11,7 @@ from ..machine.profile import profile_of
 from ..machine.timing import lower_median, time_pass
 from ..verifier.exactness import choose, model_key
 from ..verifier.runner import CachedModel
-from ..verifier.support import UnsupportedModelError, model_device, vocab_size
+from ..verifier.support import UnsupportedModelError, context_limit, model_device, vocab_size
 
 @torch.inference_mode()
 def fastest_batch_size(
@@ -22,8 +22,8 @@ def fastest_batch_size(
     the most tokens per second.
 
     Rows of ``context + 16 * largest``, ``context + 16``, ``context + 32`` ... tokens of cache (different lengths, as
-    real requests have) get one token each. Each size's tokens per second is weighed against a one-row pass timed
-    just before (3 rounds, the lower median of the ratios), so that load on the machine, which slows both, does not
+    real requests have; fewer where the model's positions end) get one token each. Each size's tokens per second is
+    weighed against a one-row pass timed just before (3 rounds, the lower median of the ratios), so that load on the machine, which slows both, does not
     favour one size over another. Doubling goes on while it gains at least ``gain`` in tokens per second and that many rows of
     ``context_per_row`` tokens of KV cache fit in a quarter of the free memory. 1 for models that cannot be batched.
     Measured once per model, or ``again`` (what it takes: ``docs/hardware.md``)."""
@@ -34,14 +34,17 @@ def fastest_batch_size(
         return profile.batch_size[1]
     device = model_device(model)
     exact = choose(model, None).exact
+    limit = context_limit(model) or context + step * largest + 2
+    step = max(0, min(16, (limit - 2 - context) // largest))  # (tokens each row has over the one before)
+    context = max(1, min(context, limit - 2 - step * largest))
     try:
-        target = CachedModel(model, None, None, rollback=True, capacity=context + 16 * largest + 1,
+        target = CachedModel(model, None, None, rollback=True, capacity=context + step * largest + 1,
                              row_exact=exact, slots=largest, cheap_steps=not exact)
     except UnsupportedModelError:
         return 1
-    text = torch.randint(0, vocab_size(model), (context + 16 * largest,), generator=torch.Generator().manual_seed(0))
+    text = torch.randint(0, vocab_size(model), (context + step * largest,), generator=torch.Generator().manual_seed(0))
     spare = spare_bytes(device)
-    alone = CachedModel(model, None, None, rollback=True, capacity=context + 16 * largest + 1,
+    alone = CachedModel(model, None, None, rollback=True, capacity=context + step * largest + 1,
                         row_exact=exact, ragged=True, cheap_steps=not exact)  # (what each size is weighed against)
     alone.start_row(0, text.to(device))
     best, best_rate, size = 1, 0.0, 1
@@ -49,9 +52,9 @@ def fastest_batch_size(
     while True:
         for index in range(target.batch, size):
             if target.rows_state is None:
-                target.copy_prefix(0, index, context + 16 * index)
+                target.copy_prefix(0, index, context + step * index)
             else:  # (recurrent state holds no prefix of a row: computed)
-                target.start_row(index, text[: context + 16 * index].to(device))
+                target.start_row(index, text[: context + step * index].to(device))
         kv_per_token = sum(t.nbytes for layer in target.cache.layers for t in (getattr(layer, "keys", None),
                                                                                  getattr(layer, "values", None))
                            if isinstance(t, torch.Tensor)) / (size * target.cached_tokens)  # (recurrent state: none)

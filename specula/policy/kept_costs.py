@@ -30,7 +30,7 @@ from ..machine import store
 from ..machine.load import LoadMeter
 from ..machine.timing import lower_median, time_pass
 from ..verifier.exactness import model_key
-from ..verifier.support import UnsupportedModelError, model_device, vocab_size
+from ..verifier.support import UnsupportedModelError, fit_context, model_device, vocab_size
 from .costs import PassCosts, nearest_plain
 
 CONTEXT = 256  # tokens of cache the timed passes of one row follow
@@ -139,7 +139,7 @@ def _measure(model: torch.nn.Module, rows: int = 1, compiled: str | None = None)
     device = model_device(model)
     timed = widths(rows)
     passes = (ROUNDS + 1) * len(timed)  # (each keeps its first token, as the loop's passes do)
-    context = _context(rows)
+    context = fit_context(model, _context(rows), passes + max(timed))
     ids = torch.randint(3, vocab_size(model), (context + passes + max(timed),),
                         generator=torch.Generator().manual_seed(0)).to(device)
     seconds: dict[int, list[float]] = {width: [] for width in timed}

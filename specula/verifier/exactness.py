@@ -25,7 +25,7 @@ from ..machine import store
 from ..machine.timing import lower_median, time_pass
 from .calibration import TIMED_ROWS
 from .row_exact import SUPPORTED_ATTENTION, is_half_precision
-from .support import UnsupportedModelError, model_device, vocab_size
+from .support import UnsupportedModelError, fit_context, model_device, vocab_size
 
 THRESHOLD = 1.10  # exactness is chosen by default where a row-exact pass costs at most this many ordinary ones
 CONTEXT = 256  # tokens of cache the timed passes follow
@@ -87,7 +87,8 @@ def _measure(model: torch.nn.Module) -> float | None:
     from .runner import CachedModel
 
     device = model_device(model)
-    ids = torch.randint(3, vocab_size(model), (CONTEXT + REPEATS + 1 + TIMED_ROWS,),
+    context = fit_context(model, CONTEXT, REPEATS + 1 + TIMED_ROWS)
+    ids = torch.randint(3, vocab_size(model), (context + REPEATS + 1 + TIMED_ROWS,),
                         generator=torch.Generator().manual_seed(0)).to(device)
 
     def seconds(target: CachedModel) -> float:
@@ -102,7 +103,7 @@ def _measure(model: torch.nn.Module) -> float | None:
         targets = [CachedModel(model, None, None, rollback=True, capacity=len(ids) + 1, row_exact=exact)
                    for exact in (False, True)]
         for target in targets:
-            target.start_row(0, ids[:CONTEXT])
+            target.start_row(0, ids[:context])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (what the row-exact kernels cost is what is being measured)
             for target in targets:

@@ -60,6 +60,13 @@ def context_limit(model: torch.nn.Module) -> int | None:
     return None
 
 
+def fit_context(model: torch.nn.Module, context: int, after: int) -> int:
+    """``context``, or fewer tokens where the model's positions end before ``context + after`` (a measurement's text
+    must have a position for every token)."""
+    limit = context_limit(model)
+    return context if limit is None else max(1, min(context, limit - after - 1))
+
+
 def describe(model: torch.nn.Module) -> str:
     return f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r})"
 
