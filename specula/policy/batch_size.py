@@ -34,7 +34,7 @@ def fastest_batch_size(
         return profile.batch_size[1]
     device = model_device(model)
     exact = choose(model, None).exact
-    limit = context_limit(model) or context + step * largest + 2
+    limit = context_limit(model) or context + 16 * largest + 2
     step = max(0, min(16, (limit - 2 - context) // largest))  # (tokens each row has over the one before)
     context = max(1, min(context, limit - 2 - step * largest))
     try:

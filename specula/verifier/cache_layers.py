@@ -14,7 +14,13 @@ class PreallocatedLayer(DynamicLayer):
     (``docs/hardware.md``, KV cache; ``examples/kv_cache.py`` measures it). Here a step writes only its own states, and
     attention reads a view of the filled prefix: the same values, shapes and layout on the last two dimensions, so
     the same logits. A rollback only moves the end. The buffer doubles if ``capacity`` turns out too small.
+
+    A batch's buffers (``[rows, heads, capacity, dim]``) hold the rows in use, not every slot: they gain rows
+    (doubling, up to the slots) as requests join and give them back as they leave (:meth:`fit`), so a lone long
+    request takes one row's memory, not every slot's.
     """
+
+    follows_rows = True  # (static passes read every slot's rows: their buffers hold all from the start)
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
@@ -27,17 +33,30 @@ class PreallocatedLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None) -> None:
         self.device = key_states.device
         self.length = 0  # (also after transformers' reset())
-        self._key_buffer = self._empty_like(key_states, self.capacity, slots)
-        self._value_buffer = self._empty_like(value_states, self.capacity, slots)
+        self.slots = slots or len(key_states)
+        rows = len(key_states) if self.follows_rows else self.slots
+        self._key_buffer = self._empty_like(key_states, self.capacity, rows)
+        self._value_buffer = self._empty_like(value_states, self.capacity, rows)
         self._expose()
         self.is_initialized = True
 
     @staticmethod
-    def _empty_like(states: torch.Tensor, length: int, slots: int | None = None) -> torch.Tensor:
+    def _empty_like(states: torch.Tensor, length: int, rows: int | None = None) -> torch.Tensor:
         # zeros, not garbage: in a batch a row's mask covers slots only longer rows wrote, and attention kernels
         # compute q.k before masking, so a NaN bit pattern there would poison the row
         batch, heads, _, dim = states.shape
-        return torch.zeros(slots or batch, heads, length, dim, dtype=states.dtype, device=states.device)
+        return torch.zeros(rows or batch, heads, length, dim, dtype=states.dtype, device=states.device)
+
+    def hold_rows(self, count: int) -> None:
+        """Room for ``count`` rows (doubling, up to the slots)."""
+        held = len(self._key_buffer)
+        if count > held:
+            rows = min(max(self.slots, count), max(count, 2 * held))
+            for name in ("_key_buffer", "_value_buffer"):
+                grown = self._empty_like(getattr(self, name), self.capacity, rows)
+                grown[:held] = getattr(self, name)
+                setattr(self, name, grown)
+            self._expose()
 
     def _expose(self) -> None:
         self.keys = self._key_buffer[: self.rows, :, : self.length]
@@ -53,13 +72,16 @@ class PreallocatedLayer(DynamicLayer):
                 setattr(self, name, grown)
 
     def fit(self, end: int) -> None:
-        """Give back the room past ``end`` tokens a row where the buffers hold over twice that (a long request left
-        its slot): the memory follows the rows in use."""
-        end = max(end, self.length)
-        if self.is_initialized and self.capacity > 2 * end:
-            self.capacity = end
+        """Give back the room past ``end`` tokens a row, and the rows past those in use, where the buffers hold over
+        twice that (a long request left its slot, requests left the batch): the memory follows the rows in use."""
+        if not self.is_initialized:
+            return
+        end, held = max(end, self.length), len(self._key_buffer)
+        rows = held if self.rows is None or not self.follows_rows else max(self.rows, 1)
+        if self.capacity > 2 * end or held > 2 * rows:
+            self.capacity = min(self.capacity, end) if self.capacity > 2 * end else self.capacity
             for name in ("_key_buffer", "_value_buffer"):
-                setattr(self, name, getattr(self, name)[:, :, :end].clone())
+                setattr(self, name, getattr(self, name)[:rows, :, : self.capacity].clone())
             self._expose()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -90,6 +112,7 @@ class PreallocatedLayer(DynamicLayer):
         to ``slots`` rows."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values, slots)
+        self.hold_rows(index + 1)
         self._grow(end)
         self._key_buffer[index, :, end - keys.shape[-2] : end] = keys[0]
         self._value_buffer[index, :, end - values.shape[-2] : end] = values[0]
@@ -100,6 +123,7 @@ class PreallocatedLayer(DynamicLayer):
             for buffer in (self._key_buffer, self._value_buffer):
                 buffer[: len(rows)] = buffer[rows]
             self.rows = len(rows)
+            self.length = self.length if len(rows) else 0
             self._expose()
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -237,6 +237,7 @@ class CachedModel:
             raise UnsupportedModelError(f"{describe(self.model)} keeps recurrent state, which holds no prefix of a row.")
         for layer in self.cache.layers:
             if isinstance(layer, PreallocatedLayer):
+                layer.hold_rows(index + 1)
                 for buffer in (layer._key_buffer, layer._value_buffer):
                     buffer[index, :, :length] = buffer[source, :, :length]
         self.starts[index] = length
@@ -465,7 +466,7 @@ class CachedModel:
         self.batch = len(rows)
         if rows:
             self._set_rows()
-            self._fit()
+        self._fit()
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last ``num_tokens`` cached tokens. Always called after a forward pass, even with 0, because

@@ -58,6 +58,7 @@ class StaticLayer(PreallocatedLayer):
     pass) a :class:`PreallocatedLayer`."""
 
     static = False
+    follows_rows = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None
                             ) -> None:

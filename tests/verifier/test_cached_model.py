@@ -66,3 +66,25 @@ def test_the_room_a_long_request_took_is_given_back_when_it_leaves() -> None:
     target.start_row(1, ids)  # (the slot taken by another long one, then by a short one)
     target.start_row(1, ids[:12])
     assert layer.capacity <= 32
+
+
+def test_buffers_hold_the_rows_in_use_not_every_slot() -> None:
+    """Eight slots: one request's buffers hold one row, five requests' at most eight, and once four left, at most two
+    again; the rows that stay compute what they would have alone (up to fp32 rounding: views of other shapes)."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(0))
+    target = CachedModel(model, None, None, rollback=True, capacity=64, slots=8, ragged=True)
+    alone = CachedModel(model, None, None, rollback=True, capacity=64, slots=8, ragged=True)
+    alone.start_row(0, ids[:10])
+    target.start_row(0, ids[:10])
+    layer = target.cache.layers[0]
+    assert len(layer._key_buffer) == 1
+    for row in range(1, 5):
+        target.start_row(row, ids[: 10 + row])
+    assert 5 <= len(layer._key_buffer) <= 8 and len(layer.keys) == 5
+    target.select_rows([0])
+    assert len(layer._key_buffer) <= 2 and len(layer.keys) == 1
+    step = [ids[10:13]]
+    torch.testing.assert_close(target.forward_rows(step, [3])[0], alone.forward_rows(step, [3])[0])
+    target.start_row(1, ids[:20])  # (a new request takes the next slot: room again)
+    assert len(layer.keys) == 2
