@@ -19,7 +19,8 @@ from ..hf.generate import generate
 from ..hf.loading import ModelNotFoundError, load_model
 from ..jobs.answer_lines import error_line
 from ..decoding.loop import Decoder
-from ..jobs.answerer import Answerer, Settings, batch_size, named
+from ..decoding.budget import gigabytes
+from ..jobs.answerer import Answerer, Settings, batch_size, cache_budget, named
 from ..jobs.answers import AnswerFile, InputOrder, StopOnInterrupt, Tally, report_skipped
 from ..jobs.requests import BadRequest, Request, answer_key, encode, model_name, read_requests, unique_requests
 from ..proposers.kernels import warm_up
@@ -77,7 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     sampling_settings = _sampling(args)
     settings = Settings(args.max_new_tokens, sampling_settings, args.seed, args.exact, args.compile, args.batch_size,
                         predictions=args.input is not None and _brings_predictions(args.input),
-                        model_name=model_name(args.model))
+                        model_name=model_name(args.model), max_memory=args.max_memory)
     output = args.answers  # (read by the checks: with --resume, the answers already there)
     if output is not None and output.torn:
         print(f"{args.output}: its last line was cut short when a run stopped; that request is answered again",
@@ -175,13 +176,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
     model, tokenizer, device = _load(args)
     proposer = proposer_factory(args.proposer, tokenizer, model.dtype, device)()  # one for every request
     settings = named(Settings(args.max_new_tokens, _sampling(args), args.seed, args.exact, args.compile,
-                              args.batch_size, predictions=True, model_name=model_name(args.model)), model)
-    slots = batch_size(model, settings)
+                              args.batch_size, predictions=True, model_name=model_name(args.model),
+                              max_memory=args.max_memory), model)
+    slots, budget = batch_size(model, settings), cache_budget(model, settings)
     engine = Engine(lambda: Decoder(model, proposer, slots, exact=settings.exact, predictions=True,
-                                    compile=settings.compile).prepare())
-    app = create_app(engine, model, tokenizer, settings, api_key=args.api_key)
-    print(f"specula serve: {settings.model_name} on http://{args.host}:{args.port}/v1 ({slots} requests at once; "
-          "Ctrl-C stops)", file=sys.stderr)
+                                    compile=settings.compile, budget=budget).prepare())
+    app = create_app(engine, model, tokenizer, settings, api_key=args.api_key, budget=budget)
+    memory = "" if budget is None else f", keys and values within {gigabytes(budget.limit)}"
+    print(f"specula serve: {settings.model_name} on http://{args.host}:{args.port}/v1 ({slots} requests at once"
+          f"{memory}; Ctrl-C stops)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
+from ..decoding.budget import parse_size
 from ..hf.registry import PROPOSER_NAMES
 
 DTYPE_CHOICES = ("auto", "bf16", "fp32", "fp16")
@@ -30,6 +31,17 @@ def _int_at_least(minimum: int, meaning: str = "") -> Callable[[str], int]:
 
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0, " (0 keeps every token)")
+
+
+def _size(text: str) -> int:
+    """An option type: a size in bytes, with a unit (4GB, 512MiB)."""
+    try:
+        size = parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be more than nothing, got {text!r}")
+    return size
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -193,6 +205,11 @@ def _add_request_defaults(parser: argparse.ArgumentParser, drafts: str, max_new_
     _add_proposer_argument(parser, f"{drafts}: {', '.join(PROPOSER_NAMES)} (default: prompt-lookup)")
     _add_switch(parser, "exact", _EXACT_HELP)
     _add_switch(parser, "compile", _COMPILE_HELP)
+    parser.add_argument(
+        "--max-memory", metavar="SIZE", type=_size, default=None,
+        help="memory the keys and values of the requests decoded at once may take, such as 4GB or 512MiB: a request "
+        "starts only where it fits beside those running (else it waits), one that could never fit is refused "
+        "(default: half of the memory free once the model is loaded)")
     _add_model_arguments(parser)
     _add_decoding_arguments(parser, max_new_tokens=max_new_tokens, temperature=None)
 

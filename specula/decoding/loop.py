@@ -32,6 +32,7 @@ from ..verifier.row_exact import is_half_precision, row_exact_for
 from ..verifier.runner import CachedModel
 from ..verifier.static import compiles
 from ..verifier.support import UnsupportedModelError, model_device, vocab_size
+from .budget import CacheBudget
 from .estimate import PlainEstimate
 
 # The longest draft the loop sends, whatever the proposer's own limit: the cost model sends what pays up to it. Long
@@ -191,8 +192,10 @@ class Decoder:
     def __init__(
         self, model: torch.nn.Module, proposer: Proposer | None, slots: int = 1, adaptive_draft: bool = True,
         exact: bool | None = None, predictions: bool = False, compile: bool | None = None,
+        budget: CacheBudget | None = None,
     ) -> None:
-        self.model, self.slots, self.compile = model, slots, compile
+        self.model, self.slots, self.compile, self.budget = model, slots, compile, budget
+        self._waiting: Job | None = None  # (taken from the stream, waiting for the budget's room: first in line)
         self.proposer = None if proposer is None else for_requests(proposer)
         self.drafts = proposer is not None or predictions  # (predictions: jobs may bring them)
         self.verifies = self.drafts or slots > 1  # (else every pass is a plain one)
@@ -282,7 +285,7 @@ class Decoder:
         row.stats.exactness = self.exactness
         if self.proposer is not None:
             self.proposer.start_request(row.request, row.sequence.ids, row.sampling)
-        capacity = len(job.prompt) + min(job.max_new_tokens, FIRST_ROOM) + 2 * (MAX_DRAFT + 1)
+        capacity = room(job) - job.max_new_tokens + min(job.max_new_tokens, FIRST_ROOM)
         if self._target is None or (self.slots == 1 and (self._target.compiled is None or job.padded is not None)):
             self._target = self._cached_model(job, capacity)  # (compiled passes keep their cache and its shapes)
         row.stats.compiled = self._target.compiled is not None
@@ -335,20 +338,42 @@ class Decoder:
     def _fill(self, rows: list[Row | None], jobs: Iterator[Job]) -> Iterator[tuple[Row, list[int]]]:
         """Start requests in the free slots; one may end with its first token (the next one then takes the slot)."""
         for index in range(self.slots):
-            while (index >= len(rows) or rows[index] is None) and (job := next(jobs, None)) is not None:
+            while (index >= len(rows) or rows[index] is None) and (job := self._admitted(rows, index, jobs)):
                 row, kept = self._start(index, job)
                 rows[index : index + 1] = [None if row.finished else row]
+                self._hold(rows)
                 yield row, kept
                 if row.finished:
                     self._finish(row)
             if index >= len(rows):
                 return
 
+    def _admitted(self, rows: list[Row | None], index: int, jobs: Iterator[Job]) -> Job | None:
+        """The next job, for slot ``index``, where the budget holds the batch's cache with it (:mod:`.budget`; else it
+        waits, first in line, for rows to leave)."""
+        job, self._waiting = self._waiting or next(jobs, None), None
+        if job is None or self.budget is None:
+            return job
+        rooms = [room(row.job) for row in rows if row is not None]
+        if not rooms and (why := self.budget.refusal(room(job))):
+            raise ValueError(why)
+        if rooms and not self.budget.fits(max(len(rows), index + 1), max(rooms + [room(job)])):
+            self._waiting = job
+            return None
+        return job
+
+    def _hold(self, rows: list[Row | None]) -> None:
+        """Hold the cache's buffers to what the budget admitted for these rows (``None``: a slot left since)."""
+        if self.budget is not None and any(rows):
+            self._target.hold(len(rows), max(room(row.job) for row in rows if row is not None))
+
     def _shrink(self, rows: list[Row | None]) -> list[Row]:
         """No request is left to take the free slots: the batch loses those rows."""
         if None in rows:
             self._target.select_rows([i for i, row in enumerate(rows) if row is not None])
-        return [row for row in rows if row is not None]
+        rows = [row for row in rows if row is not None]
+        self._hold(rows)
+        return rows
 
     def _propose(self, rows: list[Row]) -> tuple[list[Draft], list[Draft]]:
         """Each row's proposed draft, and what of it this pass verifies (:func:`propose`); none in a plain pass the
@@ -399,6 +424,11 @@ class Decoder:
         self.estimate.finished(row.request, len(row.output) - 1)
         if self.proposer is not None:
             self.proposer.stop_request(row.request)
+
+
+def room(job: Job) -> int:
+    """The tokens a job's row of the cache may come to hold: its prompt, its new tokens and a pass's draft."""
+    return len(job.prompt) + job.max_new_tokens + 2 * (MAX_DRAFT + 1)
 
 
 def _tree(draft: Draft) -> list[int] | None:

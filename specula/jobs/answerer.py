@@ -11,9 +11,11 @@ from dataclasses import dataclass, field, replace
 import torch
 from jinja2 import TemplateError
 
+from ..decoding.budget import CacheBudget, OverBudget
 from ..decoding.driver import finished_rows
-from ..decoding.loop import Decoder, Job, Row
+from ..decoding.loop import Decoder, Job, Row, room
 from ..hf.generate import prepare_jobs
+from ..machine.memory import spare_bytes
 from ..policy.batch_size import fastest_batch_size, kept_batch_size
 from ..verifier.exactness import choose
 from ..verifier.row_exact import is_half_precision
@@ -21,6 +23,7 @@ from ..verifier.support import context_limit, model_device
 from .answer_lines import answer_line
 from .requests import Request, encode, model_name
 
+FREE_SHARE = 0.5  # of the memory free at start, what the cache may take where --max-memory is not given
 REMEASURE = 256  # requests between measurements of the batch size, where it is measured (not given)
 
 
@@ -37,6 +40,7 @@ class Settings:
     batch_size: int | None = None  # None: the size measured fastest on this machine
     predictions: bool = False  # whether requests may bring predictions ("prediction")
     model_name: str | None = None  # what answers call the model (None: its folder's name, :func:`model_name`)
+    max_memory: int | None = None  # bytes the cache's keys and values may take (None: a share of what is free)
 
 
 def generate_options(request: Request, settings: Settings, device: torch.device | str) -> dict:
@@ -81,10 +85,20 @@ def _kept(model, settings: Settings) -> bool:
     return settings.batch_size is None and is_half_precision(model) and not choose(model, settings.exact).exact
 
 
-def job_of(model, tokenizer, request: Request, settings: Settings) -> Job:
+def cache_budget(model, settings: Settings) -> CacheBudget | None:
+    """The memory budget of the run's cache: ``settings.max_memory``, else :data:`FREE_SHARE` of the memory free now
+    (after the model loaded); ``None`` where that is not known."""
+    limit = settings.max_memory
+    if limit is None:
+        spare = spare_bytes(model_device(model))
+        limit = None if spare is None else int(spare * FREE_SHARE)
+    return None if limit is None else CacheBudget.of(model, limit)
+
+
+def job_of(model, tokenizer, request: Request, settings: Settings, budget: CacheBudget | None = None) -> Job:
     """The job that decodes ``request`` (its key: the request) with its own settings over the run's; a
     ``ValueError`` (or the chat template's ``TemplateError``) where it cannot be decoded, such as a prompt longer
-    than the model's context."""
+    than the model's context, or one whose cache would not fit ``budget`` even alone."""
     device = model_device(model)
     prompt, options = encode(tokenizer, request).to(device), generate_options(request, settings, device)
     if options["max_new_tokens"] is None:  # (the rest of the context; a prompt that fills it is refused below)
@@ -94,6 +108,8 @@ def job_of(model, tokenizer, request: Request, settings: Settings) -> Job:
         else:
             options["max_new_tokens"] = max(limit - prompt.shape[1], 1)
     (job,) = prepare_jobs(model, prompt, prediction=request.prediction, tokenizer=tokenizer, **options)
+    if budget is not None and (why := budget.refusal(room(job))):
+        raise OverBudget(why)
     job.key = request
     return job
 
@@ -130,6 +146,7 @@ class Answerer:
                  on_skip: Callable[[Request, str], None]) -> None:
         self.model, self.tokenizer, self.proposer, self.on_skip = model, tokenizer, proposer, on_skip
         self.settings = named(settings, model)
+        self.budget = cache_budget(model, settings)
         self.slots = settings.batch_size
         self.sizes: list[int] = []  # the batch sizes that ran, for the summary
         self.comparisons = []  # each decoder's Decoder.plain_comparison(), for the summary
@@ -139,7 +156,7 @@ class Answerer:
 
     def _job(self, request: Request) -> Job | None:
         try:
-            return job_of(self.model, self.tokenizer, request, self.settings)
+            return job_of(self.model, self.tokenizer, request, self.settings, self.budget)
         except (ValueError, TemplateError) as error:  # (the chat template's own refusal: roles out of order ...)
             self.on_skip(request, str(error))
             return None
@@ -160,7 +177,8 @@ class Answerer:
             if self.slots is None:
                 self.slots = batch_size(self.model, self.settings, largest)
             decoder = Decoder(self.model, self.proposer, self.slots, exact=self.settings.exact,
-                              predictions=self.settings.predictions, compile=self.settings.compile)
+                              predictions=self.settings.predictions, compile=self.settings.compile,
+                              budget=self.budget)
             self.exactness = decoder.prepare().exactness
             self.compiled = decoder.compiles
             jobs = itertools.chain([first], prepared)

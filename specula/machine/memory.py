@@ -15,3 +15,12 @@ def spare_bytes(device: torch.device) -> int | None:
         lines = open("/proc/meminfo").read().splitlines()
         return int(next(line for line in lines if line.startswith("MemAvailable:")).split()[1]) * 1024
     return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set (None where unknown): what a server's memory is watched by."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        import resource
+
+        return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+    return None

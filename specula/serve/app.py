@@ -23,7 +23,9 @@ from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from ..decoding.budget import CacheBudget, OverBudget
 from ..jobs.answerer import Settings, answer_of, job_of
+from ..machine.memory import resident_bytes
 from ..jobs.requests import BadRequest, parse_request
 from .engine import Engine
 
@@ -43,8 +45,10 @@ class HTTPError(Exception):
                                        "code": self.code}}, status_code=self.status)
 
 
-def create_app(engine: Engine, model, tokenizer, settings: Settings, api_key: str | None = None) -> FastAPI:
-    """The server's app, answering with ``engine`` (closed when the app shuts down: what is in flight finishes)."""
+def create_app(engine: Engine, model, tokenizer, settings: Settings, api_key: str | None = None,
+               budget: CacheBudget | None = None) -> FastAPI:
+    """The server's app, answering with ``engine`` (closed when the app shuts down: what is in flight finishes); a
+    request whose cache would not fit ``budget`` even alone is a 400."""
     numbers = itertools.count(1)
 
     @asynccontextmanager
@@ -77,7 +81,8 @@ def create_app(engine: Engine, model, tokenizer, settings: Settings, api_key: st
     async def health() -> dict:
         return {"status": "ok", "model": settings.model_name, "in_flight": engine.in_flight,
                 "answered": engine.answered, "cancelled": engine.cancelled, "failed": engine.failed,
-                "tokens": engine.tokens}
+                "tokens": engine.tokens,
+                "memory": {**(budget.report() if budget is not None else {}), "resident_bytes": resident_bytes()}}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -93,7 +98,9 @@ def create_app(engine: Engine, model, tokenizer, settings: Settings, api_key: st
         if isinstance(parsed, BadRequest):
             raise HTTPError(400, str(parsed), _param(str(parsed)))
         try:
-            job = await run_in_threadpool(job_of, model, tokenizer, parsed, settings)
+            job = await run_in_threadpool(job_of, model, tokenizer, parsed, settings, budget)
+        except OverBudget as error:
+            raise HTTPError(400, str(error), "max_tokens") from None
         except (ValueError, TemplateError) as error:  # (a prompt longer than the context, a template's refusal)
             raise HTTPError(400, str(error), "messages" if parsed.messages is not None else "prompt") from None
         events: asyncio.Queue = asyncio.Queue()

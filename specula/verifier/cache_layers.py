@@ -29,6 +29,7 @@ class PreallocatedLayer(DynamicLayer):
         self.rows: int | None = None  # rows in use of a batch's buffers (None: all of them)
         self.sliding_window: int | None = None  # the window of a sliding-window layer it stands for (batches)
         self.row_starts: torch.Tensor | None = None  # [rows]: where each row writes its next block (batches)
+        self.ceiling: tuple[int, int] | None = None  # (rows, tokens a row) a memory budget holds it to (batches)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None) -> None:
         self.device = key_states.device
@@ -51,7 +52,7 @@ class PreallocatedLayer(DynamicLayer):
         """Room for ``count`` rows (doubling, up to the slots)."""
         held = len(self._key_buffer)
         if count > held:
-            rows = min(max(self.slots, count), max(count, 2 * held))
+            rows = max(count, min(self.slots, 2 * held, self.ceiling[0] if self.ceiling else self.slots))
             for name in ("_key_buffer", "_value_buffer"):
                 grown = self._empty_like(getattr(self, name), self.capacity, rows)
                 grown[:held] = getattr(self, name)
@@ -65,7 +66,7 @@ class PreallocatedLayer(DynamicLayer):
     def _grow(self, end: int) -> None:
         """Make room for ``end`` tokens per row (doubling)."""
         if end > self.capacity:
-            self.capacity = max(end, 2 * self.capacity)
+            self.capacity = max(end, min(2 * self.capacity, self.ceiling[1] if self.ceiling else 2 * self.capacity))
             for name in ("_key_buffer", "_value_buffer"):
                 grown = self._empty_like(getattr(self, name), self.capacity)
                 grown[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
@@ -73,15 +74,19 @@ class PreallocatedLayer(DynamicLayer):
 
     def fit(self, end: int) -> None:
         """Give back the room past ``end`` tokens a row, and the rows past those in use, where the buffers hold over
-        twice that (a long request left its slot, requests left the batch): the memory follows the rows in use."""
+        twice that (a long request left its slot, requests left the batch), or over a budget's :attr:`ceiling`: the
+        memory follows the rows in use."""
         if not self.is_initialized:
             return
         end, held = max(end, self.length), len(self._key_buffer)
         rows = held if self.rows is None or not self.follows_rows else max(self.rows, 1)
-        if self.capacity > 2 * end or held > 2 * rows:
-            self.capacity = min(self.capacity, end) if self.capacity > 2 * end else self.capacity
+        tokens, kept = (end if self.capacity > 2 * end else self.capacity), (rows if held > 2 * rows else held)
+        if self.ceiling is not None:
+            tokens, kept = max(end, min(tokens, self.ceiling[1])), max(rows, min(kept, self.ceiling[0]))
+        if (tokens, kept) != (self.capacity, held):
+            self.capacity = tokens
             for name in ("_key_buffer", "_value_buffer"):
-                setattr(self, name, getattr(self, name)[:rows, :, : self.capacity].clone())
+                setattr(self, name, getattr(self, name)[:kept, :, :tokens].clone())
             self._expose()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

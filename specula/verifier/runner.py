@@ -213,6 +213,14 @@ class CachedModel:
         self._fit()
         return logits
 
+    def hold(self, rows: int, tokens: int) -> None:
+        """Hold the cache's buffers to ``rows`` rows of ``tokens`` each (a memory budget's; never under what the rows
+        in use hold): trimmed to it now, and grown no further than it needs."""
+        for layer in self.cache.layers:
+            if isinstance(layer, PreallocatedLayer):
+                layer.ceiling = (rows, tokens)
+        self._fit()
+
     def _fit(self) -> None:
         """Buffers at most twice as long as the rows in use need (or as the capacity asked for): what a long request
         took is given back once it left its slot."""

@@ -223,8 +223,8 @@ def test_a_client_that_goes_away_frees_its_row(server) -> None:
     assert now["tokens"] - before["tokens"] < 400
 
 
-def test_an_api_key_is_asked_for_when_set_and_sigterm_stops_the_server(model_folder) -> None:
-    process, url = start_server(model_folder, "--api-key", "sesame", "--max-batch", "2")
+def test_an_api_key_and_a_memory_budget_when_set_and_sigterm_stops_the_server(model_folder) -> None:
+    process, url = start_server(model_folder, "--api-key", "sesame", "--max-batch", "2", "--max-memory", "100KB")
     try:
         refused = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0, timeout=60)
         with pytest.raises(openai.AuthenticationError):
@@ -232,6 +232,11 @@ def test_an_api_key_is_asked_for_when_set_and_sigterm_stops_the_server(model_fol
         allowed = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0, timeout=60)
         assert allowed.completions.create(model=model_folder.name, prompt="hi", max_tokens=2).usage.completion_tokens == 2
         assert health(url)["status"] == "ok"  # (the health route needs no key)
+        memory = health(url)["memory"]  # (the tiny model: 256 bytes of keys and values a token)
+        assert memory["budget_bytes"] == 100_000 and memory["tokens"] == 390 and memory["resident_bytes"] > 0
+        with pytest.raises(openai.BadRequestError, match="memory budget") as error:  # (a row of over 390 tokens)
+            allowed.completions.create(model=model_folder.name, prompt="hi", max_tokens=400)
+        assert error.value.body["param"] == "max_tokens"
     finally:
         code, stderr = stop(process)
     assert code in (0, -signal.SIGTERM) and "stopped" in stderr

@@ -88,3 +88,19 @@ def test_buffers_hold_the_rows_in_use_not_every_slot() -> None:
     torch.testing.assert_close(target.forward_rows(step, [3])[0], alone.forward_rows(step, [3])[0])
     target.start_row(1, ids[:20])  # (a new request takes the next slot: room again)
     assert len(layer.keys) == 2
+
+
+def test_a_budgets_ceiling_bounds_growth_and_trims_at_once() -> None:
+    """A layer held to 2 rows of 100 tokens grows to 100, not by doubling to 120, and its rows to 2, not 4; a
+    ceiling under what it holds trims it at once, never under the rows' own tokens (mutant: no ceiling, 120)."""
+    layer = PreallocatedLayer(capacity=60)
+    layer.put_row(0, torch.zeros(1, 2, 10, 8), torch.zeros(1, 2, 10, 8), slots=8, end=10)
+    layer.ceiling = (2, 100)
+    layer.put_row(1, torch.zeros(1, 2, 70, 8), torch.zeros(1, 2, 70, 8), slots=8, end=70)
+    assert layer.capacity == 100 and layer._key_buffer.shape[:3] == (2, 2, 100)
+    layer.length, layer.ceiling = 70, (2, 80)
+    layer.fit(70)
+    assert layer.capacity == 80 and layer._key_buffer.shape[2] == 80
+    layer.ceiling = (2, 50)
+    layer.fit(70)
+    assert layer.capacity == 70

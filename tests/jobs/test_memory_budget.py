@@ -1,0 +1,80 @@
+"""A memory budget for the cache (``--max-memory``): requests wait for room, the buffers never hold more than the
+budget, answers stay model.generate's, and a request that could never fit is refused before any work."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import hf_greedy
+from tiny_models import tiny_model
+
+import specula
+from specula import cli
+from specula.decoding.budget import CacheBudget, parse_size
+from specula.decoding.driver import finished_rows
+from specula.decoding.loop import room
+from specula.verifier.cache_layers import PreallocatedLayer
+from specula.verifier.runner import CachedModel
+
+NEW = 6
+
+
+def cache_bytes(target: CachedModel) -> int:
+    return sum(buffer.nbytes for layer in target.cache.layers if isinstance(layer, PreallocatedLayer)
+               for buffer in (layer._key_buffer, layer._value_buffer))
+
+
+def test_requests_wait_for_room_and_the_cache_stays_within_the_budget(monkeypatch) -> None:
+    """Four slots, five requests, a budget of two rows: no pass holds more than two rows nor its buffers more than the
+    budget, and every request gets model.generate's tokens (mutant: no budget, four rows a pass)."""
+    model = tiny_model("llama")
+    prompts = [np.roll(np.array([1, 40, 3, 77, 12, 55, 23, 9, 60, 14]), shift) for shift in range(5)]
+    jobs = [specula.Job(prompt, NEW) for prompt in prompts]
+    budget = CacheBudget.of(model, 0)
+    budget = CacheBudget(2 * room(jobs[0]) * budget.per_token, budget.per_token)  # (two rows of these requests)
+    seen, forward_rows = [], CachedModel.forward_rows
+
+    def watched(self, blocks, *args, **kwargs):
+        seen.append((len(blocks), cache_bytes(self)))
+        return forward_rows(self, blocks, *args, **kwargs)
+
+    monkeypatch.setattr(CachedModel, "forward_rows", watched)
+    decoder = specula.Decoder(model, specula.PromptLookup(), slots=4, budget=budget)
+    rows = list(finished_rows(decoder, jobs))
+    assert max(rows for rows, _ in seen) == 2 and max(size for _, size in seen) <= budget.limit
+    for row in rows:
+        expected = hf_greedy(model, torch.from_numpy(row.job.prompt)[None], NEW, eos_token_id=[])
+        assert row.output.tolist() == expected[0, len(row.job.prompt):].tolist()
+    assert len(rows) == 5
+
+
+def test_a_request_that_could_never_fit_is_refused() -> None:
+    model = tiny_model("llama")
+    job = specula.Job(np.arange(3, 13), NEW)
+    budget = CacheBudget(room(job) * CacheBudget.of(model, 0).per_token - 1, CacheBudget.of(model, 0).per_token)
+    with pytest.raises(ValueError, match="over the cache's memory budget"):
+        list(specula.Decoder(model, None, slots=2, budget=budget).run([job]))
+
+
+def test_a_file_skips_a_request_over_the_budget_saying_why(model_folder, tmp_path, capsys) -> None:
+    lines = [{"id": "short", "prompt": "the quick brown fox", "max_tokens": 4},
+             {"id": "long", "prompt": "the quick brown fox", "max_tokens": 400}]
+    (tmp_path / "in.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    cli.main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--model",
+              str(model_folder), "--dtype", "fp32", "--max-memory", "100KB"])  # (256 bytes a token: 390 tokens)
+    answers = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [answer["id"] for answer in answers if "error" not in answer] == ["short"]
+    assert "memory budget of 0.00 GB (--max-memory)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, size", [("4GB", 4 * 10**9), ("512MiB", 512 * 2**20), ("1.5 g", 1.5e9), ("100", 100)])
+def test_sizes_read_as_people_write_them(text, size) -> None:
+    assert parse_size(text) == size
+
+
+def test_a_size_without_a_known_unit_says_how_to_write_one() -> None:
+    with pytest.raises(ValueError, match="such as 4GB or 512MiB"):
+        parse_size("4 gallons")
