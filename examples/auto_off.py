@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 import specula
-from specula.tools.bench import Replay, format_table, hf_method, run_bench, specula_method
 from specula.hf.loading import load_model
 from specula.jobs.requests import load_workloads
+from specula.tools.bench import Replay, format_table, hf_method, run_bench, specula_method
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -44,8 +44,11 @@ def always_wrong_method(model, adaptive: bool):
     def run(prompt: torch.Tensor, max_new_tokens: int, prediction=None):
         key = (tuple(prompt[0].tolist()), max_new_tokens)
         if key not in outputs:
-            outputs[key] = specula.generate(model, prompt, None, max_new_tokens=max_new_tokens).sequences[
-                0, prompt.shape[1] :].tolist()
+            outputs[key] = (
+                specula.generate(model, prompt, None, max_new_tokens=max_new_tokens)
+                .sequences[0, prompt.shape[1] :]
+                .tolist()
+            )
         proposer = AlwaysWrong(prompt.shape[1], outputs[key], model.get_output_embeddings().weight.shape[0])
         out = specula.generate(model, prompt, proposer, max_new_tokens=max_new_tokens, adaptive_draft=adaptive)
         return out.sequences[0, prompt.shape[1] :].tolist(), out.stats.wall_time_s, out.stats
@@ -73,14 +76,18 @@ def main() -> None:
     }
     workloads = load_workloads(args.workloads, args.limit, args.only.split(","))
     rows = run_bench(methods, tokenizer, workloads, args.max_new_tokens, args.repeats, baseline="specula-none")
-    print(f"{args.dtype}, {args.limit} prompts per workload, {args.max_new_tokens} new tokens, median of "
-          f"{args.repeats}; speedup vs specula-none (plain decoding through the same loop); accept/tok-step show "
-          "what was sent")
+    print(
+        f"{args.dtype}, {args.limit} prompts per workload, {args.max_new_tokens} new tokens, median of "
+        f"{args.repeats}; speedup vs specula-none (plain decoding through the same loop); accept/tok-step show "
+        "what was sent"
+    )
     print(format_table(rows).replace("speedup", "vs none"))
     for row in rows:
         if row.method.startswith("always-wrong"):
-            print(f"{row.workload} {row.method}: {row.speedup_vs_hf_greedy:.3f}x plain decoding's speed, "
-                  f"{row.drafted} draft tokens sent for {row.new_tokens} new tokens")
+            print(
+                f"{row.workload} {row.method}: {row.speedup_vs_hf_greedy:.3f}x plain decoding's speed, "
+                f"{row.drafted} draft tokens sent for {row.new_tokens} new tokens"
+            )
 
 
 if __name__ == "__main__":

@@ -30,9 +30,14 @@ def main() -> None:
     parser.add_argument("--num-draft", type=int, default=10)
     args = parser.parse_args()
     model, tokenizer = load_model()
-    jobs = [job for _, request in read_requests(args.file) if isinstance(request, Request)
-            for job in specula.prepare_jobs(model, encode(tokenizer, request), max_new_tokens=args.max_new_tokens,
-                                            do_sample=False)]
+    jobs = [
+        job
+        for _, request in read_requests(args.file)
+        if isinstance(request, Request)
+        for job in specula.prepare_jobs(
+            model, encode(tokenizer, request), max_new_tokens=args.max_new_tokens, do_sample=False
+        )
+    ]
 
     def run(proposer, adaptive: bool = True) -> tuple[list[list[int]], float, float, int]:
         """Each request's prompt + output, tokens per second, prefill seconds, passes."""
@@ -51,13 +56,18 @@ def main() -> None:
         if replayed == references:
             break
         references = replayed
-    methods = {"plain": (None, True), "prompt-lookup": (specula.PromptLookup(), True),
-               f"perfect, {args.num_draft} a pass": (Replay(references, args.num_draft), False)}
+    methods = {
+        "plain": (None, True),
+        "prompt-lookup": (specula.PromptLookup(), True),
+        f"perfect, {args.num_draft} a pass": (Replay(references, args.num_draft), False),
+    }
     for round_ in range(args.rounds):
         for name, (proposer, adaptive) in methods.items():
             _, rate, prefill, passes = run(proposer, adaptive)
-            print(f"round {round_ + 1}  {name:20s} {rate:6.1f} tok/s  prefill {prefill:4.1f} s  {passes} passes",
-                  flush=True)
+            print(
+                f"round {round_ + 1}  {name:20s} {rate:6.1f} tok/s  prefill {prefill:4.1f} s  {passes} passes",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

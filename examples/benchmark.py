@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 import specula
-from specula.tools.bench import format_table, hf_method, run_bench, specula_method
 from specula.hf.loading import load_model
 from specula.jobs.requests import load_workloads
+from specula.tools.bench import format_table, hf_method, run_bench, specula_method
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -43,7 +43,9 @@ def main() -> None:
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--draft", default=None, help="draft model folder or .gguf: adds hf-assisted and specula-draft")
-    parser.add_argument("--methods", default="hf-greedy,hf-prompt-lookup,specula-none,specula-prompt-lookup,specula-ngram")
+    parser.add_argument(
+        "--methods", default="hf-greedy,hf-prompt-lookup,specula-none,specula-prompt-lookup,specula-ngram"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
@@ -81,13 +83,20 @@ def main() -> None:
         }
         methods = {name: available[name] for name in args.methods.replace("hf-greedy", baseline).split(",")}
         rows = run_bench(
-            methods, tokenizer, workloads, args.max_new_tokens, args.repeats, baseline=baseline,
+            methods,
+            tokenizer,
+            workloads,
+            args.max_new_tokens,
+            args.repeats,
+            baseline=baseline,
             progress=lambda message: print(f"[{dtype_name}] {message}", file=sys.stderr, flush=True),
             compare_outputs=not sampling,
         )
-        print(f"\n{dtype_name}, {args.limit} prompts per workload, {args.max_new_tokens} new tokens, "
-              f"median of {args.repeats}, {torch.get_num_threads()} threads, speedup vs {baseline}"
-              + (f", sampling {sampling}" if sampling else ""))
+        print(
+            f"\n{dtype_name}, {args.limit} prompts per workload, {args.max_new_tokens} new tokens, "
+            f"median of {args.repeats}, {torch.get_num_threads()} threads, speedup vs {baseline}"
+            + (f", sampling {sampling}" if sampling else "")
+        )
         print(format_table(rows), flush=True)
         all_rows += [dict(row.as_dict(), dtype=dtype_name) for row in rows]
     if args.json:

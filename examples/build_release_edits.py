@@ -44,7 +44,9 @@ def functions(root: Path, package: str) -> dict[tuple[str, str], str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("package")
-    parser.add_argument("releases", nargs="+", type=Path, help="unpacked releases, oldest first (folders named by version)")
+    parser.add_argument(
+        "releases", nargs="+", type=Path, help="unpacked releases, oldest first (folders named by version)"
+    )
     args = parser.parse_args()
     rows = []
     for old_root, new_root in zip(args.releases, args.releases[1:]):
@@ -53,8 +55,13 @@ def main() -> None:
             before, after = old[key], new[key]
             similar = difflib.SequenceMatcher(None, before, after).ratio()
             if before != after and 0.8 <= similar < 0.995 and all(300 <= len(s) <= 1500 for s in (before, after)):
-                rows.append({"id": f"{args.package} {old_root.name}->{new_root.name} {key[0]}:{key[1]}",
-                             "old": before, "new": after})
+                rows.append(
+                    {
+                        "id": f"{args.package} {old_root.name}->{new_root.name} {key[0]}:{key[1]}",
+                        "old": before,
+                        "new": after,
+                    }
+                )
     OUTPUT.parent.mkdir(exist_ok=True)
     OUTPUT.write_text("".join(json.dumps(row) + "\n" for row in rows))
     print(f"{len(rows)} functions -> {OUTPUT}")

@@ -18,11 +18,13 @@ def main() -> None:
     original = inspect.getsource(specula.core.stats.SpecStats.record_pass)
     edited = original.replace("position", "index")
     diff = "".join(difflib.unified_diff(original.splitlines(True), edited.splitlines(True), "a/stats.py", "b/stats.py"))
-    messages = [{
-        "role": "user",
-        "content": f"Apply this diff to the code and write the whole new function.\n\n```python\n{original}```\n\n"
-                   f"```diff\n{diff}```",
-    }]
+    messages = [
+        {
+            "role": "user",
+            "content": f"Apply this diff to the code and write the whole new function.\n\n```python\n{original}```\n\n"
+            f"```diff\n{diff}```",
+        }
+    ]
     answer = compare(model, tokenizer, messages, args.max_new_tokens, specula.PromptLookup())
     print(f"\n{answer}")
 

@@ -21,10 +21,10 @@ import torch
 from transformers import DynamicCache
 
 import specula
-from specula.verifier.cache_names import cache_parameter
-from specula.tools.bench import format_table, hf_method, run_bench, specula_method
 from specula.hf.loading import load_model
 from specula.jobs.requests import load_workloads
+from specula.tools.bench import format_table, hf_method, run_bench, specula_method
+from specula.verifier.cache_names import cache_parameter
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 PASS_LENGTHS = (1, 2, 4, 8, 11)
@@ -68,8 +68,10 @@ def main() -> None:
     print(f"tune_cpu_layout: {changed} weights column-major {shapes} ({time.perf_counter() - started:.1f}s)")
     for label, model in (("as-is", as_is), ("tuned", tuned)):
         costs = pass_costs(model)
-        print(f"{label:<6} pass over n tokens: " + "  ".join(
-            f"{n}: {ms:.1f} ms ({ms / costs[1]:.2f}x)" for n, ms in costs.items()))
+        print(
+            f"{label:<6} pass over n tokens: "
+            + "  ".join(f"{n}: {ms:.1f} ms ({ms / costs[1]:.2f}x)" for n, ms in costs.items())
+        )
 
     methods = {}
     for label, model in (("as-is", as_is), ("tuned", tuned)):

@@ -19,10 +19,10 @@ import torch
 
 import specula
 from specula.decoding.loop import MAX_DRAFT
+from specula.hf.registry import PROPOSER_NAMES, proposer_factory
 from specula.policy.adaptive import AdaptiveDrafts, FixedDrafts
 from specula.policy.costs import PassCosts
 from specula.proposers.kernels import lookup_candidates
-from specula.hf.registry import PROPOSER_NAMES, proposer_factory
 from specula.tools.replay import Replay, recorded_outputs, walk
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
@@ -37,7 +37,9 @@ class CopyBound(Replay):
     def propose(self, context_ids, max_tokens):
         truth = super().propose(context_ids, max_tokens).tokens.tolist()
         continuations, _ = lookup_candidates(context_ids, 1, 1, len(truth), len(context_ids))  # every occurrence
-        agree = [next((j for j, (a, b) in enumerate(zip(c, truth)) if a != b), len(truth)) for c in continuations.tolist()]
+        agree = [
+            next((j for j, (a, b) in enumerate(zip(c, truth)) if a != b), len(truth)) for c in continuations.tolist()
+        ]
         best = int(np.argmax(agree)) if agree else 0
         return specula.Draft(continuations[best, : agree[best]] if agree else [])
 
@@ -57,17 +59,22 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--model", default=None)
     parser.add_argument("--outputs", type=Path, required=True, help="cache of outputs (JSON), made when missing")
-    parser.add_argument("--proposers", default="copy-bound,prompt-lookup,prompt-lookup-tree,ngram,oracle",
-                        help=f"comma-separated: {', '.join(PROPOSER_NAMES)}, oracle[:K], copy-bound[:K] (K: most "
-                             "draft tokens, default 10; the copy bound is always sent whole)")
+    parser.add_argument(
+        "--proposers",
+        default="copy-bound,prompt-lookup,prompt-lookup-tree,ngram,oracle",
+        help=f"comma-separated: {', '.join(PROPOSER_NAMES)}, oracle[:K], copy-bound[:K] (K: most "
+        "draft tokens, default 10; the copy bound is always sent whole)",
+    )
     parser.add_argument("--costs", default=BF16_COSTS, help="relative cost of a pass over n = 1, 2, ... tokens")
     parser.add_argument("--fixed", action="store_true", help="send every draft as proposed (FixedDrafts)")
     args = parser.parse_args()
 
     runs = recorded_outputs(args.workloads, args.limit, args.max_new_tokens, args.outputs, args.model)
     costs = np.array([float(c) for c in args.costs.split(",")])
-    print(f"tokens per target pass / estimated speedup, {args.limit} prompts per workload, "
-          f"{'drafts as proposed' if args.fixed else 'AdaptiveDrafts'}")
+    print(
+        f"tokens per target pass / estimated speedup, {args.limit} prompts per workload, "
+        f"{'drafts as proposed' if args.fixed else 'AdaptiveDrafts'}"
+    )
     print(f"{'proposer':<24}" + "".join(f"{w:>14}" for w in runs))
     for spec in args.proposers.split(","):
         cells = []

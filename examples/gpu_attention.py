@@ -20,9 +20,9 @@ import torch
 from torch.nn.attention import SDPBackend
 
 import specula
-from specula.verifier import runner
 from specula.hf.loading import load_model
 from specula.jobs.requests import encode, load_workloads
+from specula.verifier import runner
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 BACKENDS = {
@@ -63,8 +63,10 @@ def main() -> None:
                 cells = []
                 for name, proposer in (("none", None), ("prompt-lookup", specula.PromptLookup)):
                     seconds, stats = timed(model, prompt, proposer, args.max_new_tokens, args.repeats)
-                    cells.append(f"{name} {1000 * seconds / stats.passes:5.1f} ms/step "
-                                 f"{1000 * seconds / stats.new_tokens:5.1f} ms/token")
+                    cells.append(
+                        f"{name} {1000 * seconds / stats.passes:5.1f} ms/step "
+                        f"{1000 * seconds / stats.new_tokens:5.1f} ms/token"
+                    )
                 print(f"{workload:<10} {prompt.shape[1]:>5} prompt tokens  {label:<9} " + " | ".join(cells))
     runner._VERIFY_BACKENDS = BACKENDS["no-cudnn"]
 

@@ -37,17 +37,44 @@ import specula  # noqa: E402
 from specula.verifier.runner import CachedModel  # noqa: E402
 
 SHAPES = {
-    "tiny": lambda: transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "135m": lambda: transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                             max_position_embeddings=8192, tie_word_embeddings=True),
-    "1.5b": lambda: transformers.Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                                             num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                             max_position_embeddings=32768, tie_word_embeddings=True),
-    "8b": lambda: transformers.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                           num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                           max_position_embeddings=131072, tie_word_embeddings=False),
+    "tiny": lambda: transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "135m": lambda: transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+    "1.5b": lambda: transformers.Qwen2Config(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    ),
+    "8b": lambda: transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    ),
 }
 CONTEXT = 512  # prompt tokens of the timed passes and decodes
 
@@ -129,8 +156,14 @@ def identity(args, report) -> None:
             report(f"identity/{name}", f"failed: {type(error).__name__}: {error}"[:300])
 
     def greedy(model, ids, new, **kwargs):
-        return lambda: model.generate(ids, attention_mask=kwargs.pop("attention_mask", torch.ones_like(ids)),
-                                      do_sample=False, max_new_tokens=new, pad_token_id=0, **kwargs)
+        return lambda: model.generate(
+            ids,
+            attention_mask=kwargs.pop("attention_mask", torch.ones_like(ids)),
+            do_sample=False,
+            max_new_tokens=new,
+            pad_token_id=0,
+            **kwargs,
+        )
 
     def ours(model, ids, proposer, new, **kwargs):
         return lambda: specula.generate(model, ids, proposer, max_new_tokens=new, **kwargs).sequences
@@ -140,8 +173,11 @@ def identity(args, report) -> None:
         ids = prompts(1, 40, 96, args.device)
         same(f"{arch}/fp32-greedy", ours(model, ids, specula.PromptLookup(), 48), greedy(model, ids, 48))
         if True in args.modes:
-            same(f"{arch}/fp32-greedy-compiled", ours(model, ids, specula.PromptLookup(), 48, compile=True),
-                 greedy(model, ids, 48))
+            same(
+                f"{arch}/fp32-greedy-compiled",
+                ours(model, ids, specula.PromptLookup(), 48, compile=True),
+                greedy(model, ids, 48),
+            )
         if arch in ("llama", "qwen2"):
             half = tiny_model(arch).to(args.device, torch.bfloat16)
             same(f"{arch}/bf16-exact", ours(half, ids, specula.PromptLookup(), 48, exact=True), greedy(half, ids, 48))
@@ -155,16 +191,27 @@ def identity(args, report) -> None:
 
     for compiled in args.modes:
         name = "compiled" if compiled else "eager"
-        same(f"llama/batch-of-3-{name}",
-             ours(model, batch, specula.PromptLookup(), 40, attention_mask=mask, compile=compiled),
-             greedy(model, batch, 40, attention_mask=mask))
-        same(f"llama/trees-{name}", ours(model, rows[0][None], specula.PromptLookup(branches=4), 40,
-                                         compile=compiled), greedy(model, rows[0][None], 40))
-        same(f"llama/seeded-sampling-{name}",
-             seeded(lambda: specula.generate(model, rows[1][None], specula.PromptLookup(), compile=compiled,
-                                             **settings).sequences),
-             seeded(lambda: model.generate(rows[1][None], attention_mask=torch.ones_like(rows[1][None]),
-                                           **settings)))
+        same(
+            f"llama/batch-of-3-{name}",
+            ours(model, batch, specula.PromptLookup(), 40, attention_mask=mask, compile=compiled),
+            greedy(model, batch, 40, attention_mask=mask),
+        )
+        same(
+            f"llama/trees-{name}",
+            ours(model, rows[0][None], specula.PromptLookup(branches=4), 40, compile=compiled),
+            greedy(model, rows[0][None], 40),
+        )
+        same(
+            f"llama/seeded-sampling-{name}",
+            seeded(
+                lambda: (
+                    specula.generate(
+                        model, rows[1][None], specula.PromptLookup(), compile=compiled, **settings
+                    ).sequences
+                )
+            ),
+            seeded(lambda: model.generate(rows[1][None], attention_mask=torch.ones_like(rows[1][None]), **settings)),
+        )
 
 
 def bandwidth(args, report) -> None:
@@ -207,9 +254,17 @@ def passes(args, report, shape: str) -> None:
         if out_of_time(args, f"passes/{shape}/{rows}-rows", report):
             return
         for compiled in args.modes:
-            target = CachedModel(model, None, None, rollback=True, capacity=CONTEXT + 64, slots=rows,
-                                 ragged=True, compiled="always" if compiled else None,
-                                 max_width=max(args.widths))
+            target = CachedModel(
+                model,
+                None,
+                None,
+                rollback=True,
+                capacity=CONTEXT + 64,
+                slots=rows,
+                ragged=True,
+                compiled="always" if compiled else None,
+                max_width=max(args.widths),
+            )
             for row in range(rows):
                 target.start_row(row, prompts(1, CONTEXT, vocab, args.device, seed=row)[0])
             for width in args.widths:
@@ -223,8 +278,10 @@ def passes(args, report, shape: str) -> None:
                 name = f"passes/{shape}/{rows}x{width}/{'compiled' if compiled else 'eager'}_ms"
                 report(name, round(took * 1000, 3))
                 if compiled and rows == 1 and width == 1 and getattr(args, "bandwidth", None):
-                    report(f"passes/{shape}/one-token-compiled-over-weight-read",
-                           round(took / (weights / args.bandwidth), 2))
+                    report(
+                        f"passes/{shape}/one-token-compiled-over-weight-read",
+                        round(took / (weights / args.bandwidth), 2),
+                    )
 
 
 @per_shape
@@ -256,7 +313,8 @@ def decode(args, report, shape: str) -> None:
         tag = "compiled" if compiled else "eager"
         rate[f"specula-at-rate-{tag}"] = seconds(lambda: ours(drafts, compiled, f"at-rate-{tag}"), args.device, 3)
         rate[f"specula-prompt-lookup-{tag}"] = seconds(
-            lambda: ours(specula.PromptLookup(), compiled, f"prompt-lookup-{tag}"), args.device, 3)
+            lambda: ours(specula.PromptLookup(), compiled, f"prompt-lookup-{tag}"), args.device, 3
+        )
     for name, took in rate.items():
         report(f"decode/{shape}/1-row/{name}/tok_per_s", round(new / took, 1))
     for key, out in outputs.items():
@@ -268,25 +326,39 @@ def decode(args, report, shape: str) -> None:
         batch = prompts(rows, CONTEXT, vocab, args.device, seed=rows)
         masks = torch.ones_like(batch)
         expected = model.generate(batch, attention_mask=masks, do_sample=False, max_new_tokens=new)
-        took = seconds(lambda: model.generate(batch, attention_mask=masks, do_sample=False, max_new_tokens=new),
-                       args.device, 2)
+        took = seconds(
+            lambda: model.generate(batch, attention_mask=masks, do_sample=False, max_new_tokens=new), args.device, 2
+        )
         report(f"decode/{shape}/{rows}-rows/hf-batched/tok_per_s", round(rows * new / took, 1))
         drafts = AtRate([row.tolist() for row in expected], args.accept)
-        for name, proposer, compiled in (("at-rate-eager", drafts, False), ("none-eager", None, False),
-                                         ("at-rate-compiled", drafts, True), ("none-compiled", None, True)):
+        for name, proposer, compiled in (
+            ("at-rate-eager", drafts, False),
+            ("none-eager", None, False),
+            ("at-rate-compiled", drafts, True),
+            ("none-compiled", None, True),
+        ):
             if compiled not in args.modes:  # (none: plain decoding, the server's)
                 continue
             out = {}
-            took = seconds(lambda: out.update(o=specula.generate(model, batch, proposer, attention_mask=masks,
-                                                                 max_new_tokens=new, compile=compiled)),
-                           args.device, 2)
+            took = seconds(
+                lambda: out.update(
+                    o=specula.generate(
+                        model, batch, proposer, attention_mask=masks, max_new_tokens=new, compile=compiled
+                    )
+                ),
+                args.device,
+                2,
+            )
             report(f"decode/{shape}/{rows}-rows/specula-{name}/tok_per_s", round(rows * new / took, 1))
-            report(f"decode/{shape}/{rows}-rows/specula-{name}/identical",
-                   bool(torch.equal(out["o"].sequences, expected)))
+            report(
+                f"decode/{shape}/{rows}-rows/specula-{name}/identical", bool(torch.equal(out["o"].sequences, expected))
+            )
     compiled = specula.verifier.static._PASSES.get(model)
     if compiled is not None:
-        report(f"decode/{shape}/compiled-shapes", {"count": len(compiled.shapes),
-                                                   "seconds": round(compiled.compile_seconds, 1)})
+        report(
+            f"decode/{shape}/compiled-shapes",
+            {"count": len(compiled.shapes), "seconds": round(compiled.compile_seconds, 1)},
+        )
 
 
 PARTS = {"identity": identity, "bandwidth": bandwidth, "passes": passes, "decode": decode}
@@ -304,11 +376,15 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="of the models of real shapes")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--accept", type=float, default=0.585)
-    parser.add_argument("--budget", type=float, default=540.0,
-                        help="seconds; parts and shapes that would start past it are skipped")
+    parser.add_argument(
+        "--budget", type=float, default=540.0, help="seconds; parts and shapes that would start past it are skipped"
+    )
     parser.add_argument("--modes", default="eager,compiled", help="passes eager, compiled, or both")
-    parser.add_argument("--compile-backend", default="inductor", help="what compiles passes (eager: dynamo's graphs "
-                        "run as they are, to try the script quickly on a CPU)")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="what compiles passes (eager: dynamo's graphs run as they are, to try the script quickly on a CPU)",
+    )
     args = parser.parse_args()
     specula.verifier.static.BACKEND = args.compile_backend
     args.shapes, args.dtype = args.shapes.split(","), {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
@@ -316,8 +392,9 @@ def main() -> None:
         if set(given) - set(known):
             parser.error(f"unknown {name} {sorted(set(given) - set(known))}: choose from {', '.join(known)}")
     args.modes = [{"eager": False, "compiled": True}[mode] for mode in args.modes.split(",")]
-    args.rows, args.widths, args.batches = ([int(n) for n in value.split(",")] for value in (args.rows, args.widths,
-                                                                                              args.batches))
+    args.rows, args.widths, args.batches = (
+        [int(n) for n in value.split(",")] for value in (args.rows, args.widths, args.batches)
+    )
     started, results = time.perf_counter(), {}
     args.started = started
 
@@ -328,8 +405,14 @@ def main() -> None:
         print(f"{time.perf_counter() - started:7.1f}s  {name}: {value}", flush=True)
         (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1))  # (each figure kept as it comes)
 
-    report("versions", {"torch": torch.__version__, "transformers": transformers.__version__,
-                        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device})
+    report(
+        "versions",
+        {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+        },
+    )
     for part in args.parts.split(","):
         if out_of_time(args, part, report):
             continue

@@ -17,7 +17,9 @@ import specula
 def main() -> None:
     model, tokenizer, args = load(__doc__)
     code = inspect.getsource(specula.PromptLookup.__init__)
-    messages = [{"role": "user", "content": f"Add a docstring to this method, keep the code as is:\n```python\n{code}```"}]
+    messages = [
+        {"role": "user", "content": f"Add a docstring to this method, keep the code as is:\n```python\n{code}```"}
+    ]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False, stop_strings=["```\n\n"], tokenizer=tokenizer)
 
@@ -25,14 +27,20 @@ def main() -> None:
     plain = model.generate(**inputs, **settings)
     plain_seconds = time.perf_counter() - started
     out = model.generate(
-        **inputs, **settings, custom_generate=specula.custom_generate, proposer=specula.PromptLookup(),
-        streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), return_dict_in_generate=True,
+        **inputs,
+        **settings,
+        custom_generate=specula.custom_generate,
+        proposer=specula.PromptLookup(),
+        streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+        return_dict_in_generate=True,
     )
     plain_tokens = plain.shape[1] - inputs["input_ids"].shape[1]
     print(f"\nmodel.generate:                    {plain_tokens / plain_seconds:.1f} tok/s")
     print(f"model.generate + specula (custom): {out.stats}")
-    print(f"speedup {out.stats.tokens_per_s / (plain_tokens / plain_seconds):.2f}x; "
-          f"same tokens: {out.sequences.tolist() == plain.tolist()}")
+    print(
+        f"speedup {out.stats.tokens_per_s / (plain_tokens / plain_seconds):.2f}x; "
+        f"same tokens: {out.sequences.tolist() == plain.tolist()}"
+    )
 
 
 if __name__ == "__main__":

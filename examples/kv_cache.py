@@ -17,8 +17,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from specula.verifier.runner import CachedModel
 from specula.hf.loading import load_model
+from specula.verifier.runner import CachedModel
 
 
 @torch.inference_mode()
@@ -50,8 +50,10 @@ def main() -> None:
     model, _ = load_model(args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     for context in (int(c) for c in args.contexts.split(",")):
         costs = step_costs(model, context, args.rounds)
-        print(f"{args.dtype}, {context} tokens of context: "
-              + ", ".join(f"{name} {ms:.1f} ms" for name, ms in costs.items()))
+        print(
+            f"{args.dtype}, {context} tokens of context: "
+            + ", ".join(f"{name} {ms:.1f} ms" for name, ms in costs.items())
+        )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -89,8 +89,17 @@ def main() -> None:
             predictor.update(block)
         print(sum(map(len, timed)) / (time.perf_counter() - started))
         return
-    child = [sys.executable, "-W", "ignore", __file__, "--interpreted-child", "--tokens", str(args.tokens),
-             "--stream", args.stream]
+    child = [
+        sys.executable,
+        "-W",
+        "ignore",
+        __file__,
+        "--interpreted-child",
+        "--tokens",
+        str(args.tokens),
+        "--stream",
+        args.stream,
+    ]
     environment = dict(os.environ, NUMBA_DISABLE_JIT="1")
     timings = []
     for _ in range(args.repeats):  # interleaved: these machines are shared and noisy
@@ -99,8 +108,10 @@ def main() -> None:
     fast = sum(map(len, blocks)) / statistics.median(t for t, _, _ in timings)
     dict_rate = sum(map(len, reference_blocks)) / statistics.median(t for _, t, _ in timings)
     interpreted_rate = statistics.median(rate for _, _, rate in timings)
-    print(f"update: numba {fast:,.0f} tokens/s; same tables interpreted {interpreted_rate:,.0f} tokens/s "
-          f"({fast / interpreted_rate:.0f}x); dict reference {dict_rate:,.0f} tokens/s ({fast / dict_rate:.0f}x)")
+    print(
+        f"update: numba {fast:,.0f} tokens/s; same tables interpreted {interpreted_rate:,.0f} tokens/s "
+        f"({fast / interpreted_rate:.0f}x); dict reference {dict_rate:,.0f} tokens/s ({fast / dict_rate:.0f}x)"
+    )
 
     predictor = specula.NGramPredictor(min_count=1)
     predictor.update(tokens)
@@ -118,8 +129,10 @@ def main() -> None:
     kernel = median_of(args.repeats, lambda: latency(lambda c: predictor._predict(c, 8)))
     method = median_of(args.repeats, lambda: latency(lambda c: predictor.propose(c, 8)))
     python = median_of(args.repeats, lambda: latency(lambda c: reference.predict(c.tolist(), 8)))
-    print(f"predict 8 tokens: kernel {kernel:.1f} us, NGramPredictor.propose {method:.1f} us, "
-          f"python reference {python:.1f} us (mean draft {drafted / len(contexts):.1f} tokens)")
+    print(
+        f"predict 8 tokens: kernel {kernel:.1f} us, NGramPredictor.propose {method:.1f} us, "
+        f"python reference {python:.1f} us (mean draft {drafted / len(contexts):.1f} tokens)"
+    )
 
 
 if __name__ == "__main__":

@@ -56,12 +56,16 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8, help="functions (of 44)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--one-place-edit", action="store_true",
-                        help="predict this answer with one place edited, not the previous release's answer")
+    parser.add_argument(
+        "--one-place-edit",
+        action="store_true",
+        help="predict this answer with one place edited, not the previous release's answer",
+    )
     parser.add_argument("--write", type=Path, default=None, help="also write the workload with its predictions here")
     args = parser.parse_args()
-    model, tokenizer = load_model(args.model, dtype={"auto": "auto", "bf16": torch.bfloat16,
-                                                     "fp32": torch.float32}[args.dtype])
+    model, tokenizer = load_model(
+        args.model, dtype={"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    )
     rows = []
     for function in map(json.loads, FUNCTIONS.read_text().splitlines()[: args.limit]):
         previous = answer(model, tokenizer, function["old"], args.max_new_tokens)
@@ -70,8 +74,11 @@ def main() -> None:
             middle = len(now) // 2
             previous = now[:middle] + previous[middle : middle + 8] + now[middle + 8 :]
         text = tokenizer.decode(previous, skip_special_tokens=True)
-        rows.append(parse_request({"id": function["id"], "messages": messages(function["new"]), "prediction": text},
-                                  len(rows) + 1))
+        rows.append(
+            parse_request(
+                {"id": function["id"], "messages": messages(function["new"]), "prediction": text}, len(rows) + 1
+            )
+        )
     if args.write:
         args.write.mkdir(parents=True, exist_ok=True)
         (args.write / "release_edits.jsonl").write_text("".join(json.dumps(row.data) + "\n" for row in rows))
@@ -83,8 +90,10 @@ def main() -> None:
         "specula-none+prediction": specula_method(model, lambda: None, predicted_with=tokenizer),
     }
     table = run_bench(methods, tokenizer, {"release_edits": rows}, args.max_new_tokens, args.repeats)
-    print(f"{args.model or 'SmolLM2-135M-Instruct'}, {model.dtype}, {len(rows)} functions, {args.max_new_tokens} new "
-          f"tokens, median of {args.repeats}; speedup vs hf-greedy")
+    print(
+        f"{args.model or 'SmolLM2-135M-Instruct'}, {model.dtype}, {len(rows)} functions, {args.max_new_tokens} new "
+        f"tokens, median of {args.repeats}; speedup vs hf-greedy"
+    )
     print(format_table(table))
 
 

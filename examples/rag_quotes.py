@@ -20,8 +20,11 @@ def main() -> None:
     context = readme[readme.index("specula makes") : readme.index("## Set up")].strip()
     messages = [
         {"role": "system", "content": "Answer from the context only. Quote the sentences you use, verbatim."},
-        {"role": "user", "content": f"Context:\n{context}\n\nQuestion: What does the proposer do, and what does "
-                                    "the model check? Quote the context."},
+        {
+            "role": "user",
+            "content": f"Context:\n{context}\n\nQuestion: What does the proposer do, and what does "
+            "the model check? Quote the context.",
+        },
     ]
     answer = compare(model, tokenizer, messages, args.max_new_tokens, specula.PromptLookup())
     print(f"\n{answer}")

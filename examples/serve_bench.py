@@ -47,8 +47,12 @@ def free_port() -> int:
 def start(command: list[str], name: str) -> tuple[subprocess.Popen, str]:
     """``command`` (told its port by ``{port}``), once its health route answers."""
     port = free_port()
-    process = subprocess.Popen([part.replace("{port}", str(port)) for part in command], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [part.replace("{port}", str(port)) for part in command],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START
     while time.monotonic() < deadline and process.poll() is None:
@@ -73,9 +77,15 @@ def one(client: openai.OpenAI, model: str, request, max_tokens: int, predict: bo
     extra = {"prediction": {"type": "content", "content": predicted_code(request)}} if predict else {}
     sent = time.perf_counter()
     first, tokens, text, finish = None, 0, [], None
-    for chunk in client.chat.completions.create(model=model, messages=request.messages, max_tokens=max_tokens,
-                                                temperature=0, stream=True, stream_options={"include_usage": True},
-                                                **extra):
+    for chunk in client.chat.completions.create(
+        model=model,
+        messages=request.messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        **extra,
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
             text.append(chunk.choices[0].delta.content)
@@ -84,8 +94,13 @@ def one(client: openai.OpenAI, model: str, request, max_tokens: int, predict: bo
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     done = time.perf_counter()
-    return {"tokens": tokens, "ttft": (first or done) - sent, "seconds": done - sent, "text": "".join(text),
-            "ended": finish == "stop"}
+    return {
+        "tokens": tokens,
+        "ttft": (first or done) - sent,
+        "seconds": done - sent,
+        "text": "".join(text),
+        "ended": finish == "stop",
+    }
 
 
 def drive(url: str, requests: list, clients: int, max_tokens: int, predict: bool, model: str | None = None) -> dict:
@@ -97,10 +112,14 @@ def drive(url: str, requests: list, clients: int, max_tokens: int, predict: bool
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(lambda request: one(client, model, request, max_tokens, predict), requests))
     wall = time.perf_counter() - started
-    return {"tok_s": sum(r["tokens"] for r in results) / wall,
-            "tok_s_request": statistics.median(r["tokens"] / r["seconds"] for r in results),
-            "ttft": statistics.median(r["ttft"] for r in results), "texts": [r["text"] for r in results],
-            "tokens": statistics.mean(r["tokens"] for r in results), "ended": statistics.mean(r["ended"] for r in results)}
+    return {
+        "tok_s": sum(r["tokens"] for r in results) / wall,
+        "tok_s_request": statistics.median(r["tokens"] / r["seconds"] for r in results),
+        "ttft": statistics.median(r["ttft"] for r in results),
+        "texts": [r["text"] for r in results],
+        "tokens": statistics.mean(r["tokens"] for r in results),
+        "ended": statistics.mean(r["ended"] for r in results),
+    }
 
 
 def main() -> None:
@@ -111,21 +130,41 @@ def main() -> None:
     parser.add_argument("--only", default="code_edit,summarize")
     parser.add_argument("--limit", type=int, default=8, help="requests per workload")
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=1024,
-                        help="each request's max_tokens: room for a whole answer (an edit returns the whole file)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1024,
+        help="each request's max_tokens: room for a whole answer (an edit returns the whole file)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-batch", default=None, help="the servers' --max-batch (default: measured)")
-    parser.add_argument("--transformers-serve", action="store_true",
-                        help="also `transformers serve` on the same model (offline, its defaults), one round")
+    parser.add_argument(
+        "--transformers-serve",
+        action="store_true",
+        help="also `transformers serve` on the same model (offline, its defaults), one round",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     workloads = load_workloads(args.workloads, args.limit, args.only.split(","))
     folder = str(resolve_model(args.model))  # (the default model: its converted folder)
-    specula_serve = [sys.executable, "-m", "specula.cli", "serve", "--port", "{port}", "--dtype", args.dtype,
-                     "--max-new-tokens", str(args.max_tokens), *(["--model", folder] if args.model else []),
-                     *(["--max-batch", args.max_batch] if args.max_batch else [])]
-    servers = {"none": start(specula_serve + ["--proposer", "none"], "specula serve --proposer none"),
-               "prompt-lookup": start(specula_serve + ["--proposer", "prompt-lookup"], "specula serve")}
+    specula_serve = [
+        sys.executable,
+        "-m",
+        "specula.cli",
+        "serve",
+        "--port",
+        "{port}",
+        "--dtype",
+        args.dtype,
+        "--max-new-tokens",
+        str(args.max_tokens),
+        *(["--model", folder] if args.model else []),
+        *(["--max-batch", args.max_batch] if args.max_batch else []),
+    ]
+    servers = {
+        "none": start(specula_serve + ["--proposer", "none"], "specula serve --proposer none"),
+        "prompt-lookup": start(specula_serve + ["--proposer", "prompt-lookup"], "specula serve"),
+    }
     runs = [(workload, name, False) for workload in workloads for name in servers]
     runs += [(workload, "prompt-lookup+prediction", True) for workload in workloads if workload == "code_edit"]
     figures: dict = {}
@@ -137,11 +176,20 @@ def main() -> None:
                 figures.setdefault((workload, name), []).append(result)
                 print(f"round {round_ + 1}: {workload} {name}: {result['tok_s']:.1f} tok/s", file=sys.stderr)
         if args.transformers_serve:
-            servers["transformers serve"] = start(["transformers", "serve", "--port", "{port}", folder],
-                                                  "transformers serve")
+            servers["transformers serve"] = start(
+                ["transformers", "serve", "--port", "{port}", folder], "transformers serve"
+            )
             for workload in workloads:
-                figures[(workload, "transformers serve")] = [drive(servers["transformers serve"][1], workloads[workload],
-                                                                   args.clients, args.max_tokens, False, folder)]
+                figures[(workload, "transformers serve")] = [
+                    drive(
+                        servers["transformers serve"][1],
+                        workloads[workload],
+                        args.clients,
+                        args.max_tokens,
+                        False,
+                        folder,
+                    )
+                ]
     finally:
         for process, _ in servers.values():
             process.send_signal(signal.SIGTERM)
@@ -149,22 +197,37 @@ def main() -> None:
     rows = []
     for (workload, name), results in figures.items():
         base = statistics.median(r["tok_s"] for r in figures[(workload, "none")])
-        same = statistics.mean(a == b for r, n in zip(results, figures[(workload, "none")])
-                               for a, b in zip(r["texts"], n["texts"]))
-        rows.append({"workload": workload, "server": name, "tok_s": statistics.median(r["tok_s"] for r in results),
-                     "tok_s_request": statistics.median(r["tok_s_request"] for r in results),
-                     "ttft_s": statistics.median(r["ttft"] for r in results), "same_as_none": same,
-                     "tokens": statistics.mean(r["tokens"] for r in results),
-                     "ended": statistics.mean(r["ended"] for r in results)})
+        same = statistics.mean(
+            a == b for r, n in zip(results, figures[(workload, "none")]) for a, b in zip(r["texts"], n["texts"])
+        )
+        rows.append(
+            {
+                "workload": workload,
+                "server": name,
+                "tok_s": statistics.median(r["tok_s"] for r in results),
+                "tok_s_request": statistics.median(r["tok_s_request"] for r in results),
+                "ttft_s": statistics.median(r["ttft"] for r in results),
+                "same_as_none": same,
+                "tokens": statistics.mean(r["tokens"] for r in results),
+                "ended": statistics.mean(r["ended"] for r in results),
+            }
+        )
         rows[-1]["speedup"] = rows[-1]["tok_s"] / base
-    print(f"{args.model or 'SmolLM2-135M-Instruct'}, --dtype {args.dtype}, {args.clients} clients, {args.limit} requests a workload, {args.max_tokens} tokens, "
-          f"medians of {args.rounds} interleaved rounds (transformers serve: one); {os.cpu_count()} CPUs")
-    print(f"{'workload':<11}{'server':<26}{'tok/s':>8}{'per req':>9}{'TTFT s':>8}{'speedup':>9}{'same':>6}"
-          f"{'tokens':>8}{'ended':>7}")
+    print(
+        f"{args.model or 'SmolLM2-135M-Instruct'}, --dtype {args.dtype}, {args.clients} clients, "
+        f"{args.limit} requests a workload, {args.max_tokens} tokens, "
+        f"medians of {args.rounds} interleaved rounds (transformers serve: one); {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'workload':<11}{'server':<26}{'tok/s':>8}{'per req':>9}{'TTFT s':>8}{'speedup':>9}{'same':>6}"
+        f"{'tokens':>8}{'ended':>7}"
+    )
     for row in rows:
-        print(f"{row['workload']:<11}{row['server']:<26}{row['tok_s']:>8.1f}{row['tok_s_request']:>9.2f}"
-              f"{row['ttft_s']:>8.2f}{row['speedup']:>8.2f}x{row['same_as_none']:>6.0%}{row['tokens']:>8.0f}"
-              f"{row['ended']:>7.0%}")
+        print(
+            f"{row['workload']:<11}{row['server']:<26}{row['tok_s']:>8.1f}{row['tok_s_request']:>9.2f}"
+            f"{row['ttft_s']:>8.2f}{row['speedup']:>8.2f}x{row['same_as_none']:>6.0%}{row['tokens']:>8.0f}"
+            f"{row['ended']:>7.0%}"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

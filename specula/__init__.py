@@ -17,12 +17,17 @@ from ._lazy import submodules
 
 if TYPE_CHECKING:  # (for type checkers and editors: each re-exported as itself)
     from .core.draft import Draft as Draft
-    from .decoding.loop import Decoder as Decoder, Job as Job
     from .core.sampling import Sampling as Sampling
-    from .core.stats import GenerateOutput as GenerateOutput, SpecStats as SpecStats
-    from .hf.generate import custom_generate as custom_generate, generate as generate, prepare_jobs as prepare_jobs
+    from .core.stats import GenerateOutput as GenerateOutput
+    from .core.stats import SpecStats as SpecStats
+    from .decoding.loop import Decoder as Decoder
+    from .decoding.loop import Job as Job
+    from .hf.generate import custom_generate as custom_generate
+    from .hf.generate import generate as generate
+    from .hf.generate import prepare_jobs as prepare_jobs
     from .hf.loading import load_model as load_model
-    from .proposers.base import Proposer as Proposer, RequestProposer as RequestProposer
+    from .proposers.base import Proposer as Proposer
+    from .proposers.base import RequestProposer as RequestProposer
     from .proposers.ngram import NGramPredictor as NGramPredictor
     from .proposers.prompt_lookup import PromptLookup as PromptLookup
     from .proposers.small_model import SmallModelDrafter as SmallModelDrafter
@@ -30,11 +35,22 @@ if TYPE_CHECKING:  # (for type checkers and editors: each re-exported as itself)
     from .verifier.support import UnsupportedModelError as UnsupportedModelError
 
 _HOMES = {  # each public name -> the module that defines it
-    "Decoder": "decoding.loop", "Draft": "core.draft", "GenerateOutput": "core.stats", "Job": "decoding.loop",
-    "NGramPredictor": "proposers.ngram", "PromptLookup": "proposers.prompt_lookup", "Proposer": "proposers.base",
-    "RequestProposer": "proposers.base", "Sampling": "core.sampling", "SmallModelDrafter": "proposers.small_model",
-    "SpecStats": "core.stats", "UnsupportedModelError": "verifier.support", "custom_generate": "hf.generate",
-    "generate": "hf.generate", "load_model": "hf.loading", "prepare_jobs": "hf.generate",
+    "Decoder": "decoding.loop",
+    "Draft": "core.draft",
+    "GenerateOutput": "core.stats",
+    "Job": "decoding.loop",
+    "NGramPredictor": "proposers.ngram",
+    "PromptLookup": "proposers.prompt_lookup",
+    "Proposer": "proposers.base",
+    "RequestProposer": "proposers.base",
+    "Sampling": "core.sampling",
+    "SmallModelDrafter": "proposers.small_model",
+    "SpecStats": "core.stats",
+    "UnsupportedModelError": "verifier.support",
+    "custom_generate": "hf.generate",
+    "generate": "hf.generate",
+    "load_model": "hf.loading",
+    "prepare_jobs": "hf.generate",
     "tune_cpu_layout": "verifier.cpu_layout",
 }
 __all__ = sorted(_HOMES)

@@ -27,81 +27,259 @@ _HIDDEN, _FFN, _HEADS, _KV_HEADS, _HEAD_DIM, _WINDOW = 64, 128, 4, 2, 16, 8
 # Upper bounds for size attributes: a smaller default stays (one kv head stays multi-query, a window of 4 stays 4).
 # Widths, feed-forward widths, heads, kv heads, low ranks, rotary widths, experts, windows (so that generation goes
 # past them), SSM states (Mamba expand 1: the inner width is hidden_size), vocabularies.
-_CAPS = dict.fromkeys(
-    ["hidden_size", "d_model", "n_embd", "emb_dim", "embedding_dim", "embedding_size", "word_embed_proj_dim",
-     "input_embedding_size", "output_embedding_size", "lru_width", "hidden_size_global", "backbone_hidden_size",
-     "ple_embed_dim", "pronunciation_embed_dim", "shape_embed_dim", "output_channels", "nemo_conv_channels",
-     "ext_pw_out_channel", "depthwise_separable_out_channel"], _HIDDEN,
-) | dict.fromkeys(
-    ["intermediate_size", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "d_ff", "d_inner", "dff", "dim_ff",
-     "ffn_hidden_size", "feed_forward_size", "intermediate_size_mlp", "dense_intermediate_size", "mlp_dim",
-     "prompt_mid_dim"], _FFN,
-) | dict.fromkeys(
-    ["moe_intermediate_size", "shared_expert_intermediate_size", "shared_experts_intermediate_size",
-     "shared_intermediate_size", "expert_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-     "router_hidden_size"], _FFN // 2,
-) | dict.fromkeys(
-    ["num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads", "decoder_attention_heads",
-     "encoder_attention_heads", "num_decoder_attention_heads", "num_encoder_attention_heads", "swa_num_attention_heads",
-     "index_n_heads", "conf_num_attention_heads", "linear_num_heads", "linear_num_value_heads", "mamba_n_heads",
-     "mamba_num_heads", "n_mamba_heads", "num_attention_heads_per_layer"], _HEADS,
-) | dict.fromkeys(
-    ["num_key_value_heads", "num_kv_heads", "kv_n_heads", "swa_num_key_value_heads", "num_query_groups",
-     "linear_num_key_heads"], _KV_HEADS,
-) | dict.fromkeys(
-    ["kv_lora_rank", "o_lora_rank", "laurel_rank", "hidden_size_per_layer_input", "query_pre_attn_scalar"], _HEAD_DIM,
-) | dict.fromkeys(
-    ["qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim"], _HEAD_DIM // 2,
-) | dict.fromkeys(
-    ["num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"], 4,
-) | dict.fromkeys(
-    ["num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "top_k_experts", "n_group",
-     "num_expert_group", "zero_expert_num"], 2,
-) | dict.fromkeys(
-    ["n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "topk_group", "n_groups", "mamba_n_groups",
-     "mamba_ngroups", "expand", "mamba_expand"], 1,
-) | dict.fromkeys(
-    ["sliding_window", "window_size", "local_attention", "attention_window_size", "sliding_window_size",
-     "local_attention_window_len", "attention_chunk_size", "keep_window_size", "block_size", "local_attn_chunk_length",
-     "lsh_attn_chunk_length", "chunk_size", "mamba_chunk_size", "index_topk"], _WINDOW,
-) | dict.fromkeys(
-    ["state_size", "mamba_d_state", "ssm_state_size", "time_step_rank", "mamba_dt_rank"], 16,
-) | dict.fromkeys(
-    ["vocab_size", "decoder_vocab_size", "vocab_size_per_layer_input", "unpadded_vocab_size",
-     "encoder_hash_byte_group_vocab", "ngram_vocab_size_base", "shape_vocab_size", "pronunciation_vocab_size"], VOCAB,
-) | {"q_lora_rank": 2 * _HEAD_DIM, "mamba_d_ssm": _HIDDEN, "qk_head_dim": _HEAD_DIM}
+_CAPS = (
+    dict.fromkeys(
+        [
+            "hidden_size",
+            "d_model",
+            "n_embd",
+            "emb_dim",
+            "embedding_dim",
+            "embedding_size",
+            "word_embed_proj_dim",
+            "input_embedding_size",
+            "output_embedding_size",
+            "lru_width",
+            "hidden_size_global",
+            "backbone_hidden_size",
+            "ple_embed_dim",
+            "pronunciation_embed_dim",
+            "shape_embed_dim",
+            "output_channels",
+            "nemo_conv_channels",
+            "ext_pw_out_channel",
+            "depthwise_separable_out_channel",
+        ],
+        _HIDDEN,
+    )
+    | dict.fromkeys(
+        [
+            "intermediate_size",
+            "ffn_dim",
+            "decoder_ffn_dim",
+            "encoder_ffn_dim",
+            "d_ff",
+            "d_inner",
+            "dff",
+            "dim_ff",
+            "ffn_hidden_size",
+            "feed_forward_size",
+            "intermediate_size_mlp",
+            "dense_intermediate_size",
+            "mlp_dim",
+            "prompt_mid_dim",
+        ],
+        _FFN,
+    )
+    | dict.fromkeys(
+        [
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "shared_experts_intermediate_size",
+            "shared_intermediate_size",
+            "expert_ffn_hidden_size",
+            "moe_shared_expert_intermediate_size",
+            "router_hidden_size",
+        ],
+        _FFN // 2,
+    )
+    | dict.fromkeys(
+        [
+            "num_attention_heads",
+            "n_head",
+            "n_heads",
+            "num_heads",
+            "attention_heads",
+            "decoder_attention_heads",
+            "encoder_attention_heads",
+            "num_decoder_attention_heads",
+            "num_encoder_attention_heads",
+            "swa_num_attention_heads",
+            "index_n_heads",
+            "conf_num_attention_heads",
+            "linear_num_heads",
+            "linear_num_value_heads",
+            "mamba_n_heads",
+            "mamba_num_heads",
+            "n_mamba_heads",
+            "num_attention_heads_per_layer",
+        ],
+        _HEADS,
+    )
+    | dict.fromkeys(
+        [
+            "num_key_value_heads",
+            "num_kv_heads",
+            "kv_n_heads",
+            "swa_num_key_value_heads",
+            "num_query_groups",
+            "linear_num_key_heads",
+        ],
+        _KV_HEADS,
+    )
+    | dict.fromkeys(
+        ["kv_lora_rank", "o_lora_rank", "laurel_rank", "hidden_size_per_layer_input", "query_pre_attn_scalar"],
+        _HEAD_DIM,
+    )
+    | dict.fromkeys(
+        ["qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim"],
+        _HEAD_DIM // 2,
+    )
+    | dict.fromkeys(
+        ["num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"],
+        4,
+    )
+    | dict.fromkeys(
+        [
+            "num_experts_per_tok",
+            "num_experts_per_token",
+            "moe_k",
+            "moe_topk",
+            "top_k_experts",
+            "n_group",
+            "num_expert_group",
+            "zero_expert_num",
+        ],
+        2,
+    )
+    | dict.fromkeys(
+        [
+            "n_shared_experts",
+            "num_shared_experts",
+            "moe_num_shared_experts",
+            "topk_group",
+            "n_groups",
+            "mamba_n_groups",
+            "mamba_ngroups",
+            "expand",
+            "mamba_expand",
+        ],
+        1,
+    )
+    | dict.fromkeys(
+        [
+            "sliding_window",
+            "window_size",
+            "local_attention",
+            "attention_window_size",
+            "sliding_window_size",
+            "local_attention_window_len",
+            "attention_chunk_size",
+            "keep_window_size",
+            "block_size",
+            "local_attn_chunk_length",
+            "lsh_attn_chunk_length",
+            "chunk_size",
+            "mamba_chunk_size",
+            "index_topk",
+        ],
+        _WINDOW,
+    )
+    | dict.fromkeys(
+        ["state_size", "mamba_d_state", "ssm_state_size", "time_step_rank", "mamba_dt_rank"],
+        16,
+    )
+    | dict.fromkeys(
+        [
+            "vocab_size",
+            "decoder_vocab_size",
+            "vocab_size_per_layer_input",
+            "unpadded_vocab_size",
+            "encoder_hash_byte_group_vocab",
+            "ngram_vocab_size_base",
+            "shape_vocab_size",
+            "pronunciation_vocab_size",
+        ],
+        VOCAB,
+    )
+    | {"q_lora_rank": 2 * _HEAD_DIM, "mamba_d_ssm": _HIDDEN, "qk_head_dim": _HEAD_DIM}
+)
 
 # Set exactly: head widths must agree with each other (heads * head_dim), positions must fit the sweep's prompts.
-_EXACT = dict.fromkeys(
-    ["head_dim", "d_head", "dim_head", "kv_channels", "attention_head_dim", "attention_head_size", "swa_head_dim",
-     "linear_head_dim", "linear_key_head_dim", "linear_value_head_dim", "index_head_dim", "mamba_d_head",
-     "mamba_head_dim", "mamba_headdim", "v_head_dim", "d_kv"], _HEAD_DIM,
-) | dict.fromkeys(
-    ["max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "context_length", "max_target_positions",
-     "model_max_length", "original_max_position_embeddings"], 512,
-) | dict.fromkeys(
-    # Weights ten times wider than usual: the outputs depend more on the context (fewer models repeat one token), and
-    # near-ties between the top two logits, which a different order of float operations can flip, become rarer.
-    ["initializer_range", "init_std"], 0.2,
+_EXACT = (
+    dict.fromkeys(
+        [
+            "head_dim",
+            "d_head",
+            "dim_head",
+            "kv_channels",
+            "attention_head_dim",
+            "attention_head_size",
+            "swa_head_dim",
+            "linear_head_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "index_head_dim",
+            "mamba_d_head",
+            "mamba_head_dim",
+            "mamba_headdim",
+            "v_head_dim",
+            "d_kv",
+        ],
+        _HEAD_DIM,
+    )
+    | dict.fromkeys(
+        [
+            "max_position_embeddings",
+            "n_positions",
+            "n_ctx",
+            "max_seq_len",
+            "context_length",
+            "max_target_positions",
+            "model_max_length",
+            "original_max_position_embeddings",
+        ],
+        512,
+    )
+    | dict.fromkeys(
+        # Weights ten times wider than usual: the outputs depend more on the context (fewer models repeat one token),
+        # and
+        # near-ties between the top two logits, which a different order of float operations can flip, become rarer.
+        ["initializer_range", "init_std"],
+        0.2,
+    )
 )
 
 # Numbers of layers: set to the number of layers kept.
 _LAYER_COUNTS = {
-    "num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers", "num_decoder_layers",
-    "num_encoder_layers", "num_blocks", "depth", "conf_num_hidden_layers", "num_global_layers",
+    "num_hidden_layers",
+    "n_layer",
+    "n_layers",
+    "num_layers",
+    "decoder_layers",
+    "encoder_layers",
+    "num_decoder_layers",
+    "num_encoder_layers",
+    "num_blocks",
+    "depth",
+    "conf_num_hidden_layers",
+    "num_global_layers",
 }
 # Lists of layer indices (other lists as long as the layers hold one value per layer).
 _LAYER_INDEX_LISTS = {
-    "full_attn_idxs", "moe_layers", "cross_attention_layers", "mlp_only_layers", "hybrid_layer_ids",
-    "global_attn_indexes", "ple_layer_ids", "intermediate_layers_indices", "attn_layer_indices",
+    "full_attn_idxs",
+    "moe_layers",
+    "cross_attention_layers",
+    "mlp_only_layers",
+    "hybrid_layer_ids",
+    "global_attn_indexes",
+    "ple_layer_ids",
+    "intermediate_layers_indices",
+    "attn_layer_indices",
 }
 # Numbers of leading / trailing layers that differ from the rest.
 _LEADING_COUNTS = {"first_k_dense_replace", "num_dense_layers", "moe_layer_start_index"}
 _TRAILING_COUNTS = {"num_kv_shared_layers"}
 # Layer periods, for configs that derive their layer kinds from them: every other layer differs.
 _PERIODS = {
-    "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
-    "sliding_window_pattern": 2, "global_attn_every_n_layers": 2, "no_rope_layer_interval": 2, "layer_group_size": 2,
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
+    "sliding_window_pattern": 2,
+    "global_attn_every_n_layers": 2,
+    "no_rope_layer_interval": 2,
+    "layer_group_size": 2,
     "n_layers_per_attn_res_block": 2,
 }
 
@@ -109,13 +287,19 @@ _PERIODS = {
 # the usual convention gives (num_key_value_heads None means one per attention head). And reformer's hash_seed: its
 # LSH attention draws new random rotations at every forward unless seeded.
 _REQUIRED = {
-    "head_dim": _HEAD_DIM, "num_experts_per_tok": 2, "n_routed_experts": 4, "n_shared_experts": 1, "hash_seed": 0,
+    "head_dim": _HEAD_DIM,
+    "num_experts_per_tok": 2,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "hash_seed": 0,
 }
 # Attributes that stay equal to another where the default has them equal: multi-head attention stays multi-head
 # (MLA and some others need that), a head_dim that is the rotary part of an MLA head stays so.
 _FOLLOW = {
-    "num_key_value_heads": "num_attention_heads", "num_kv_heads": "num_attention_heads",
-    "swa_num_key_value_heads": "swa_num_attention_heads", "linear_num_key_heads": "linear_num_value_heads",
+    "num_key_value_heads": "num_attention_heads",
+    "num_kv_heads": "num_attention_heads",
+    "swa_num_key_value_heads": "swa_num_attention_heads",
+    "linear_num_key_heads": "linear_num_value_heads",
     "head_dim": "qk_rope_head_dim",
 }
 # Where a generic rule cannot work, by the model_type of the (sub-)config.
@@ -133,7 +317,10 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
         },
     },
     "qwen4_exp_text": {
-        "indexer_n_heads": _HEADS, "indexer_kv_heads": 1, "indexer_head_dim": _HEAD_DIM, "indexer_budget": _WINDOW,
+        "indexer_n_heads": _HEADS,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": _HEAD_DIM,
+        "indexer_budget": _WINDOW,
         "indexer_compress_ratio": 2,
     },
     # HF's model reads attn_config.rope_theta, which the default lacks, and clamps q/k/v to clip_qkv, default None.
@@ -146,8 +333,13 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
     # A looped model: input, recurrent and output layers must add up to the layers kept (one each, the recurrent one
     # run twice), layer kinds given one per layer (its released configs interleave "mlp" blocks, which it halves).
-    "dory": {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-             "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
+    "dory": {
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+    },
     # Axial position embeddings: the dims must add up to hidden_size, the shape multiply to max_position_embeddings.
     "reformer": {"axial_pos_embds_dim": (_HIDDEN // 4, 3 * _HIDDEN // 4), "axial_pos_shape": (16, 32)},
 }

@@ -41,6 +41,7 @@ def fresh_store(monkeypatch, tmp_path):
     yield path
     store.forget()
 
+
 @pytest.fixture
 def drafts_cost_nothing(fresh_store, monkeypatch):
     """Passes as a GPU's, whatever the CI machine's clock: kept pass costs flat (a pass over any number of tokens
@@ -57,8 +58,9 @@ def drafts_cost_nothing(fresh_store, monkeypatch):
         clock.jump(1.0)
         return forward_rows(self, *args, **kwargs)
 
-    monkeypatch.setattr(kept_costs, "_measure", lambda model, rows=1, compiled=None: [1.0] * len(
-        kept_costs.widths(rows)))
+    monkeypatch.setattr(
+        kept_costs, "_measure", lambda model, rows=1, compiled=None: [1.0] * len(kept_costs.widths(rows))
+    )
     monkeypatch.setattr(CachedModel, "forward_rows", one_second)
     monkeypatch.setattr(time, "perf_counter", clock)
 
@@ -76,8 +78,6 @@ def model_folder(tmp_path_factory):
     return folder
 
 
-
-
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Any attempt to load a model fails the test loudly."""
@@ -85,4 +85,5 @@ def no_model_loading(monkeypatch):
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the files were checked")
+
     monkeypatch.setattr(commands, "load_model", refuse)

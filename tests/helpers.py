@@ -63,8 +63,6 @@ class AlwaysWrong(Oracle):
         return specula.Draft((right + 1) % self.vocab_size)
 
 
-
-
 class PartlyRight(Oracle):
     """The reference continuation with one token wrong, at a place that moves with the context length: blocks are
     accepted up to 0, 1, ... ``num_draft - 1`` tokens (and now and then whole, where the draft is cut short)."""
@@ -196,4 +194,8 @@ def chi_square_p_value(counts: dict, expected: dict, min_expected: float = 5.0) 
         cells.append((pooled_observed, pooled_expected))
     statistic = sum((observed - e) ** 2 / e for observed, e in cells)
     degrees = len(cells) - 1
-    return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(degrees / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
+        )
+    )

@@ -23,8 +23,16 @@ def sharp_model() -> torch.nn.Module:
     """A tiny Llama over 8 tokens whose next-token distributions are peaked, so top-k and top-p cut real mass."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -73,8 +81,14 @@ def sample_first_two(make_proposer, settings_: dict, samples: int, seed: int = 1
     counts, stats = collections.Counter(), specula.SpecStats()
     for _ in range(samples):
         out = specula.generate(
-            sharp_model(), torch.tensor([prompt]), make_proposer(), max_new_tokens=3, eos_token_id=[],
-            do_sample=True, adaptive_draft=adaptive, **settings_,
+            sharp_model(),
+            torch.tensor([prompt]),
+            make_proposer(),
+            max_new_tokens=3,
+            eos_token_id=[],
+            do_sample=True,
+            adaptive_draft=adaptive,
+            **settings_,
         )
         counts[tuple(out.sequences[0, len(prompt) : len(prompt) + 2].tolist())] += 1
         stats.drafted += out.stats.drafted

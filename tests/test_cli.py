@@ -5,25 +5,25 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
 import sys
 from pathlib import Path
-import subprocess
 
 import pytest
 import torch
 from helpers import hf_greedy
-from tiny_models import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
+from tiny_models import tiny_tokenizer
 
 import specula
+import specula.decoding.loop
 import specula.jobs.answerer
 import specula.verifier.runner
-import specula.decoding.loop
-from specula.tools import bench
 from specula import cli
 from specula.cli import commands
-from specula.hf import loading
-from specula.hf import precision
+from specula.hf import loading, precision
 from specula.jobs.requests import parse_request
+from specula.tools import bench
+
 
 def run_cli(*argv: str) -> None:
     cli.main([str(arg) for arg in argv])
@@ -41,8 +41,21 @@ REQUESTS = [
 
 def test_generate_jsonl_keeps_ids_and_reports_bad_lines(model_folder, tmp_path, capsys) -> None:
     (tmp_path / "in.jsonl").write_text("\n".join(REQUESTS) + "\n")
-    run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl",
-            "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 12, "--json", tmp_path / "run.json")
+    run_cli(
+        "generate",
+        "--input",
+        tmp_path / "in.jsonl",
+        "--output",
+        tmp_path / "out.jsonl",
+        "--model",
+        model_folder,
+        "--dtype",
+        "fp32",
+        "--max-new-tokens",
+        12,
+        "--json",
+        tmp_path / "run.json",
+    )
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [record["id"] for record in records] == ["copy", "chat", 6]  # no id: the line number
     summary = json.loads((tmp_path / "run.json").read_text())  # (the run's summary, from the answers' stats)
@@ -78,8 +91,21 @@ def test_generate_follows_the_models_generation_config_unless_told(model_folder,
     prompt = tokenizer(json.loads(REQUESTS[0])["prompt"], return_tensors="pt").input_ids
     texts = []
     for temperature in ([], ["--temperature", 0]):
-        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--overwrite",
-                "--model", tmp_path / "model", "--dtype", "fp32", "--max-new-tokens", 12, *temperature)
+        run_cli(
+            "generate",
+            "--input",
+            tmp_path / "in.jsonl",
+            "--output",
+            tmp_path / "out.jsonl",
+            "--overwrite",
+            "--model",
+            tmp_path / "model",
+            "--dtype",
+            "fp32",
+            "--max-new-tokens",
+            12,
+            *temperature,
+        )
         texts.append(json.loads((tmp_path / "out.jsonl").read_text())["text"])
     expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12)
     assert texts[0] == texts[1] == tokenizer.decode(expected[0, prompt.shape[1] :], skip_special_tokens=True)
@@ -90,13 +116,38 @@ def test_generate_follows_the_models_generation_config_unless_told(model_folder,
 def test_strict_checks_every_line_before_the_model_loads(model_folder, tmp_path, no_model_loading) -> None:
     (tmp_path / "in.jsonl").write_text("\n".join(REQUESTS) + "\n")
     with pytest.raises(SystemExit, match=r"in.jsonl:2: .*--strict"):
-        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--strict",
-                "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
+        run_cli(
+            "generate",
+            "--input",
+            tmp_path / "in.jsonl",
+            "--output",
+            tmp_path / "out.jsonl",
+            "--strict",
+            "--model",
+            model_folder,
+            "--dtype",
+            "fp32",
+            "--max-new-tokens",
+            4,
+        )
     assert not (tmp_path / "out.jsonl").exists()
     (tmp_path / "out.jsonl").write_text('{"id": "old"}\n')  # as the help says: nothing written, the file kept
     with pytest.raises(SystemExit, match=r"in.jsonl:2: .*--strict"):
-        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--strict",
-                "--overwrite", "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
+        run_cli(
+            "generate",
+            "--input",
+            tmp_path / "in.jsonl",
+            "--output",
+            tmp_path / "out.jsonl",
+            "--strict",
+            "--overwrite",
+            "--model",
+            model_folder,
+            "--dtype",
+            "fp32",
+            "--max-new-tokens",
+            4,
+        )
     assert (tmp_path / "out.jsonl").read_text() == '{"id": "old"}\n'
 
 
@@ -106,18 +157,37 @@ def test_strict_checks_what_the_tokenizer_judges_before_decoding(model_folder, t
     decoded = []
     monkeypatch.setattr(specula.decoding.loop.Decoder, "run", lambda self, jobs: decoded.append(1) or iter(()))
     with pytest.raises(SystemExit, match=r"in.jsonl:2: The prompt has .* tokens .*--strict"):
-        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--strict",
-                "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
+        run_cli(
+            "generate",
+            "--input",
+            tmp_path / "in.jsonl",
+            "--output",
+            tmp_path / "out.jsonl",
+            "--strict",
+            "--model",
+            model_folder,
+            "--dtype",
+            "fp32",
+            "--max-new-tokens",
+            4,
+        )
     assert not decoded and not (tmp_path / "out.jsonl").exists()
 
 
-@pytest.mark.parametrize("lines, message", [
-    (["not JSON", '{"no_prompt_here": 1}'], r"no line of --input \S+in.jsonl is a request \(2 bad lines; the first: "
-                                           r"\S+in.jsonl:1: not JSON"),
-    (["", "  "], r"--input \S+in.jsonl holds no requests"),
-])
-def test_a_file_without_a_request_is_an_error_before_the_model_loads(lines, message, tmp_path, no_model_loading,
-                                                                     capsys) -> None:
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (
+            ["not JSON", '{"no_prompt_here": 1}'],
+            r"no line of --input \S+in.jsonl is a request \(2 bad lines; the first: "
+            r"\S+in.jsonl:1: not JSON",
+        ),
+        (["", "  "], r"--input \S+in.jsonl holds no requests"),
+    ],
+)
+def test_a_file_without_a_request_is_an_error_before_the_model_loads(
+    lines, message, tmp_path, no_model_loading, capsys
+) -> None:
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(SystemExit) as stop:
         run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl")
@@ -128,16 +198,42 @@ def test_a_run_that_skipped_every_request_is_an_error(model_folder, tmp_path, ca
     """Good lines the model cannot take (each longer than its context): skipped, and the run exits non-zero."""
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "word " * 600}) + "\nnot JSON\n")
     with pytest.raises(SystemExit) as stop:
-        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl",
-                "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
+        run_cli(
+            "generate",
+            "--input",
+            tmp_path / "in.jsonl",
+            "--output",
+            tmp_path / "out.jsonl",
+            "--model",
+            model_folder,
+            "--dtype",
+            "fp32",
+            "--max-new-tokens",
+            4,
+        )
     assert str(stop.value.code).startswith("error: every request was skipped (2, reasons above)")
     assert capsys.readouterr().err.count("skipped ") == 2
 
 
 @pytest.mark.parametrize("proposer", ["none", "ngram", "prompt-lookup"])
 def test_single_prompt_streams_to_stdout(model_folder, capsys, proposer) -> None:
-    run_cli("generate", "--prompt", "the quick brown fox", "--model", model_folder, "--dtype", "fp32",
-            "--max-new-tokens", 10, "--proposer", proposer, "--temperature", 0.8, "--seed", 1)
+    run_cli(
+        "generate",
+        "--prompt",
+        "the quick brown fox",
+        "--model",
+        model_folder,
+        "--dtype",
+        "fp32",
+        "--max-new-tokens",
+        10,
+        "--proposer",
+        proposer,
+        "--temperature",
+        0.8,
+        "--seed",
+        1,
+    )
     captured = capsys.readouterr()
     assert captured.out.strip() and "new tokens" in captured.err
 
@@ -147,17 +243,50 @@ def test_bench_prints_a_table_and_writes_json(model_folder, tmp_path, capsys) ->
     workloads.mkdir()
     (workloads / "copying.jsonl").write_text(REQUESTS[0] + "\n" + REQUESTS[5] + "\n")
     (workloads / "chat.jsonl").write_text(REQUESTS[2] + "\n")
-    run_cli("bench", "--workloads", workloads, "--model", model_folder, "--dtype", "fp32", "--limit", 2,
-            "--repeats", 1, "--max-new-tokens", 16, "--proposers", "prompt-lookup,ngram,none", "--also-ordinary",
-            "--json", tmp_path / "rows.json")
+    run_cli(
+        "bench",
+        "--workloads",
+        workloads,
+        "--model",
+        model_folder,
+        "--dtype",
+        "fp32",
+        "--limit",
+        2,
+        "--repeats",
+        1,
+        "--max-new-tokens",
+        16,
+        "--proposers",
+        "prompt-lookup,ngram,none",
+        "--also-ordinary",
+        "--json",
+        tmp_path / "rows.json",
+    )
     table = capsys.readouterr().out
     rows = json.loads((tmp_path / "rows.json").read_text())
-    methods = ["hf-greedy", "hf-prompt-lookup", "specula-prompt-lookup", "specula-prompt-lookup-ordinary",
-               "specula-ngram", "specula-ngram-ordinary", "specula-none", "specula-none-ordinary", "oracle"]
+    methods = [
+        "hf-greedy",
+        "hf-prompt-lookup",
+        "specula-prompt-lookup",
+        "specula-prompt-lookup-ordinary",
+        "specula-ngram",
+        "specula-ngram-ordinary",
+        "specula-none",
+        "specula-none-ordinary",
+        "oracle",
+    ]
     assert [(row["workload"], row["method"]) for row in rows] == [(w, m) for w in ("chat", "copying") for m in methods]
     for row in rows:
-        assert {"workload", "method", "tokens_per_s", "speedup_vs_hf_greedy", "identical_to_greedy", "repeatable",
-                "acceptance_rate"} <= set(row)
+        assert {
+            "workload",
+            "method",
+            "tokens_per_s",
+            "speedup_vs_hf_greedy",
+            "identical_to_greedy",
+            "repeatable",
+            "acceptance_rate",
+        } <= set(row)
         assert row["workload"] in table and row["method"] in table
         if row["method"].startswith("specula") or row["method"] == "oracle":
             assert row["identical_to_greedy"] == 1.0  # fp32: exactly model.generate's tokens
@@ -206,11 +335,37 @@ def test_every_module_the_readme_names_works_after_import_specula() -> None:
 
 
 PRE_PACKAGE_NAMES = (  # flat modules from before the packages, and the verifier's old package name
-    "acceptance", "answers", "batch_size", "bench", "cached_model", "calibration", "cpu_layout", "draft_length",
-    "drift", "inputs", "invariance", "kernels", "loop", "models", "ngram", "precision", "prompt_lookup", "proposer",
-    "ray_job", "row_exact", "sampling", "small_model", "stats", "workloads", "target",
+    "acceptance",
+    "answers",
+    "batch_size",
+    "bench",
+    "cached_model",
+    "calibration",
+    "cpu_layout",
+    "draft_length",
+    "drift",
+    "inputs",
+    "invariance",
+    "kernels",
+    "loop",
+    "models",
+    "ngram",
+    "precision",
+    "prompt_lookup",
+    "proposer",
+    "ray_job",
+    "row_exact",
+    "sampling",
+    "small_model",
+    "stats",
+    "workloads",
+    "target",
     # homes before the layers
-    "core.loop", "core.prediction", "hf.cache_names", "proposers.registry", "verifier.profile",
+    "core.loop",
+    "core.prediction",
+    "hf.cache_names",
+    "proposers.registry",
+    "verifier.profile",
 )
 
 
@@ -219,8 +374,10 @@ def test_no_module_lives_under_a_name_from_before_the_packages() -> None:
     (nothing half-moved, no alias), as do the old forwarded names (in a fresh interpreter: nothing imported yet)."""
     check = "import importlib, specula\nfailed = []\n"
     for old in PRE_PACKAGE_NAMES:
-        check += (f"try:\n    importlib.import_module('specula.{old}')\nexcept ModuleNotFoundError:\n    pass\n"
-                  f"else:\n    failed.append('specula.{old}')\n")
+        check += (
+            f"try:\n    importlib.import_module('specula.{old}')\nexcept ModuleNotFoundError:\n    pass\n"
+            f"else:\n    failed.append('specula.{old}')\n"
+        )
     for name in ("specula.SpeculaGenerateOutput", "specula.hf.custom_generate", "specula.proposers.proposer_factory"):
         check += f"try:\n    {name}\nexcept AttributeError:\n    pass\nelse:\n    failed.append('{name}')\n"
     check += "assert not failed, failed\n"
@@ -239,8 +396,9 @@ def test_serve_without_its_extra_is_a_usage_error_before_the_model_loads(monkeyp
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "uvicorn" else
-                        find_spec(name, *args))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "uvicorn" else find_spec(name, *args)
+    )
     with pytest.raises(SystemExit) as stop:
         run_cli("serve", "--port", "8123")
     assert stop.value.code == 2 and "pip install 'specula[serve]'" in capsys.readouterr().err
@@ -250,8 +408,17 @@ def test_help_of_the_installed_command() -> None:
     result = subprocess.run(["specula", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "usage: specula" in result.stdout and "generate" in result.stdout
     generate_help = subprocess.run(["specula", "generate", "--help"], capture_output=True, text=True).stdout
-    for option in ("--input", "--output", "--prompt", "--proposer", "draft:PATH", "--max-new-tokens",
-                   "--temperature", "--strict", "--model"):
+    for option in (
+        "--input",
+        "--output",
+        "--prompt",
+        "--proposer",
+        "draft:PATH",
+        "--max-new-tokens",
+        "--temperature",
+        "--strict",
+        "--model",
+    ):
         assert option in generate_help
     bench_help = subprocess.run(["specula", "bench", "--help"], capture_output=True, text=True).stdout
     for option in ("--workloads", "--limit", "--proposers", "--dtype", "--json", "--max-new-tokens"):
@@ -260,8 +427,10 @@ def test_help_of_the_installed_command() -> None:
     # said "lines already written stay", as if some were.
     generate_help, bench_help = " ".join(generate_help.split()), " ".join(bench_help.split())
     assert "already written stay" not in generate_help
-    assert "(--strict: every line is checked before the model loads and the run stops at the first bad one, before " \
+    assert (
+        "(--strict: every line is checked before the model loads and the run stops at the first bad one, before "
         "any answer is written; an existing --output is left as it was)" in generate_help
+    )
     assert "Answers are written in the order of their requests' lines" in generate_help
     assert "own settings under OpenAI's names (max_tokens, temperature" in generate_help
     assert "A file of OpenAI Batch API lines (custom_id, method, url, body) is answered with Batch API" in generate_help
@@ -272,20 +441,23 @@ def test_help_of_the_installed_command() -> None:
 HEAVY = ("torch", "transformers", "numba", "ray")
 
 
-@pytest.mark.parametrize("argv, code", [
-    (["generate", "--input", "{tmp}/missing.jsonl", "--output", "{tmp}/out.jsonl"], 2),
-    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/out.jsonl", "--proposer", "nonsense"], 2),
-    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/notes.txt", "--resume"], 2),
-    (["generate", "--prompt", "hi", "--model", "{tmp}/nowhere"], 2),
-    (["bench", "--workloads", "{tmp}/nowhere"], 2),
-    (["bench", "--workloads", "{tmp}/bad"], 1),  # a bad workload line (every line is read before the model loads)
-    (["drift", "--input", "{tmp}/missing.jsonl"], 2),
-    (["probe", "--text", "{tmp}/nowhere.txt"], 2),
-    (["generate", "--temperature", "-1"], 2),
-    (["--help"], 0),
-    (["generate", "--help"], 0),
-    (["proposers"], None),
-])
+@pytest.mark.parametrize(
+    "argv, code",
+    [
+        (["generate", "--input", "{tmp}/missing.jsonl", "--output", "{tmp}/out.jsonl"], 2),
+        (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/out.jsonl", "--proposer", "nonsense"], 2),
+        (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/notes.txt", "--resume"], 2),
+        (["generate", "--prompt", "hi", "--model", "{tmp}/nowhere"], 2),
+        (["bench", "--workloads", "{tmp}/nowhere"], 2),
+        (["bench", "--workloads", "{tmp}/bad"], 1),  # a bad workload line (every line is read before the model loads)
+        (["drift", "--input", "{tmp}/missing.jsonl"], 2),
+        (["probe", "--text", "{tmp}/nowhere.txt"], 2),
+        (["generate", "--temperature", "-1"], 2),
+        (["--help"], 0),
+        (["generate", "--help"], 0),
+        (["proposers"], None),
+    ],
+)
 def test_usage_and_file_errors_import_nothing_heavy(argv, code, tmp_path) -> None:
     """The command line, its files and its proposers are checked before torch, transformers or numba are imported, so
     an error (or --help, or the list of proposers) comes back at once rather than after seconds of imports."""
@@ -293,11 +465,14 @@ def test_usage_and_file_errors_import_nothing_heavy(argv, code, tmp_path) -> Non
     (tmp_path / "notes.txt").write_text("some notes\nmore notes\n")
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "w.jsonl").write_text("this line is not JSON\n")
-    check = ("import json, sys\nfrom specula.cli import main\ncode = None\ntry:\n    main(sys.argv[1:])\n"
-             "except SystemExit as stop:\n    code = stop.code if stop.code is None or isinstance(stop.code, int) else 1\n"
-             f"print(json.dumps([code, sorted(name for name in {HEAVY!r} if name in sys.modules)]))\n")
-    result = subprocess.run([sys.executable, "-c", check, *[arg.format(tmp=tmp_path) for arg in argv]],
-                            capture_output=True, text=True)
+    check = (
+        "import json, sys\nfrom specula.cli import main\ncode = None\ntry:\n    main(sys.argv[1:])\n"
+        "except SystemExit as stop:\n    code = stop.code if stop.code is None or isinstance(stop.code, int) else 1\n"
+        f"print(json.dumps([code, sorted(name for name in {HEAVY!r} if name in sys.modules)]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check, *[arg.format(tmp=tmp_path) for arg in argv]], capture_output=True, text=True
+    )
     assert "Traceback" not in result.stderr, result.stderr
     assert json.loads(result.stdout.splitlines()[-1]) == [code, []], result.stderr
 
@@ -311,8 +486,21 @@ def test_default_model_generate_and_bench(tmp_path, capsys) -> None:
     record = json.loads((tmp_path / "out.jsonl").read_text())
     assert record["id"] == 1 and record["text"] and record["stats"]["new_tokens"] > 0
     examples = Path(__file__).resolve().parents[1] / "examples"  # (the README's bench: the repository's own requests)
-    run_cli("bench", "--workloads", examples, "--limit", 1, "--repeats", 1, "--max-new-tokens", 16,
-            "--dtype", "fp32", "--json", tmp_path / "rows.json")
+    run_cli(
+        "bench",
+        "--workloads",
+        examples,
+        "--limit",
+        1,
+        "--repeats",
+        1,
+        "--max-new-tokens",
+        16,
+        "--dtype",
+        "fp32",
+        "--json",
+        tmp_path / "rows.json",
+    )
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {row["workload"] for row in rows} == {"requests"} and all(row["prompts"] == 1 for row in rows)
     assert all(row["identical_to_greedy"] == 1.0 for row in rows if row["method"].startswith("specula"))
@@ -322,9 +510,26 @@ def test_auto_dtype_is_resolved_and_reported(model_folder, tmp_path, capsys) -> 
     workloads = tmp_path / "workloads"
     workloads.mkdir()
     (workloads / "copying.jsonl").write_text(REQUESTS[0] + "\n")
-    run_cli("bench", "--workloads", workloads / "copying.jsonl", "--model", model_folder, "--limit", 1, "--repeats",
-            1, "--max-new-tokens", 4, "--proposers", "none", "--no-oracle", "--device", "cpu", "--json",
-            tmp_path / "rows.json")  # (one request file: the user's own)
+    run_cli(
+        "bench",
+        "--workloads",
+        workloads / "copying.jsonl",
+        "--model",
+        model_folder,
+        "--limit",
+        1,
+        "--repeats",
+        1,
+        "--max-new-tokens",
+        4,
+        "--proposers",
+        "none",
+        "--no-oracle",
+        "--device",
+        "cpu",
+        "--json",
+        tmp_path / "rows.json",
+    )  # (one request file: the user's own)
     expected = commands.DTYPE_NAMES[precision.auto_dtype("cpu", loading._num_parameters(model_folder))]
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {row["dtype"] for row in rows} == {expected} and {row["workload"] for row in rows} == {"copying"}
@@ -337,9 +542,29 @@ def test_a_sampled_bench_seeds_each_prompt_alike_and_checks_identity(model_folde
     workloads = tmp_path / "workloads"
     workloads.mkdir()
     (workloads / "copying.jsonl").write_text(REQUESTS[0] + "\n" + REQUESTS[5] + "\n")
-    run_cli("bench", "--workloads", workloads, "--model", model_folder, "--dtype", "fp32", "--limit", 2,
-            "--repeats", 2, "--max-new-tokens", 16, "--proposers", "prompt-lookup,none", "--temperature", 0.9,
-            "--seed", 3, "--json", tmp_path / "rows.json")
+    run_cli(
+        "bench",
+        "--workloads",
+        workloads,
+        "--model",
+        model_folder,
+        "--dtype",
+        "fp32",
+        "--limit",
+        2,
+        "--repeats",
+        2,
+        "--max-new-tokens",
+        16,
+        "--proposers",
+        "prompt-lookup,none",
+        "--temperature",
+        0.9,
+        "--seed",
+        3,
+        "--json",
+        tmp_path / "rows.json",
+    )
     rows = {row["method"]: row for row in json.loads((tmp_path / "rows.json").read_text())}
     for method in ("hf-sample", "specula-prompt-lookup", "specula-none"):
         assert rows[method]["identical_to_greedy"] == 1.0 and rows[method]["repeatable"] == 1.0, method
@@ -381,11 +606,33 @@ def test_generate_passes_the_exactness_choice(model_folder, tmp_path, monkeypatc
     monkeypatch.setattr(commands, "generate", recording)
     monkeypatch.setattr(specula.jobs.answerer, "Decoder", Recording)
     (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
-    run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--model", model_folder,
-            "--dtype", "bf16", "--max-new-tokens", 8, *flag)
+    run_cli(
+        "generate",
+        "--input",
+        tmp_path / "in.jsonl",
+        "--output",
+        tmp_path / "out.jsonl",
+        "--model",
+        model_folder,
+        "--dtype",
+        "bf16",
+        "--max-new-tokens",
+        8,
+        *flag,
+    )
     summary = capsys.readouterr().err.splitlines()[-1]
-    run_cli("generate", "--prompt", "the quick brown fox", "--model", model_folder, "--dtype", "bf16",
-            "--max-new-tokens", 8, *flag)
+    run_cli(
+        "generate",
+        "--prompt",
+        "the quick brown fox",
+        "--model",
+        model_folder,
+        "--dtype",
+        "bf16",
+        "--max-new-tokens",
+        8,
+        *flag,
+    )
     assert seen == [expected, expected]
     answer = json.loads((tmp_path / "out.jsonl").read_text())
     assert answer["text"] is not None and answer["stats"]["exact"] in {None: (True, False)}.get(expected, (expected,))
@@ -415,12 +662,38 @@ def test_generate_passes_the_compile_choice(model_folder, tmp_path, monkeypatch,
     answers = {}
     for run in (flag, ("--no-compile",)):
         out = tmp_path / f"out{len(answers)}.jsonl"
-        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", out, "--model", model_folder,
-                "--dtype", "fp32", "--max-new-tokens", 10, "--temperature", 0, "--batch-size", 2, *run)
+        run_cli(
+            "generate",
+            "--input",
+            tmp_path / "in.jsonl",
+            "--output",
+            out,
+            "--model",
+            model_folder,
+            "--dtype",
+            "fp32",
+            "--max-new-tokens",
+            10,
+            "--temperature",
+            0,
+            "--batch-size",
+            2,
+            *run,
+        )
         answers[run] = [json.loads(line) for line in out.read_text().splitlines()]
     summary = capsys.readouterr().err.splitlines()
-    run_cli("generate", "--prompt", "the quick brown fox", "--model", model_folder, "--dtype", "fp32",
-            "--max-new-tokens", 8, *flag)
+    run_cli(
+        "generate",
+        "--prompt",
+        "the quick brown fox",
+        "--model",
+        model_folder,
+        "--dtype",
+        "fp32",
+        "--max-new-tokens",
+        8,
+        *flag,
+    )
     assert seen == [expected, False, expected]
     assert [a["text"] for a in answers[flag]] == [a["text"] for a in answers[("--no-compile",)]]
     assert all(a["stats"]["compiled"] is bool(expected) for a in answers[flag])
@@ -433,7 +706,10 @@ def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_
     is answered once with its id, with the text it gets alone; when a request ends, the next takes its slot while
     the others go on (continuous batching); the bad lines are reported."""
     starts, widths = [], []
-    start_row, forward_rows = specula.verifier.runner.CachedModel.start_row, specula.verifier.runner.CachedModel.forward_rows
+    start_row, forward_rows = (
+        specula.verifier.runner.CachedModel.start_row,
+        specula.verifier.runner.CachedModel.forward_rows,
+    )
 
     def recording_start(self, index, token_ids):
         if self.ragged:  # (a batch's rows; --batch-size 1 holds each request alone)
@@ -446,13 +722,31 @@ def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_
 
     monkeypatch.setattr(specula.verifier.runner.CachedModel, "start_row", recording_start)
     monkeypatch.setattr(specula.verifier.runner.CachedModel, "forward_rows", recording_forward)
-    lines = REQUESTS + ['{"id": "long", "prompt": "' + "alpha beta gamma delta " * 6 + '"}', '{"id": 7, "prompt": "hi"}']
+    lines = REQUESTS + [
+        '{"id": "long", "prompt": "' + "alpha beta gamma delta " * 6 + '"}',
+        '{"id": 7, "prompt": "hi"}',
+    ]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     answers = {}
     for size in (1, 3):
         out = tmp_path / f"out{size}.jsonl"
-        run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", out, "--model", model_folder,
-                "--dtype", "fp32", "--max-new-tokens", 12, "--temperature", 0, "--batch-size", size)
+        run_cli(
+            "generate",
+            "--input",
+            tmp_path / "in.jsonl",
+            "--output",
+            out,
+            "--model",
+            model_folder,
+            "--dtype",
+            "fp32",
+            "--max-new-tokens",
+            12,
+            "--temperature",
+            0,
+            "--batch-size",
+            size,
+        )
         answers[size] = {record["id"]: record for record in map(json.loads, out.read_text().splitlines())}
         assert "in.jsonl:2" in capsys.readouterr().err
     assert set(answers[3]) == set(answers[1]) == {"copy", "chat", 6, "long", 7}
@@ -473,9 +767,28 @@ def test_bench_batch_sizes_add_throughput_rows(model_folder, tmp_path, capsys) -
     workloads = tmp_path / "workloads"
     workloads.mkdir()
     (workloads / "mixed.jsonl").write_text("\n".join([REQUESTS[0], REQUESTS[2], REQUESTS[5]]) + "\n")
-    run_cli("bench", "--workloads", workloads, "--model", model_folder, "--dtype", "fp32", "--limit", 3,
-            "--repeats", 1, "--max-new-tokens", 12, "--proposers", "prompt-lookup", "--no-oracle",
-            "--batch-sizes", "2,3", "--json", tmp_path / "rows.json")
+    run_cli(
+        "bench",
+        "--workloads",
+        workloads,
+        "--model",
+        model_folder,
+        "--dtype",
+        "fp32",
+        "--limit",
+        3,
+        "--repeats",
+        1,
+        "--max-new-tokens",
+        12,
+        "--proposers",
+        "prompt-lookup",
+        "--no-oracle",
+        "--batch-sizes",
+        "2,3",
+        "--json",
+        tmp_path / "rows.json",
+    )
     rows = {row["method"]: row for row in json.loads((tmp_path / "rows.json").read_text())}
     assert {"hf-greedy-b2", "specula-prompt-lookup-b2", "hf-greedy-b3", "specula-prompt-lookup-b3"} <= set(rows)
     for size in (2, 3):
@@ -486,8 +799,9 @@ def test_bench_batch_sizes_add_throughput_rows(model_folder, tmp_path, capsys) -
 
 
 @pytest.mark.parametrize("stop_at", ["second prompt", "second batch size"])
-def test_ctrl_c_in_bench_prints_what_was_measured_and_exits_130(stop_at, model_folder, tmp_path, capsys,
-                                                                monkeypatch) -> None:
+def test_ctrl_c_in_bench_prints_what_was_measured_and_exits_130(
+    stop_at, model_folder, tmp_path, capsys, monkeypatch
+) -> None:
     """Ctrl-C (KeyboardInterrupt) half-way through a bench: the rows measured so far are printed and written, a
     workload cut short counts the prompts it finished, one line says it was interrupted, exit status 130."""
     workloads = tmp_path / "workloads"
@@ -511,9 +825,28 @@ def test_ctrl_c_in_bench_prints_what_was_measured_and_exits_130(stop_at, model_f
     monkeypatch.setattr(bench, "_runs", interrupted_runs)
     monkeypatch.setattr(bench, "_batch_rows", interrupted_batches)
     with pytest.raises(SystemExit) as stop:
-        run_cli("bench", "--workloads", workloads, "--model", model_folder, "--dtype", "fp32", "--limit", 3,
-                "--repeats", 1, "--max-new-tokens", 6, "--proposers", "prompt-lookup", "--no-oracle",
-                "--batch-sizes", "1,2", "--json", tmp_path / "rows.json")
+        run_cli(
+            "bench",
+            "--workloads",
+            workloads,
+            "--model",
+            model_folder,
+            "--dtype",
+            "fp32",
+            "--limit",
+            3,
+            "--repeats",
+            1,
+            "--max-new-tokens",
+            6,
+            "--proposers",
+            "prompt-lookup",
+            "--no-oracle",
+            "--batch-sizes",
+            "1,2",
+            "--json",
+            tmp_path / "rows.json",
+        )
     assert stop.value.code == 130
     out, err = capsys.readouterr()
     assert "interrupted: the table holds what was measured" in err and "Traceback" not in err
@@ -527,19 +860,28 @@ def test_ctrl_c_in_bench_prints_what_was_measured_and_exits_130(stop_at, model_f
         assert {"hf-greedy-b1", "specula-prompt-lookup-b1"} <= set(methods) and "hf-greedy-b2" not in methods
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["generate", "--input", "{tmp}/missing.jsonl", "--output", "{tmp}/out.jsonl"], "missing.jsonl: no such file"),
-    (["generate", "--input", "{tmp}", "--output", "{tmp}/out.jsonl"], ": not a file"),
-    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/nope/out.jsonl"], "folder {tmp}/nope does not exist"),
-    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}"], "is a folder"),
-    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/in.jsonl", "--overwrite"], "is the input file"),
-    (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/old.jsonl"], "already holds answers; pass --resume"),
-    (["generate", "--input", "{tmp}/in.jsonl", "--output", "/proc/out.jsonl"], "cannot be written"),
-    (["bench", "--workloads", "{tmp}/nowhere"], "--workloads {tmp}/nowhere: no such folder or file"),
-    (["bench", "--workloads", "{tmp}", "--json", "{tmp}/nope/rows.json"], "folder {tmp}/nope does not exist"),
-    (["drift", "--input", "{tmp}/missing.jsonl"], "no such file"),
-    (["drift", "--input", "{tmp}/in.jsonl", "--json", "{tmp}/nope/r.json"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--input", "{tmp}/missing.jsonl", "--output", "{tmp}/out.jsonl"], "missing.jsonl: no such file"),
+        (["generate", "--input", "{tmp}", "--output", "{tmp}/out.jsonl"], ": not a file"),
+        (
+            ["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/nope/out.jsonl"],
+            "folder {tmp}/nope does not exist",
+        ),
+        (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}"], "is a folder"),
+        (["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/in.jsonl", "--overwrite"], "is the input file"),
+        (
+            ["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/old.jsonl"],
+            "already holds answers; pass --resume",
+        ),
+        (["generate", "--input", "{tmp}/in.jsonl", "--output", "/proc/out.jsonl"], "cannot be written"),
+        (["bench", "--workloads", "{tmp}/nowhere"], "--workloads {tmp}/nowhere: no such folder or file"),
+        (["bench", "--workloads", "{tmp}", "--json", "{tmp}/nope/rows.json"], "folder {tmp}/nope does not exist"),
+        (["drift", "--input", "{tmp}/missing.jsonl"], "no such file"),
+        (["drift", "--input", "{tmp}/in.jsonl", "--json", "{tmp}/nope/r.json"], "does not exist"),
+    ],
+)
 def test_bad_files_are_one_line_errors_before_any_model_work(argv, message, tmp_path, capsys, no_model_loading) -> None:
     (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
     (tmp_path / "old.jsonl").write_text('{"id": 1, "text": "an answer from an earlier run"}\n')
@@ -555,12 +897,35 @@ def test_bad_files_are_one_line_errors_before_any_model_work(argv, message, tmp_
 def test_overwrite_replaces_an_earlier_output(model_folder, tmp_path) -> None:
     (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
     (tmp_path / "out.jsonl").write_text('{"id": "old"}\n')
-    run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl", "--overwrite",
-            "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
+    run_cli(
+        "generate",
+        "--input",
+        tmp_path / "in.jsonl",
+        "--output",
+        tmp_path / "out.jsonl",
+        "--overwrite",
+        "--model",
+        model_folder,
+        "--dtype",
+        "fp32",
+        "--max-new-tokens",
+        4,
+    )
     assert json.loads((tmp_path / "out.jsonl").read_text())["id"] == "copy"
     (tmp_path / "empty.jsonl").write_text("")  # an empty file holds no answers: written without --overwrite
-    run_cli("generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "empty.jsonl",
-            "--model", model_folder, "--dtype", "fp32", "--max-new-tokens", 4)
+    run_cli(
+        "generate",
+        "--input",
+        tmp_path / "in.jsonl",
+        "--output",
+        tmp_path / "empty.jsonl",
+        "--model",
+        model_folder,
+        "--dtype",
+        "fp32",
+        "--max-new-tokens",
+        4,
+    )
     assert json.loads((tmp_path / "empty.jsonl").read_text())["id"] == "copy"
 
 
@@ -576,26 +941,29 @@ def test_bench_checks_every_workload_line_before_loading_the_model(tmp_path, mon
         run_cli("bench", "--workloads", workloads, "--limit", 1)
 
 
-@pytest.mark.parametrize("argv", [
-    ["generate", "--prompt", "hi", "--proposer", "nonsense"],
-    ["generate", "--prompt", "hi", "--proposer", "prompt-lookup-tree:x"],
-    ["generate", "--prompt", "hi", "--proposer", "draft:{tmp}/nowhere"],
-    ["generate", "--prompt", "hi", "--model", "{tmp}"],  # a folder with no model
-    ["generate", "--prompt", "hi", "--model", "{tmp}/nowhere"],
-    ["generate", "--prompt", "hi", "--temperature", "-1"],
-    ["generate", "--prompt", "hi", "--temperature", "nan"],
-    ["generate", "--prompt", "hi", "--top-p", "2"],
-    ["generate", "--prompt", "hi", "--top-k", "-1"],
-    ["generate", "--prompt", "hi", "--device", "nonsense"],
-    ["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/out.jsonl", "--ray", "--gpus-per-worker", "-1"],
-    ["bench", "--workloads", "{tmp}", "--proposers", "prompt-lookup,nonsense"],
-    ["bench", "--workloads", "{tmp}", "--repeats", "0"],
-    ["bench", "--workloads", "{tmp}", "--limit", "0"],
-    ["bench", "--workloads", "{tmp}/empty"],  # no *.jsonl in it
-    ["drift", "--input", "{tmp}/in.jsonl", "--proposer", "nonsense"],
-    ["probe", "--width", "0"],
-    ["probe", "--text", "{tmp}/nowhere.txt"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "hi", "--proposer", "nonsense"],
+        ["generate", "--prompt", "hi", "--proposer", "prompt-lookup-tree:x"],
+        ["generate", "--prompt", "hi", "--proposer", "draft:{tmp}/nowhere"],
+        ["generate", "--prompt", "hi", "--model", "{tmp}"],  # a folder with no model
+        ["generate", "--prompt", "hi", "--model", "{tmp}/nowhere"],
+        ["generate", "--prompt", "hi", "--temperature", "-1"],
+        ["generate", "--prompt", "hi", "--temperature", "nan"],
+        ["generate", "--prompt", "hi", "--top-p", "2"],
+        ["generate", "--prompt", "hi", "--top-k", "-1"],
+        ["generate", "--prompt", "hi", "--device", "nonsense"],
+        ["generate", "--input", "{tmp}/in.jsonl", "--output", "{tmp}/out.jsonl", "--ray", "--gpus-per-worker", "-1"],
+        ["bench", "--workloads", "{tmp}", "--proposers", "prompt-lookup,nonsense"],
+        ["bench", "--workloads", "{tmp}", "--repeats", "0"],
+        ["bench", "--workloads", "{tmp}", "--limit", "0"],
+        ["bench", "--workloads", "{tmp}/empty"],  # no *.jsonl in it
+        ["drift", "--input", "{tmp}/in.jsonl", "--proposer", "nonsense"],
+        ["probe", "--width", "0"],
+        ["probe", "--text", "{tmp}/nowhere.txt"],
+    ],
+)
 def test_usage_errors_exit_2_with_one_message_before_any_model_work(argv, tmp_path, capsys, no_model_loading) -> None:
     """Usage errors exit with status 2, as argparse's own do (--proposer nonsense, --model FOLDER and --temperature
     -1 exited 1, some after loading the model): one "error:" line, nothing loaded, no traceback."""
@@ -627,7 +995,9 @@ def collected_transformers_messages() -> tuple[list[str], logging.Handler]:
 def test_the_gguf_dtype_advice_alone_is_dropped_and_only_while_specula_converts() -> None:
     messages, handler = collected_transformers_messages()
     quantizer = logging.getLogger(loading.GGUF_LOGGER)
-    advice = "Loading a GGUF checkpoint with its weights packed is fastest in float32, and this one was asked for in ..."
+    advice = (
+        "Loading a GGUF checkpoint with its weights packed is fastest in float32, and this one was asked for in ..."
+    )
     try:
         with loading._without_gguf_dtype_advice():
             quantizer.warning(advice)

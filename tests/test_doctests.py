@@ -10,8 +10,11 @@ import pytest
 
 import specula
 
-MODULES = sorted(module.name for module in pkgutil.walk_packages(specula.__path__, "specula.")
-                 if not module.name.endswith(".__main__"))  # (importing it runs the command)
+MODULES = sorted(
+    module.name
+    for module in pkgutil.walk_packages(specula.__path__, "specula.")
+    if not module.name.endswith(".__main__")
+)  # (importing it runs the command)
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -17,8 +17,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def lint(tree: Path) -> subprocess.CompletedProcess:
     """import-linter's verdict on the package under ``tree`` (imported from there, not from the installed one)."""
     lint_imports = Path(sys.executable).with_name("lint-imports")
-    return subprocess.run([str(lint_imports), "--config", str(tree / "pyproject.toml"), "--no-cache"], cwd=tree,
-                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(lint_imports), "--config", str(tree / "pyproject.toml"), "--no-cache"],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_package_keeps_its_layers() -> None:
@@ -26,13 +32,16 @@ def test_the_package_keeps_its_layers() -> None:
     assert result.returncode == 0 and "1 kept, 0 broken" in result.stdout, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("module, upward", [
-    ("machine/timing.py", "specula.verifier.runner"),  # the bottom importing the verifier
-    ("core/draft.py", "specula.decoding.loop"),  # the primitives importing the loop
-    ("verifier/support.py", "specula.policy.costs"),  # the verifier importing the policy
-    ("policy/costs.py", "specula.proposers.base"),  # one side of a layer importing the other
-    ("decoding/loop.py", "specula.hf.loading"),  # the loop importing a face
-])
+@pytest.mark.parametrize(
+    "module, upward",
+    [
+        ("machine/timing.py", "specula.verifier.runner"),  # the bottom importing the verifier
+        ("core/draft.py", "specula.decoding.loop"),  # the primitives importing the loop
+        ("verifier/support.py", "specula.policy.costs"),  # the verifier importing the policy
+        ("policy/costs.py", "specula.proposers.base"),  # one side of a layer importing the other
+        ("decoding/loop.py", "specula.hf.loading"),  # the loop importing a face
+    ],
+)
 def test_an_upward_import_breaks_the_contract(tmp_path: Path, module: str, upward: str) -> None:
     shutil.copytree(ROOT / "specula", tmp_path / "specula", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)

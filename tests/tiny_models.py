@@ -9,7 +9,11 @@ VOCAB = 96
 
 _COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _LLAMA_LIKE = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
     max_position_embeddings=512,
 )
 
@@ -18,14 +22,21 @@ CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(**_COMMON, n_embd=32, n_layer=2, n_head=4, n_positions=256),
     "qwen2": lambda: transformers.Qwen2Config(**_COMMON, **_LLAMA_LIKE),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(
-        **_COMMON, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        **_COMMON,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
         max_position_embeddings=512,
     ),
     # A sliding window shorter than the test prompts, so rollback happens past the window.
     "mistral": lambda: transformers.MistralConfig(**_COMMON, **_LLAMA_LIKE, sliding_window=12),
     "phi3": lambda: transformers.Phi3Config(**_COMMON, **_LLAMA_LIKE),
     "gemma3": lambda: transformers.Gemma3TextConfig(
-        **_COMMON, **_LLAMA_LIKE, head_dim=8, sliding_window=8,
+        **_COMMON,
+        **_LLAMA_LIKE,
+        head_dim=8,
+        sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
     ),
 }
@@ -52,8 +63,12 @@ def tiny_tokenizer():
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
     text = [
-        "the quick brown fox jumps over the lazy dog", "print hello world", "def foo(bar, baz): return bar + baz",
-        "stop here please", "speculative decoding verifies drafts in one pass", "JSON keys and values, 0123456789",
+        "the quick brown fox jumps over the lazy dog",
+        "print hello world",
+        "def foo(bar, baz): return bar + baz",
+        "stop here please",
+        "speculative decoding verifies drafts in one pass",
+        "JSON keys and values, 0123456789",
     ] * 10
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
     tokenizer.train_from_iterator(text, trainer)

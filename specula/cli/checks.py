@@ -11,15 +11,23 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from ..hf.registry import check_proposer
 from ..jobs.answers import AnswerFile
 from ..jobs.requests import BadRequest, file_shape, load_workloads, model_name, unique_requests
-from ..hf.registry import check_proposer
 
 
 def check(args: argparse.Namespace) -> None:
     """Stop at the first problem of a parsed command line, as a usage error: one line, nothing loaded or written."""
-    for find in (_generate_problem, _input_problem, _output_problem, _proposer_problem, _model_problem, _ray_problem,
-                 _serve_problem, _device_problem):
+    for find in (
+        _generate_problem,
+        _input_problem,
+        _output_problem,
+        _proposer_problem,
+        _model_problem,
+        _ray_problem,
+        _serve_problem,
+        _device_problem,
+    ):
         problem = find(args)
         if problem is not None:
             usage_error(args, problem)
@@ -134,8 +142,10 @@ def _output_problem(args: argparse.Namespace) -> str | None:
         if source is not None and path.resolve() == source.resolve():
             return f"--{flag} {path} is the input file; write the answers elsewhere"
         if flag == "output" and path.exists() and path.stat().st_size and not (args.overwrite or args.resume):
-            return (f"--output {path} already holds answers; pass --resume to answer only the requests it lacks, "
-                    "--overwrite to replace them, or choose another file")
+            return (
+                f"--output {path} already holds answers; pass --resume to answer only the requests it lacks, "
+                "--overwrite to replace them, or choose another file"
+            )
         existed = path.exists()
         try:
             path.open("a").close()  # can it be written (permissions, read-only file systems)?

@@ -15,18 +15,25 @@ import torch
 from tqdm import tqdm
 from transformers import TextStreamer
 
+from ..decoding.budget import gigabytes
+from ..decoding.loop import Decoder
 from ..hf.generate import generate
 from ..hf.loading import ModelNotFoundError, load_model
+from ..hf.registry import proposer_factory
 from ..jobs.answer_lines import error_line
-from ..decoding.loop import Decoder
-from ..decoding.budget import gigabytes
 from ..jobs.answerer import Answerer, Settings, batch_size, cache_budget, named
 from ..jobs.answers import AnswerFile, InputOrder, StopOnInterrupt, Tally, report_skipped
 from ..jobs.requests import BadRequest, Request, answer_key, encode, model_name, read_requests, unique_requests
 from ..proposers.kernels import warm_up
-from ..hf.registry import proposer_factory
 from ..tools.bench import (
-    BenchInterrupted, format_table, hf_batch_method, hf_method, oracle_method, run_batch_bench, run_bench, specula_batch_method,
+    BenchInterrupted,
+    format_table,
+    hf_batch_method,
+    hf_method,
+    oracle_method,
+    run_batch_bench,
+    run_bench,
+    specula_batch_method,
     specula_method,
 )
 from ..tools.drift import drift
@@ -76,33 +83,63 @@ def _prompt_padding_id(tokenizer) -> int | None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     sampling_settings = _sampling(args)
-    settings = Settings(args.max_new_tokens, sampling_settings, args.seed, args.exact, args.compile, args.batch_size,
-                        predictions=args.input is not None and _brings_predictions(args.input),
-                        model_name=model_name(args.model), max_memory=args.max_memory)
+    settings = Settings(
+        args.max_new_tokens,
+        sampling_settings,
+        args.seed,
+        args.exact,
+        args.compile,
+        args.batch_size,
+        predictions=args.input is not None and _brings_predictions(args.input),
+        model_name=model_name(args.model),
+        max_memory=args.max_memory,
+    )
     output = args.answers  # (read by the checks: with --resume, the answers already there)
     if output is not None and output.torn:
-        print(f"{args.output}: its last line was cut short when a run stopped; that request is answered again",
-              file=sys.stderr)
+        print(
+            f"{args.output}: its last line was cut short when a run stopped; that request is answered again",
+            file=sys.stderr,
+        )
     if args.ray:
         from ..jobs.ray import generate_with_ray  # Ray is optional
 
         with output:
-            generate_with_ray(args.input, output, args.model, args.proposer, settings, dtype=DTYPES[args.dtype],
-                              adapter=args.adapter,
-                              workers=args.workers, gpus_per_worker=args.gpus_per_worker,
-                              cpus_per_worker=args.cpus_per_worker, strict=args.strict, json_path=args.json)
+            generate_with_ray(
+                args.input,
+                output,
+                args.model,
+                args.proposer,
+                settings,
+                dtype=DTYPES[args.dtype],
+                adapter=args.adapter,
+                workers=args.workers,
+                gpus_per_worker=args.gpus_per_worker,
+                cpus_per_worker=args.cpus_per_worker,
+                strict=args.strict,
+                json_path=args.json,
+            )
         return
     model, tokenizer, device = _load(args)
     proposer = proposer_factory(args.proposer, tokenizer, model.dtype, device)()  # kept across requests
     if args.seed is not None:
         torch.manual_seed(args.seed)
     if args.prompt is not None:
-        request = {"prompt": args.prompt} if args.raw or tokenizer.chat_template is None else {
-            "messages": [{"role": "user", "content": args.prompt}]
-        }
+        request = (
+            {"prompt": args.prompt}
+            if args.raw or tokenizer.chat_template is None
+            else {"messages": [{"role": "user", "content": args.prompt}]}
+        )
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        out = generate(model, encode(tokenizer, request).to(device), proposer, max_new_tokens=args.max_new_tokens,
-                       streamer=streamer, exact=args.exact, compile=args.compile, **sampling_settings)
+        out = generate(
+            model,
+            encode(tokenizer, request).to(device),
+            proposer,
+            max_new_tokens=args.max_new_tokens,
+            streamer=streamer,
+            exact=args.exact,
+            compile=args.compile,
+            **sampling_settings,
+        )
         print(f"[{out.stats}]", file=sys.stderr)
         return
 
@@ -156,15 +193,22 @@ def _generate_file(
     tally.report(
         f"batches of {' and '.join(map(str, sizes)) or answerer.slots}, {answerer.prefill_seconds:.1f}s of it "
         "prefills"
-        + (f", ~{estimate:.2f}x plain decoding of the same requests (estimated from plain passes timed in the run)"
-           if estimate else ", no estimate against plain decoding (too few plain passes timed; `specula bench "
-           f"--workloads {args.input} --batch-sizes {max(sizes, default=1)}` measures it)")
+        + (
+            f", ~{estimate:.2f}x plain decoding of the same requests (estimated from plain passes timed in the run)"
+            if estimate
+            else ", no estimate against plain decoding (too few plain passes timed; `specula bench "
+            f"--workloads {args.input} --batch-sizes {max(sizes, default=1)}` measures it)"
+        )
         + (f"; {answerer.exactness}" if answerer.exactness is not None else "")
         + (f"; passes compiled {answerer.compiled}" if answerer.compiled else ""),
-        args.output, stop.requested, args.json, batch_sizes=sizes,
+        args.output,
+        stop.requested,
+        args.json,
+        batch_sizes=sizes,
         plain_speedup=None if estimate is None else round(estimate, 3),
         prefill_seconds=round(answerer.prefill_seconds, 3),
-        verification=None if answerer.exactness is None else str(answerer.exactness))
+        verification=None if answerer.exactness is None else str(answerer.exactness),
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -175,16 +219,33 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     model, tokenizer, device = _load(args)
     proposer = proposer_factory(args.proposer, tokenizer, model.dtype, device)()  # one for every request
-    settings = named(Settings(args.max_new_tokens, _sampling(args), args.seed, args.exact, args.compile,
-                              args.batch_size, predictions=True, model_name=model_name(args.model),
-                              max_memory=args.max_memory), model)
+    settings = named(
+        Settings(
+            args.max_new_tokens,
+            _sampling(args),
+            args.seed,
+            args.exact,
+            args.compile,
+            args.batch_size,
+            predictions=True,
+            model_name=model_name(args.model),
+            max_memory=args.max_memory,
+        ),
+        model,
+    )
     slots, budget = batch_size(model, settings), cache_budget(model, settings)
-    engine = Engine(lambda: Decoder(model, proposer, slots, exact=settings.exact, predictions=True,
-                                    compile=settings.compile, budget=budget).prepare())
+    engine = Engine(
+        lambda: Decoder(
+            model, proposer, slots, exact=settings.exact, predictions=True, compile=settings.compile, budget=budget
+        ).prepare()
+    )
     app = create_app(engine, model, tokenizer, settings, api_key=args.api_key, budget=budget)
     memory = "" if budget is None else f", keys and values within {gigabytes(budget.limit)}"
-    print(f"specula serve: {settings.model_name} on http://{args.host}:{args.port}/v1 ({slots} requests at once"
-          f"{memory}; Ctrl-C stops)", file=sys.stderr)
+    print(
+        f"specula serve: {settings.model_name} on http://{args.host}:{args.port}/v1 ({slots} requests at once"
+        f"{memory}; Ctrl-C stops)",
+        file=sys.stderr,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
@@ -193,8 +254,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
     workloads = args.workload_rows  # (every line checked before the model loads)
     own = sum(bool(request.options) for rows in workloads.values() for request in rows)
     if own:
-        print(f"note: {own} workload lines give settings of their own (max_tokens, temperature ...); bench decodes "
-              "every line with its command line's, the same for every method", file=sys.stderr)
+        print(
+            f"note: {own} workload lines give settings of their own (max_tokens, temperature ...); bench decodes "
+            "every line with its command line's, the same for every method",
+            file=sys.stderr,
+        )
     model, tokenizer, device = _load(args)
     sampled = sampling["do_sample"]  # (bench's --temperature is never unset)
     baseline = "hf-sample" if sampled else "hf-greedy"
@@ -203,13 +267,20 @@ def cmd_bench(args: argparse.Namespace) -> None:
     rows: list = []
     try:
         rows += run_bench(
-            _bench_methods(args, model, tokenizer, device, sampling, baseline), tokenizer, workloads,
-            args.max_new_tokens, args.repeats, baseline=baseline, progress=lambda _: progress.update(),
-            outputs=reference, seed=(args.seed or 0) if sampled else None,  # (each prompt's runs seeded alike)
+            _bench_methods(args, model, tokenizer, device, sampling, baseline),
+            tokenizer,
+            workloads,
+            args.max_new_tokens,
+            args.repeats,
+            baseline=baseline,
+            progress=lambda _: progress.update(),
+            outputs=reference,
+            seed=(args.seed or 0) if sampled else None,  # (each prompt's runs seeded alike)
         )
         progress.close()
-        rows += _batch_rows(args, model, tokenizer, device, sampling, baseline, workloads, rows,
-                            None if sampled else reference)
+        rows += _batch_rows(
+            args, model, tokenizer, device, sampling, baseline, workloads, rows, None if sampled else reference
+        )
     except BenchInterrupted as stop:  # Ctrl-C: what was measured is kept, shown and written
         progress.close()
         rows += stop.rows
@@ -228,8 +299,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.json:
         args.json.write_text(json.dumps([dict(row.as_dict(), dtype=dtype_name) for row in rows], indent=1))
     if interrupted:
-        print(f"interrupted: the table holds what was measured before Ctrl-C ({len(rows)} rows; a workload cut short "
-              "counts the prompts it finished)", file=sys.stderr)
+        print(
+            f"interrupted: the table holds what was measured before Ctrl-C ({len(rows)} rows; a workload cut short "
+            "counts the prompts it finished)",
+            file=sys.stderr,
+        )
         raise SystemExit(130)
 
 
@@ -249,11 +323,16 @@ def _bench_methods(args: argparse.Namespace, model, tokenizer, device: str, samp
     predicted = any(row.prediction is not None for rows in args.workload_rows.values() for row in rows)
     for spec in specs:
         methods[_method_name(spec)] = specula_method(
-            model, proposer_factory(spec, tokenizer, model.dtype, device), compile=args.compile, **sampling)
+            model, proposer_factory(spec, tokenizer, model.dtype, device), compile=args.compile, **sampling
+        )
         if predicted:  # (workload lines that carry a prediction: also with it)
             methods[_method_name(spec) + "+prediction"] = specula_method(
-                model, proposer_factory(spec, tokenizer, model.dtype, device), predicted_with=tokenizer,
-                compile=args.compile, **sampling)
+                model,
+                proposer_factory(spec, tokenizer, model.dtype, device),
+                predicted_with=tokenizer,
+                compile=args.compile,
+                **sampling,
+            )
         if args.also_ordinary:
             methods[_method_name(spec) + "-ordinary"] = specula_method(
                 model, proposer_factory(spec, tokenizer, model.dtype, device), exact=False, **sampling
@@ -263,8 +342,17 @@ def _bench_methods(args: argparse.Namespace, model, tokenizer, device: str, samp
     return methods
 
 
-def _batch_rows(args: argparse.Namespace, model, tokenizer, device: str, sampling: dict, baseline: str,
-                workloads: dict, rows: list, reference: dict | None) -> list:
+def _batch_rows(
+    args: argparse.Namespace,
+    model,
+    tokenizer,
+    device: str,
+    sampling: dict,
+    baseline: str,
+    workloads: dict,
+    rows: list,
+    reference: dict | None,
+) -> list:
     """Throughput rows of each --batch-sizes size: model.generate on left-padded batches, each proposer with
     continuous batching (``reference``: the outputs one at a time, to check identity against; None when sampled)."""
     rates = {row.workload: row.tokens_per_s for row in rows if row.method == baseline}
@@ -276,8 +364,9 @@ def _batch_rows(args: argparse.Namespace, model, tokenizer, device: str, samplin
                 model, proposer_factory(spec, tokenizer, model.dtype, device), compile=args.compile, **sampling
             )
         try:
-            batch_rows += run_batch_bench(batched, tokenizer, workloads, args.max_new_tokens, size, rates, reference,
-                                          args.repeats)
+            batch_rows += run_batch_bench(
+                batched, tokenizer, workloads, args.max_new_tokens, size, rates, reference, args.repeats
+            )
         except BenchInterrupted as stop:  # (with the rows of the sizes before)
             raise BenchInterrupted(batch_rows + stop.rows) from None
     return batch_rows
@@ -291,21 +380,32 @@ def cmd_drift(args: argparse.Namespace) -> None:
         if isinstance(request, BadRequest):
             report_skipped(str(request))
             continue
-        report = drift(model, encode(tokenizer, request).to(device), factory(), args.max_new_tokens,
-                       exact=args.exact, adaptive_draft=args.adaptive)
+        report = drift(
+            model,
+            encode(tokenizer, request).to(device),
+            factory(),
+            args.max_new_tokens,
+            exact=args.exact,
+            adaptive_draft=args.adaptive,
+        )
         row = {"id": request.id, **report.as_dict()}
         if not report.identical:
-            row["tokens"] = [tokenizer.decode([t]) if t is not None else None
-                             for t in (report.plain_token, report.speculative_token)]
-            print(f"{row['id']}: differs at new token {report.position}: model.generate {row['tokens'][0]!r}, "
-                  f"specula {row['tokens'][1]!r}; logit gap {report.gap_one_token} in the one-token step, "
-                  f"{report.gap_verification} in specula's pass (tolerance {report.tolerance:.3g}): {report.verdict}")
+            row["tokens"] = [
+                tokenizer.decode([t]) if t is not None else None for t in (report.plain_token, report.speculative_token)
+            ]
+            print(
+                f"{row['id']}: differs at new token {report.position}: model.generate {row['tokens'][0]!r}, "
+                f"specula {row['tokens'][1]!r}; logit gap {report.gap_one_token} in the one-token step, "
+                f"{report.gap_verification} in specula's pass (tolerance {report.tolerance:.3g}): {report.verdict}"
+            )
         reports.append(row)
     identical = sum(row["identical"] for row in reports)
     ties = sum(row["verdict"] == "near-tie" for row in reports)
-    print(f"{identical} of {len(reports)} identical to model.generate, {ties} near-ties, "
-          f"{len(reports) - identical - ties} not near-ties ({DTYPE_NAMES.get(model.dtype, model.dtype)}, {device}, "
-          f"{sum(row['drafted'] for row in reports)} draft tokens verified, {time.perf_counter() - started:.0f}s)")
+    print(
+        f"{identical} of {len(reports)} identical to model.generate, {ties} near-ties, "
+        f"{len(reports) - identical - ties} not near-ties ({DTYPE_NAMES.get(model.dtype, model.dtype)}, {device}, "
+        f"{sum(row['drafted'] for row in reports)} draft tokens verified, {time.perf_counter() - started:.0f}s)"
+    )
     if args.json:
         args.json.write_text(json.dumps(reports, indent=1, ensure_ascii=False))
 
@@ -320,5 +420,4 @@ def cmd_probe(args: argparse.Namespace) -> None:
                 print(f"after {end - width} tokens: {probe(model, ids[:, :end], width, exact=exact)}")
 
 
-COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "drift": cmd_drift,
-            "probe": cmd_probe}
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "drift": cmd_drift, "probe": cmd_probe}

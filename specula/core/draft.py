@@ -43,7 +43,8 @@ class Draft:
         object.__setattr__(self, "tokens", tokens.reshape(-1))
         if self.probs is not None and (self.probs.ndim != 2 or self.probs.shape[0] != len(self)):
             raise ValueError(
-                f"Draft probs must have shape [num_tokens, vocab_size] = [{len(self)}, V], got {tuple(self.probs.shape)}."
+                f"Draft probs must have shape [num_tokens, vocab_size] = [{len(self)}, V], "
+                f"got {tuple(self.probs.shape)}."
             )
         if self.parents is not None:
             object.__setattr__(self, "parents", _checked_parents(self.parents, self.tokens.tolist()))
@@ -190,8 +191,11 @@ def merged(continuations: Sequence[Sequence[int]], source: object = None) -> Dra
         keys[node] = best[parents[node]]
     order = sorted(range(len(tokens)), key=lambda node: (-keys[node], node))
     where = {node: i for i, node in enumerate(order)}
-    return Draft([tokens[node] for node in order], source=source,
-                 parents=[-1 if parents[node] < 0 else where[parents[node]] for node in order])
+    return Draft(
+        [tokens[node] for node in order],
+        source=source,
+        parents=[-1 if parents[node] < 0 else where[parents[node]] for node in order],
+    )
 
 
 def check_int(name: str, value: object, minimum: int, what: str = "") -> int:

@@ -23,8 +23,13 @@ from transformers.generation.logits_process import (
 
 # Warpers whose effect on a row of logits does not depend on the tokens before it: rows are processed in one batch.
 _ROW_INDEPENDENT = (
-    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
-    EpsilonLogitsWarper, EtaLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
 )
 # Processors that change their own state at every call (a model pass with its own cache, a watermarking context):
 # scoring several positions per pass, and rejected ones, would drift them from what model.generate computes.

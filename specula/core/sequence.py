@@ -14,7 +14,10 @@ class Sequence:
     criterion, or the length limit."""
 
     def __init__(
-        self, prompt: np.ndarray, max_new_tokens: int, eos_token_ids: frozenset[int],
+        self,
+        prompt: np.ndarray,
+        max_new_tokens: int,
+        eos_token_ids: frozenset[int],
         stopping_criteria: StoppingCriteriaList | None = None,
     ) -> None:
         self.tokens = np.empty(len(prompt) + max_new_tokens, dtype=np.int64)

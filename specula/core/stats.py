@@ -56,10 +56,16 @@ class SpecStats:
             for position, count in enumerate(row.accepted_per_position):
                 per_position[position] += count
         return cls(
-            prompt_tokens=sum(row.prompt_tokens for row in rows), new_tokens=sum(row.new_tokens for row in rows),
-            passes=passes, drafted=sum(row.drafted for row in rows), accepted=sum(row.accepted for row in rows),
-            accepted_per_position=per_position, wall_time_s=wall_time_s, prefill_time_s=prefill_time_s,
-            draft_time_s=sum(row.draft_time_s for row in rows), rows=rows,
+            prompt_tokens=sum(row.prompt_tokens for row in rows),
+            new_tokens=sum(row.new_tokens for row in rows),
+            passes=passes,
+            drafted=sum(row.drafted for row in rows),
+            accepted=sum(row.accepted for row in rows),
+            accepted_per_position=per_position,
+            wall_time_s=wall_time_s,
+            prefill_time_s=prefill_time_s,
+            draft_time_s=sum(row.draft_time_s for row in rows),
+            rows=rows,
             exactness=next((row.exactness for row in rows if row.exactness is not None), None),
             compiled=any(row.compiled for row in rows),
             **{name: sum(getattr(row, name) for row in rows) for name in TREE_COUNTERS + PREDICTION_COUNTERS},
@@ -85,7 +91,10 @@ class SpecStats:
         tree); ``tree_gain``, for a tree, is how many more than its first branch alone would have."""
         if tree_gain is not None:
             self.tree_passes, self.tree_drafted, self.tree_gain = (
-                self.tree_passes + 1, self.tree_drafted + drafted, self.tree_gain + tree_gain)
+                self.tree_passes + 1,
+                self.tree_drafted + drafted,
+                self.tree_gain + tree_gain,
+            )
         self.passes += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -99,10 +108,17 @@ class SpecStats:
             f"{self.new_tokens} new tokens in {self.wall_time_s:.2f}s ({self.tokens_per_s:.1f} tok/s), "
             f"{self.passes} passes ({self.tokens_per_pass:.2f} tok/pass), "
             f"accepted {self.accepted}/{self.drafted} drafted ({self.acceptance_rate:.0%})"
-            + (f", {self.tree_passes} trees ({self.tree_drafted / self.tree_passes:.1f} tokens each, "
-               f"+{self.tree_gain} tokens over their first branches)" if self.tree_passes else "")
-            + (f", prediction {self.accepted_prediction_tokens} accepted / {self.rejected_prediction_tokens} "
-               "rejected" if self.accepted_prediction_tokens or self.rejected_prediction_tokens else "")
+            + (
+                f", {self.tree_passes} trees ({self.tree_drafted / self.tree_passes:.1f} tokens each, "
+                f"+{self.tree_gain} tokens over their first branches)"
+                if self.tree_passes
+                else ""
+            )
+            + (
+                f", prediction {self.accepted_prediction_tokens} accepted / {self.rejected_prediction_tokens} rejected"
+                if self.accepted_prediction_tokens or self.rejected_prediction_tokens
+                else ""
+            )
             + (f"; {self.exactness}" if self.exactness is not None else "")
             + ("; compiled passes" if self.compiled else "")
         )

@@ -17,8 +17,22 @@ import torch
 
 from ..verifier.support import kv_bytes_per_token
 
-UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-         "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -60,11 +74,12 @@ class CacheBudget:
         """Why a request whose row may hold ``tokens`` tokens never fits; ``None`` where it fits alone."""
         if self.fits(1, tokens):
             return None
-        return (f"this request may hold {tokens} tokens of keys and values ({gigabytes(tokens * self.per_token)}), "
-                f"over the cache's memory budget of {gigabytes(self.limit)} (--max-memory): ask for fewer new tokens "
-                f"(max_tokens) or send a shorter prompt")
+        return (
+            f"this request may hold {tokens} tokens of keys and values ({gigabytes(tokens * self.per_token)}), "
+            f"over the cache's memory budget of {gigabytes(self.limit)} (--max-memory): ask for fewer new tokens "
+            f"(max_tokens) or send a shorter prompt"
+        )
 
     def report(self) -> dict:
         """What the budget admits (the server's /health)."""
-        return {"budget_bytes": self.limit, "bytes_per_token": self.per_token,
-                "tokens": self.limit // self.per_token}
+        return {"budget_bytes": self.limit, "bytes_per_token": self.per_token, "tokens": self.limit // self.per_token}

@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterable, Iterator
 from .loop import Decoder, Job, Row
 
 
-def finished_rows(decoder: Decoder, jobs: Iterable[Job],
-                  on_tokens: Callable[[Row, list[int]], None] | None = None) -> Iterator[Row]:
+def finished_rows(
+    decoder: Decoder, jobs: Iterable[Job], on_tokens: Callable[[Row, list[int]], None] | None = None
+) -> Iterator[Row]:
     """Each request of ``jobs`` as its row finishes (not in their order); ``on_tokens(row, kept)`` is told the
     tokens every pass kept for a row (a streamer, a progress bar) as they come."""
     for row, kept in decoder.run(jobs):
@@ -19,7 +20,8 @@ def finished_rows(decoder: Decoder, jobs: Iterable[Job],
             yield row
 
 
-def decode_all(decoder: Decoder, jobs: Iterable[Job],
-               on_tokens: Callable[[Row, list[int]], None] | None = None) -> dict[object, Row]:
+def decode_all(
+    decoder: Decoder, jobs: Iterable[Job], on_tokens: Callable[[Row, list[int]], None] | None = None
+) -> dict[object, Row]:
     """Every request of ``jobs`` decoded: its finished row by its key (:func:`finished_rows`)."""
     return {row.job.key: row for row in finished_rows(decoder, jobs, on_tokens)}

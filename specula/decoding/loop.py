@@ -44,8 +44,9 @@ FIRST_ROOM = 1024
 _REQUEST_IDS = itertools.count()  # what proposers know requests by (unique across decoders sharing a proposer)
 
 
-def _proposed(proposer: RequestProposer, rows: list["Row"], budgets: list[int], vocab: int, batched: bool
-              ) -> tuple[list[Draft], float]:
+def _proposed(
+    proposer: RequestProposer, rows: list["Row"], budgets: list[int], vocab: int, batched: bool
+) -> tuple[list[Draft], float]:
     """Ask ``proposer`` for the drafts of the rows with a budget (at most ``budgets[r]`` tokens, 0: none) and check
     what it returns; in a batch an error names the request (its key). Also the time of one request's proposal."""
     asked = [r for r, budget in enumerate(budgets) if budget > 0]
@@ -54,15 +55,18 @@ def _proposed(proposer: RequestProposer, rows: list["Row"], budgets: list[int], 
         return drafts, 0.0
     started = time.perf_counter()
     try:
-        got = proposer.propose_requests([rows[r].request for r in asked], [rows[r].sequence.ids for r in asked],
-                                        [budgets[r] for r in asked])
+        got = proposer.propose_requests(
+            [rows[r].request for r in asked], [rows[r].sequence.ids for r in asked], [budgets[r] for r in asked]
+        )
     except RequestFailed as error:
         key = next((row.job.key for row in rows if row.request == error.request), error.request)
         raise RuntimeError(f"{proposer!r}.propose() failed for request {key!r} of the batch: {error}") from error
     seconds = (time.perf_counter() - started) / len(asked)
     if not isinstance(got, list) or len(got) != len(asked):
-        raise TypeError(f"{proposer!r}.propose_requests() must return a list of one specula.Draft per request "
-                        f"({len(asked)}), got {type(got).__name__}{f' of {len(got)}' if isinstance(got, list) else ''}.")
+        raise TypeError(
+            f"{proposer!r}.propose_requests() must return a list of one specula.Draft per request "
+            f"({len(asked)}), got {type(got).__name__}{f' of {len(got)}' if isinstance(got, list) else ''}."
+        )
     for r, draft in zip(asked, got):
         where = f" (request {rows[r].job.key!r} of the batch)" if batched else ""
         drafts[r] = _checked(proposer, draft, budgets[r], vocab, where)
@@ -88,8 +92,15 @@ def _checked(proposer: Proposer, draft: object, budget: int, vocab: int, where: 
     return draft
 
 
-def propose(policy: DraftPolicy, proposer: RequestProposer | None, rows: list["Row"], vocab: int, batched: bool,
-            takes_trees: bool, asks: bool = True) -> tuple[list[Draft], list[Draft]]:
+def propose(
+    policy: DraftPolicy,
+    proposer: RequestProposer | None,
+    rows: list["Row"],
+    vocab: int,
+    batched: bool,
+    takes_trees: bool,
+    asks: bool = True,
+) -> tuple[list[Draft], list[Draft]]:
     """A pass's first half: each row's proposed draft (its proposer's and its prediction's, sized by ``policy``; none
     where not ``asks``), and what of it the pass verifies (trees cut to their first branch where the target
     takes none)."""
@@ -97,11 +108,17 @@ def propose(policy: DraftPolicy, proposer: RequestProposer | None, rows: list["R
         proposed, seconds = [Draft.empty()] * len(rows), [None] * len(rows)
     else:
         budgets = policy.budgets([row.drafting for row in rows], [row.sequence.room - 1 for row in rows])
-        proposed, one_call = (_proposed(proposer, rows, budgets, vocab, batched) if proposer is not None
-                              else ([Draft.empty()] * len(rows), 0.0))
-        proposed = [with_prediction(row.prediction.propose(row.output, budget), draft)
-                    if row.prediction is not None and budget > 0 else draft
-                    for row, draft, budget in zip(rows, proposed, budgets)]
+        proposed, one_call = (
+            _proposed(proposer, rows, budgets, vocab, batched)
+            if proposer is not None
+            else ([Draft.empty()] * len(rows), 0.0)
+        )
+        proposed = [
+            with_prediction(row.prediction.propose(row.output, budget), draft)
+            if row.prediction is not None and budget > 0
+            else draft
+            for row, draft, budget in zip(rows, proposed, budgets)
+        ]
         seconds = [one_call if budget > 0 else None for budget in budgets]
         for row, asked in zip(rows, seconds):
             row.stats.draft_time_s += asked or 0.0
@@ -190,8 +207,14 @@ class Decoder:
     """
 
     def __init__(
-        self, model: torch.nn.Module, proposer: Proposer | None, slots: int = 1, adaptive_draft: bool = True,
-        exact: bool | None = None, predictions: bool = False, compile: bool | None = None,
+        self,
+        model: torch.nn.Module,
+        proposer: Proposer | None,
+        slots: int = 1,
+        adaptive_draft: bool = True,
+        exact: bool | None = None,
+        predictions: bool = False,
+        compile: bool | None = None,
         budget: CacheBudget | None = None,
     ) -> None:
         self.model, self.slots, self.compile, self.budget = model, slots, compile, budget
@@ -223,8 +246,11 @@ class Decoder:
         if self.policy is not None:
             return self
         model, slots, verifies = self.model, self.slots, self.verifies
-        self.exactness = Exactness(False, reason="compiled passes verify the ordinary way") \
-            if self.compile and self.exact is None and verifies else choose(model, self.exact, verifies)
+        self.exactness = (
+            Exactness(False, reason="compiled passes verify the ordinary way")
+            if self.compile and self.exact is None and verifies
+            else choose(model, self.exact, verifies)
+        )
         self.row_exact = verifies and self.exactness.exact
         self.compiles = compiles(model, self.compile, self.row_exact)
         if self.row_exact:  # (built here, kept with the model: no pass of the run measures them)
@@ -245,14 +271,22 @@ class Decoder:
                 kept(rows)
 
         def costs(rows: int) -> PassCosts | None:  # measured while decoding, or kept, or none
-            return shared_pass_costs(model, setting, MAX_DRAFT, rows) if timed else kept(rows) \
-                if self.adaptive_draft and verifies else None
+            return (
+                shared_pass_costs(model, setting, MAX_DRAFT, rows)
+                if timed
+                else kept(rows)
+                if self.adaptive_draft and verifies
+                else None
+            )
 
-        self.policy = (AdaptiveDrafts(MAX_DRAFT, timed, costs) if self.adaptive_draft else FixedDrafts(MAX_DRAFT))
+        self.policy = AdaptiveDrafts(MAX_DRAFT, timed, costs) if self.adaptive_draft else FixedDrafts(MAX_DRAFT)
         self._guard = DraftGuard() if timed and self.adaptive_draft else None
         # (measured costs are kept for the next process)
-        self._keep = functools.partial(keep_pass_costs, model, setting, MAX_DRAFT) if timed and self.adaptive_draft \
-            and verifies else None
+        self._keep = (
+            functools.partial(keep_pass_costs, model, setting, MAX_DRAFT)
+            if timed and self.adaptive_draft and verifies
+            else None
+        )
         store.shared().tell()
         return self
 
@@ -262,9 +296,17 @@ class Decoder:
         mask = None
         if job.padded is not None:
             positions, mask = job.padded[1:]
-        make = functools.partial(CachedModel, self.model, positions, mask, rollback=self.drafts,
-                                 capacity=capacity, row_exact=self.row_exact, slots=self.slots,
-                                 cheap_steps=not self.exactness.exact)
+        make = functools.partial(
+            CachedModel,
+            self.model,
+            positions,
+            mask,
+            rollback=self.drafts,
+            capacity=capacity,
+            row_exact=self.row_exact,
+            slots=self.slots,
+            cheap_steps=not self.exactness.exact,
+        )
         if self.compiles and job.padded is None:  # (a left-padded prompt alone: model.generate's positions, eager)
             return make(compiled=self.compiles, max_width=MAX_DRAFT + 1)
         # (a prediction and a proposer draft a tree of both: neither is worse than alone)
@@ -274,8 +316,7 @@ class Decoder:
                 return make(ragged=True)
             except UnsupportedModelError as error:
                 if self._trees:
-                    warnings.warn(f"{error} So {self.proposer!r}'s trees are cut to their first branch.",
-                                  stacklevel=5)
+                    warnings.warn(f"{error} So {self.proposer!r}'s trees are cut to their first branch.", stacklevel=5)
                 self._trees = False
         return make()
 
@@ -337,6 +378,8 @@ class Decoder:
 
     def _fill(self, rows: list[Row | None], jobs: Iterator[Job]) -> Iterator[tuple[Row, list[int]]]:
         """Start requests in the free slots; one may end with its first token (the next one then takes the slot)."""
+        if rows and not any(rows):  # (every request ended: the cache gives its memory back before more are awaited)
+            rows[:] = self._shrink(rows)
         for index in range(self.slots):
             while (index >= len(rows) or rows[index] is None) and (job := self._admitted(rows, index, jobs)):
                 row, kept = self._start(index, job)
@@ -377,29 +420,43 @@ class Decoder:
 
     def _propose(self, rows: list[Row]) -> tuple[list[Draft], list[Draft]]:
         """Each row's proposed draft, and what of it this pass verifies (:func:`propose`); none in a plain pass the
-        summary's estimate is due (:meth:`PlainEstimate.due`: counted in passes, so decided alike on every run), nor where
+        summary's estimate is due (:meth:`PlainEstimate.due`: counted in passes, so decided alike on every run), nor
+        where
         timings may decide and drafts lost against plain passes here (:mod:`specula.policy.guard`)."""
         due = self.adaptive_draft and self.estimate.due(len(rows))
         resting = self._guard is not None and not self._guard.allows(len(rows))  # (drafts lost here: guard.py)
-        return propose(self.policy, self.proposer, rows, self.vocab, self.slots > 1,
-                       self._target.takes_trees, asks=self.drafts and not due and not resting)
+        return propose(
+            self.policy,
+            self.proposer,
+            rows,
+            self.vocab,
+            self.slots > 1,
+            self._target.takes_trees,
+            asks=self.drafts and not due and not resting,
+        )
 
     def _verify(self, rows: list[Row], proposed: list[Draft], sent: list[Draft]) -> list[list[int]]:
         """One pass over each row's last token and sent draft: the tokens each row keeps (the accepted drafts and the
         target's own), the KV cache rolled back past the rest, the policy told."""
         started, calibrations = time.perf_counter(), store.shared().made
         device = self._target.device
-        blocks = [torch.cat([torch.from_numpy(row.sequence.ids[-1:]), draft.tokens]).to(device)
-                  for row, draft in zip(rows, sent)]
+        blocks = [
+            torch.cat([torch.from_numpy(row.sequence.ids[-1:]), draft.tokens]).to(device)
+            for row, draft in zip(rows, sent)
+        ]
         argmax_only = all(row.sampling.greedy and not row.sampling.processors for row in rows)  # (logits unused)
-        logits = self._target.forward_rows(blocks, [len(block) for block in blocks], [_tree(d) for d in sent],
-                                           argmax_only)
-        outcomes = [accept_draft(row_logits, draft, row.sampling, self._tokens(row, draft))
-                    for row, draft, row_logits in zip(rows, sent, logits)]
+        logits = self._target.forward_rows(
+            blocks, [len(block) for block in blocks], [_tree(d) for d in sent], argmax_only
+        )
+        outcomes = [
+            accept_draft(row_logits, draft, row.sampling, self._tokens(row, draft))
+            for row, draft, row_logits in zip(rows, sent, logits)
+        ]
         self.passes += 1
         verified = time.perf_counter()
-        self._target.keep_rows([len(tokens) for tokens in outcomes],
-                               [_path(draft, tokens) for draft, tokens in zip(sent, outcomes)])
+        self._target.keep_rows(
+            [len(tokens) for tokens in outcomes], [_path(draft, tokens) for draft, tokens in zip(sent, outcomes)]
+        )
         # (recurrent state fed again after a rejected draft: a second pass, part of what the pass cost)
         seconds = (time.perf_counter() if self._target.feeds_again else verified) - started
         if store.shared().made != calibrations or self._target.compiling:  # (it calibrated or compiled kernels)
@@ -408,8 +465,12 @@ class Decoder:
         self.policy.learn(Pass([row.drafting for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds))
         self.estimate.record(len(rows), width, seconds)
         if seconds is not None and self._guard is not None:
-            self._guard.record(len(rows), seconds, sum(map(len, outcomes)) if width > 1 else None,
-                               self.estimate.plain.get(len(rows), []))
+            self._guard.record(
+                len(rows),
+                seconds,
+                sum(map(len, outcomes)) if width > 1 else None,
+                self.estimate.plain.get(len(rows), []),
+            )
         return outcomes
 
     def _advance(self, rows: list[Row | None], outcomes: list[list[int]], sent: list[Draft]):

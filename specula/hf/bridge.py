@@ -1,5 +1,6 @@
 """From what ``model.generate`` prepared to specula's loop and back: the checked request and its sampling, one
-:class:`~specula.decoding.loop.Job` per row, the loop's run over them, and the output ``model.generate`` would return."""
+:class:`~specula.decoding.loop.Job` per row, the loop's run over them, and the output ``model.generate`` would
+return."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.streamers import BaseStreamer
 
-from ..decoding.driver import decode_all
-from ..decoding.loop import Decoder, Job
 from ..core.sampling import Sampling
 from ..core.stats import GenerateOutput, SpecStats
+from ..decoding.driver import decode_all
+from ..decoding.loop import Decoder, Job
 from ..proposers.base import Proposer
 from ..verifier.cache_names import cache_in
 from ..verifier.support import model_device
@@ -38,25 +39,36 @@ def prepared(model, input_ids, logits_processor, generation_config, generator, m
         _pad_token_id(generation_config),
     )
     per_row = isinstance(generator, (list, tuple))
-    sampling = Sampling(do_sample=bool(generation_config.do_sample), processors=logits_processor,
-                        generator=None if per_row else generator)
+    sampling = Sampling(
+        do_sample=bool(generation_config.do_sample),
+        processors=logits_processor,
+        generator=None if per_row else generator,
+    )
     return request, sampling, list(generator) if per_row else None
 
 
 def jobs_of(
-    request: Request, sampling: Sampling, stopping_criteria: StoppingCriteriaList | None = None,
-    row_generators: list[torch.Generator] | None = None, predictions: list[np.ndarray | None] | None = None,
+    request: Request,
+    sampling: Sampling,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    row_generators: list[torch.Generator] | None = None,
+    predictions: list[np.ndarray | None] | None = None,
 ) -> list[Job]:
     """One :class:`Job` per row of ``request`` (its key: the row, ``None`` alone), with its sampling (its own random
     stream where ``row_generators`` gives one) and prediction."""
     batch, width = request.input_ids.shape
     padded = batch == 1 and request.attention_mask is not None
     return [
-        Job(request.prompt(b), request.max_length - width, request.eos_token_ids, stopping_criteria,
+        Job(
+            request.prompt(b),
+            request.max_length - width,
+            request.eos_token_ids,
+            stopping_criteria,
             sampling if row_generators is None else dataclasses.replace(sampling, generator=row_generators[b]),
             key=b if batch > 1 else None,
             padded=(request.input_ids[0], request.positions, request.attention_mask) if padded else None,
-            prediction=None if predictions is None else predictions[b])
+            prediction=None if predictions is None else predictions[b],
+        )
         for b in range(batch)
     ]
 
@@ -80,16 +92,27 @@ def decode(
     started = time.perf_counter()
     batch, width = request.input_ids.shape
     jobs = jobs_of(request, sampling, stopping_criteria, row_generators, predictions)
-    decoder = Decoder(model, proposer, batch, adaptive_draft, exact,
-                      predictions=any(job.prediction is not None for job in jobs), compile=compile)
+    decoder = Decoder(
+        model,
+        proposer,
+        batch,
+        adaptive_draft,
+        exact,
+        predictions=any(job.prediction is not None for job in jobs),
+        compile=compile,
+    )
     stream = None if streamer is None else lambda row, kept: streamer.put(torch.tensor(kept))
     rows = decode_all(decoder, jobs, stream) if request.max_length > width else {}
     if streamer is not None:
         streamer.end()
     new = [rows[job.key].sequence.ids[len(job.prompt) :] if job.key in rows else np.zeros(0, np.int64) for job in jobs]
     per_row = [rows[job.key].stats if job.key in rows else SpecStats(prompt_tokens=len(job.prompt)) for job in jobs]
-    stats = SpecStats.total(per_row, passes=decoder.passes, wall_time_s=time.perf_counter() - started,
-                            prefill_time_s=sum(row.prefill_time_s for row in per_row))
+    stats = SpecStats.total(
+        per_row,
+        passes=decoder.passes,
+        wall_time_s=time.perf_counter() - started,
+        prefill_time_s=sum(row.prefill_time_s for row in per_row),
+    )
     return GenerateOutput(sequences=_padded(request, new).to(request.device), stats=stats)
 
 
@@ -115,7 +138,8 @@ def _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator,
     mode = generation_config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(
-            f"specula decodes greedily or by sampling, but these generation settings ask for {mode.value.replace('_', ' ')} "
+            "specula decodes greedily or by sampling, but these generation settings ask for "
+            f"{mode.value.replace('_', ' ')} "
             "(num_beams, prompt_lookup_num_tokens, assistant_model, penalty_alpha, dola_layers ...); drop them, or "
             "call model.generate without specula."
         )
@@ -150,5 +174,9 @@ def _refuse_what_cannot_be_exact(model, input_ids, generation_config, generator,
 def _filled(cache) -> bool:
     """Whether ``cache`` holds anything: tokens in an attention layer, or a recurrent layer's state (a cache of
     recurrent layers alone has no length to ask)."""
-    return any(layer.get_seq_length() > 0 if isinstance(layer, CacheLayerMixin) else
-               any(getattr(layer, "has_previous_state", {}).values()) for layer in getattr(cache, "layers", ()))
+    return any(
+        layer.get_seq_length() > 0
+        if isinstance(layer, CacheLayerMixin)
+        else any(getattr(layer, "has_previous_state", {}).values())
+        for layer in getattr(cache, "layers", ())
+    )

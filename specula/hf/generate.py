@@ -16,11 +16,11 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 
-from ..decoding.loop import Job
 from ..core.stats import GenerateOutput
+from ..decoding.loop import Job
 from ..proposers.base import Proposer
-from .bridge import decode, jobs_of, prepared
 from ..verifier.support import context_limit, vocab_size
+from .bridge import decode, jobs_of, prepared
 from .inputs import check_max_new_tokens, check_prompt, eos_ids
 from .predictions import PredictionInput, checked_predictions
 from .wrapped import unwrapped
@@ -92,7 +92,8 @@ def generate(
             on this machine and model (measured once, kept: :mod:`specula.verifier.exactness`), in fp32 ordinary
             (its rounding is far below the gaps between logits). ``stats.exactness`` says what was chosen and why.
         prediction: the output the request expects back, drafted from wherever the output follows it (the file
-            being edited, last run's answer; :mod:`specula.proposers.prediction`): text (with ``tokenizer=``), token ids,
+            being edited, last run's answer; :mod:`specula.proposers.prediction`): text (with ``tokenizer=``), token
+            ids,
             or OpenAI's ``{"type": "content", "content": text}``; for a batch, a list of one per row (``None`` for a
             row without). The output is still the model's; ``stats.accepted_prediction_tokens`` and
             ``stats.rejected_prediction_tokens`` count its tokens verified and kept or rejected.
@@ -127,8 +128,14 @@ def generate(
     if temperature == 0:  # greedy, as vLLM and most serving APIs read it; model.generate would refuse it
         do_sample, temperature = False, None
     given = dict(
-        max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, do_sample=do_sample, temperature=temperature,
-        top_k=top_k, top_p=top_p, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
         streamer=streamer,
     )
     return model.generate(
@@ -175,12 +182,25 @@ def custom_generate(
     ``exact``, ``prediction`` (text encoded with ``tokenizer``) and ``compile`` as in :func:`specula.generate`.
     """
     del synced_gpus  # one process
-    predictions = checked_predictions(prediction, input_ids.shape[0], vocab_size(model), tokenizer,
-                                      context_limit(model))
-    request, sampling, generators = prepared(model, input_ids, logits_processor, generation_config, generator,
-                                             model_kwargs)
-    out = decode(model, request, proposer, sampling, stopping_criteria, streamer, adaptive_draft, exact,
-                 generators, predictions, compile)
+    predictions = checked_predictions(
+        prediction, input_ids.shape[0], vocab_size(model), tokenizer, context_limit(model)
+    )
+    request, sampling, generators = prepared(
+        model, input_ids, logits_processor, generation_config, generator, model_kwargs
+    )
+    out = decode(
+        model,
+        request,
+        proposer,
+        sampling,
+        stopping_criteria,
+        streamer,
+        adaptive_draft,
+        exact,
+        generators,
+        predictions,
+        compile,
+    )
     return out if generation_config.return_dict_in_generate else out.sequences
 
 
@@ -188,10 +208,17 @@ def _jobs_only(model, input_ids, logits_processor, stopping_criteria, generation
     """A ``custom_generate`` that decodes nothing: the requests ``generate`` prepared, for :func:`prepare_jobs`. It
     declares :func:`custom_generate`'s signature (below), so ``generate`` hands it the same arguments."""
     own = inspect.signature(custom_generate).parameters
-    predictions = checked_predictions(kwargs.get("prediction"), input_ids.shape[0], vocab_size(model),
-                                      kwargs.get("tokenizer"), context_limit(model))
-    request, sampling, generators = prepared(model, input_ids, logits_processor, generation_config,
-                                             kwargs.get("generator"), {k: v for k, v in kwargs.items() if k not in own})
+    predictions = checked_predictions(
+        kwargs.get("prediction"), input_ids.shape[0], vocab_size(model), kwargs.get("tokenizer"), context_limit(model)
+    )
+    request, sampling, generators = prepared(
+        model,
+        input_ids,
+        logits_processor,
+        generation_config,
+        kwargs.get("generator"),
+        {k: v for k, v in kwargs.items() if k not in own},
+    )
     return jobs_of(request, sampling, stopping_criteria, generators, predictions)
 
 
@@ -201,11 +228,16 @@ _jobs_only.__signature__ = inspect.signature(custom_generate)
 def prepare_jobs(model: torch.nn.Module, input_ids: torch.Tensor, **generate_kwargs) -> list[Job]:
     """The requests (one per row of ``input_ids``) that ``specula.generate(model, input_ids, **generate_kwargs)``
     would decode, prepared by ``model.generate`` itself (generation config, logits processors, stopping criteria,
-    each job's :class:`~specula.core.sampling.Sampling`), for a :class:`specula.decoding.loop.Decoder` that takes requests as they come: jobs
+    each job's :class:`~specula.core.sampling.Sampling`), for a :class:`specula.decoding.loop.Decoder` that takes
+    requests as they come: jobs
     prepared with other settings share its passes, each decoded with its own."""
     mask = generate_kwargs.pop("attention_mask", None)
-    return model.generate(input_ids, attention_mask=torch.ones_like(input_ids) if mask is None else mask,
-                          custom_generate=_jobs_only, **generate_kwargs)
+    return model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids) if mask is None else mask,
+        custom_generate=_jobs_only,
+        **generate_kwargs,
+    )
 
 
 def _keep_tokenizer_and_streamer(extract):
@@ -232,13 +264,23 @@ def _keep_tokenizer_and_streamer(extract):
 def _drops_tokenizer_or_streamer(extract) -> bool:
     """Whether the installed ``generate`` would drop ``tokenizer`` or ``streamer`` on their way to
     :func:`custom_generate` (asked of ``extract`` itself, with two markers: the patch is applied only where needed)."""
-    if getattr(extract, "keeps_tokenizer_and_streamer", False) or \
-            not {"custom_generate", "kwargs", "streamer", "synced_gpus"} <= set(inspect.signature(extract).parameters):
+    if getattr(extract, "keeps_tokenizer_and_streamer", False) or not {
+        "custom_generate",
+        "kwargs",
+        "streamer",
+        "synced_gpus",
+    } <= set(inspect.signature(extract).parameters):
         return False
     tokenizer, streamer = object(), object()
     try:
-        kept = extract(torch.nn.Module(), custom_generate=custom_generate, kwargs={"tokenizer": tokenizer},
-                       synced_gpus=False, assistant_model=None, streamer=streamer)
+        kept = extract(
+            torch.nn.Module(),
+            custom_generate=custom_generate,
+            kwargs={"tokenizer": tokenizer},
+            synced_gpus=False,
+            assistant_model=None,
+            streamer=streamer,
+        )
     except Exception:  # (a shape this module does not know: left alone, and the tests of stop strings will tell)
         return False
     return kept.get("tokenizer") is not tokenizer or kept.get("streamer") is not streamer

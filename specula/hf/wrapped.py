@@ -19,11 +19,15 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
         config = model.active_peft_config
         if config.is_prompt_learning:
-            raise ValueError(f"specula cannot run this {type(model).__name__}: its adapter "
-                             f"({config.peft_type}) {PROMPT_LEARNING}; merge it or use model.generate")
+            raise ValueError(
+                f"specula cannot run this {type(model).__name__}: its adapter "
+                f"({config.peft_type}) {PROMPT_LEARNING}; merge it or use model.generate"
+            )
         if getattr(config, "alora_invocation_tokens", None):
-            raise ValueError(f"specula cannot run this {type(model).__name__}: its activated LoRA switches on at "
-                             "invocation tokens inside the prompt, which specula's passes do not track; use "
-                             "model.generate")
+            raise ValueError(
+                f"specula cannot run this {type(model).__name__}: its activated LoRA switches on at "
+                "invocation tokens inside the prompt, which specula's passes do not track; use "
+                "model.generate"
+            )
         return unwrapped(model.get_base_model())
     return model

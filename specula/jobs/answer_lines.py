@@ -23,31 +23,52 @@ import uuid
 from .requests import Request, answer_key
 
 
-def answer_line(request: Request, text: str, finish_reason: str, prompt_tokens: int, stats: dict, model: str
-                ) -> dict:
+def answer_line(request: Request, text: str, finish_reason: str, prompt_tokens: int, stats: dict, model: str) -> dict:
     """The line answering ``request`` with ``text`` (``finish_reason``: ``"stop"`` or ``"length"``); ``stats`` are
     specula's (with the prediction's counts where it had one), ``model`` the loaded model's name."""
     if not request.batch:
         return {"id": request.id, "text": text, "finish_reason": finish_reason, "stats": stats}
     chat = request.url == "/v1/chat/completions"
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": stats["new_tokens"],
-             "total_tokens": prompt_tokens + stats["new_tokens"]}
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": stats["new_tokens"],
+        "total_tokens": prompt_tokens + stats["new_tokens"],
+    }
     if "accepted_prediction_tokens" in stats:  # (OpenAI's names and place for a request with a prediction)
-        usage["completion_tokens_details"] = {name: stats[name] for name in ("accepted_prediction_tokens",
-                                                                              "rejected_prediction_tokens")}
-    choice = {"index": 0, **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
-              "logprobs": None, "finish_reason": finish_reason}
-    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage, "specula": stats}
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.id,
-            "response": {"status_code": 200, "request_id": f"req_{uuid.uuid4().hex}", "body": body}, "error": None}
+        usage["completion_tokens_details"] = {
+            name: stats[name] for name in ("accepted_prediction_tokens", "rejected_prediction_tokens")
+        }
+    choice = {
+        "index": 0,
+        **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+        "specula": stats,
+    }
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": request.id,
+        "response": {"status_code": 200, "request_id": f"req_{uuid.uuid4().hex}", "body": body},
+        "error": None,
+    }
 
 
 def error_line(custom_id: str | None, message: str) -> dict:
     """A Batch API output line for a request that was not answered (a bad line, a prompt the model cannot take)."""
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
-            "error": {"code": "invalid_request", "message": message}}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": "invalid_request", "message": message},
+    }
 
 
 def answer_stats(line: dict) -> dict | None:

@@ -49,8 +49,11 @@ def generate_options(request: Request, settings: Settings, device: torch.device 
     own = request.options
     sampling = dict(settings.sampling)
     if "temperature" in own:
-        sampling = {"do_sample": False} if own["temperature"] == 0 else \
-            {**sampling, "do_sample": True, "temperature": float(own["temperature"])}
+        sampling = (
+            {"do_sample": False}
+            if own["temperature"] == 0
+            else {**sampling, "do_sample": True, "temperature": float(own["temperature"])}
+        )
     if "top_k" in own:
         sampling["top_k"] = max(own["top_k"], 0)  # (-1, vLLM's "every token", is 0 to transformers)
     if "top_p" in own:
@@ -59,16 +62,22 @@ def generate_options(request: Request, settings: Settings, device: torch.device 
         sampling = {"do_sample": False}
     seed = own.get("seed", None if settings.seed is None else settings.seed + request.line)
     renamed = {"stop": "stop_strings", "min_tokens": "min_new_tokens", "repetition_penalty": "repetition_penalty"}
-    return {"max_new_tokens": own.get("max_tokens", settings.max_new_tokens), **sampling,
-            # each request its own random stream, so that its answer does not depend on its batch-mates
-            **({} if seed is None else {"generator": [torch.Generator(device).manual_seed(seed)]}),
-            **{renamed[name]: value for name, value in own.items() if name in renamed}}
+    return {
+        "max_new_tokens": own.get("max_tokens", settings.max_new_tokens),
+        **sampling,
+        # each request its own random stream, so that its answer does not depend on its batch-mates
+        **({} if seed is None else {"generator": [torch.Generator(device).manual_seed(seed)]}),
+        **{renamed[name]: value for name, value in own.items() if name in renamed},
+    }
 
 
 def named(settings: Settings, model) -> Settings:
     """``settings`` with the name answers call the model: given, else its folder's (:func:`model_name`)."""
-    return replace(settings, model_name=settings.model_name or (
-        model_name(model.name_or_path) if model.name_or_path else model.config.model_type))
+    return replace(
+        settings,
+        model_name=settings.model_name
+        or (model_name(model.name_or_path) if model.name_or_path else model.config.model_type),
+    )
 
 
 def batch_size(model, settings: Settings, largest: int = 32) -> int:
@@ -121,18 +130,34 @@ def answer_of(row: Row, request: Request, tokenizer, settings: Settings) -> dict
     text = tokenizer.decode(output, skip_special_tokens=True)
     ends = [at for at in (text.find(stop) for stop in request.options.get("stop", ())) if at >= 0]
     stopped = bool(ends) or (len(output) > 0 and int(output[-1]) in row.job.eos_token_ids)
-    return answer_line(request, text[: min(ends)] if ends else text, "stop" if stopped else "length",
-                       len(row.job.prompt), _stats(row.stats, row.job.prediction is not None), settings.model_name)
+    return answer_line(
+        request,
+        text[: min(ends)] if ends else text,
+        "stop" if stopped else "length",
+        len(row.job.prompt),
+        _stats(row.stats, row.job.prediction is not None),
+        settings.model_name,
+    )
 
 
 def _stats(stats, predicted: bool) -> dict:
     """An answer's stats; with a prediction, its tokens verified and kept or rejected (OpenAI's names)."""
     return {
-        "new_tokens": stats.new_tokens, "passes": stats.passes, "accepted": stats.accepted,
-        "drafted": stats.drafted, "seconds": round(stats.wall_time_s, 4),
-        "exact": None if stats.exactness is None else stats.exactness.exact, "compiled": stats.compiled,
-    } | ({"accepted_prediction_tokens": stats.accepted_prediction_tokens,
-          "rejected_prediction_tokens": stats.rejected_prediction_tokens} if predicted else {})
+        "new_tokens": stats.new_tokens,
+        "passes": stats.passes,
+        "accepted": stats.accepted,
+        "drafted": stats.drafted,
+        "seconds": round(stats.wall_time_s, 4),
+        "exact": None if stats.exactness is None else stats.exactness.exact,
+        "compiled": stats.compiled,
+    } | (
+        {
+            "accepted_prediction_tokens": stats.accepted_prediction_tokens,
+            "rejected_prediction_tokens": stats.rejected_prediction_tokens,
+        }
+        if predicted
+        else {}
+    )
 
 
 class Answerer:
@@ -142,8 +167,7 @@ class Answerer:
     ``on_skip`` with its reason. Kept across calls, it keeps its proposer (an n-gram predictor keeps learning) and
     its batch size."""
 
-    def __init__(self, model, tokenizer, proposer, settings: Settings,
-                 on_skip: Callable[[Request, str], None]) -> None:
+    def __init__(self, model, tokenizer, proposer, settings: Settings, on_skip: Callable[[Request, str], None]) -> None:
         self.model, self.tokenizer, self.proposer, self.on_skip = model, tokenizer, proposer, on_skip
         self.settings = named(settings, model)
         self.budget = cache_budget(model, settings)
@@ -161,8 +185,9 @@ class Answerer:
             self.on_skip(request, str(error))
             return None
 
-    def __call__(self, requests: Iterable[Request], largest: int = 32, eager: bool = False
-                 ) -> Iterator[tuple[Request, dict]]:
+    def __call__(
+        self, requests: Iterable[Request], largest: int = 32, eager: bool = False
+    ) -> Iterator[tuple[Request, dict]]:
         """(request, answer line) as requests finish (not in input order: see
         :class:`specula.jobs.answers.InputOrder`). ``largest`` bounds the measured batch size;
         ``eager`` prepares every request before decoding any. A measured batch size is measured again every
@@ -176,9 +201,15 @@ class Answerer:
         while (first := next(prepared, None)) is not None:
             if self.slots is None:
                 self.slots = batch_size(self.model, self.settings, largest)
-            decoder = Decoder(self.model, self.proposer, self.slots, exact=self.settings.exact,
-                              predictions=self.settings.predictions, compile=self.settings.compile,
-                              budget=self.budget)
+            decoder = Decoder(
+                self.model,
+                self.proposer,
+                self.slots,
+                exact=self.settings.exact,
+                predictions=self.settings.predictions,
+                compile=self.settings.compile,
+                budget=self.budget,
+            )
             self.exactness = decoder.prepare().exactness
             self.compiled = decoder.compiles
             jobs = itertools.chain([first], prepared)

@@ -1,5 +1,6 @@
 """The answers file of a job, which survives a stopped run (:class:`AnswerFile`), answers written in their requests'
-order (:class:`InputOrder`), the run's summary (:class:`Tally`) and a clean stop on Ctrl-C (:class:`StopOnInterrupt`). Nothing here needs torch: the command line reads an answers
+order (:class:`InputOrder`), the run's summary (:class:`Tally`) and a clean stop on Ctrl-C (:class:`StopOnInterrupt`).
+Nothing here needs torch: the command line reads an answers
 file (``--resume``) before it imports anything heavy."""
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class InputOrder:
     in line order, so none that was made is lost; a resumed run finds them by id.
 
     ``expect(number)`` as requests are handed out (in line order), ``settle(number, answer)`` as each ends
-    (``None``: skipped without a line; a Batch API file answers a skipped request with an error line). Worked example: 1, 2, 3 expected; 3 settles (waits), 1 settles (1 written), 2 is skipped
+    (``None``: skipped without a line; a Batch API file answers a skipped request with an error line). Worked example:
+    1, 2, 3 expected; 3 settles (waits), 1 settles (1 written), 2 is skipped
     (3 written)."""
 
     def __init__(self, output: AnswerFile, tally: "Tally") -> None:
@@ -140,11 +142,17 @@ class Tally:
     def summary(self, **more) -> dict:
         """What the run did, as ``--json`` writes it (``more``: how it ran)."""
         seconds = time.perf_counter() - self.started
-        return {"requests": self.answered, "new_tokens": self.new_tokens, "seconds": round(seconds, 3),
-                "tokens_per_second": round(self.new_tokens / max(seconds, 1e-9), 2),
-                # plain decoding makes one token a request a pass: what drafts gave is what this is above 1
-                "tokens_per_pass_per_request": round(self.new_tokens / self.passes, 3) if self.passes else None,
-                "answered_before": self.answered_before, "skipped": self.skipped, **more}
+        return {
+            "requests": self.answered,
+            "new_tokens": self.new_tokens,
+            "seconds": round(seconds, 3),
+            "tokens_per_second": round(self.new_tokens / max(seconds, 1e-9), 2),
+            # plain decoding makes one token a request a pass: what drafts gave is what this is above 1
+            "tokens_per_pass_per_request": round(self.new_tokens / self.passes, 3) if self.passes else None,
+            "answered_before": self.answered_before,
+            "skipped": self.skipped,
+            **more,
+        }
 
     def skip(self, where: str) -> None:
         """Report a skipped request (``where``: ``path:line: reason``) and count it."""
@@ -156,19 +164,23 @@ class Tally:
         there); after Ctrl-C, say how to go on and exit with status 130. A run that answered nothing because every
         request was skipped is an error (status 1)."""
         if self.skipped and not (self.answered or self.answered_before or interrupted):
-            raise SystemExit(f"error: every request was skipped ({self.skipped}, reasons above); nothing was answered "
-                             f"into {output}")
+            raise SystemExit(
+                f"error: every request was skipped ({self.skipped}, reasons above); nothing was answered into {output}"
+            )
         summary = self.summary(**more)
         if json_path is not None:
             json_path.write_text(json.dumps(summary, indent=1) + "\n")
         per_pass = summary["tokens_per_pass_per_request"]
-        print(f"{self.answered} requests, {self.new_tokens} new tokens in {summary['seconds']:.1f}s "
-              f"({summary['tokens_per_second']:.1f} tok/s)"
-              + (f", {per_pass:.2f} tokens per pass per request (plain decoding: 1)" if per_pass else "")
-              + f", {details}"
-              + (f"; {self.answered_before} answered before (--resume)" if self.answered_before else "")
-              + (f"; {self.skipped} skipped (reasons above)" if self.skipped else "")
-              + f" -> {output}", file=sys.stderr)
+        print(
+            f"{self.answered} requests, {self.new_tokens} new tokens in {summary['seconds']:.1f}s "
+            f"({summary['tokens_per_second']:.1f} tok/s)"
+            + (f", {per_pass:.2f} tokens per pass per request (plain decoding: 1)" if per_pass else "")
+            + f", {details}"
+            + (f"; {self.answered_before} answered before (--resume)" if self.answered_before else "")
+            + (f"; {self.skipped} skipped (reasons above)" if self.skipped else "")
+            + f" -> {output}",
+            file=sys.stderr,
+        )
         if interrupted:
             print(f"interrupted: rerun with --resume to answer the rest into {output}", file=sys.stderr)
             raise SystemExit(130)

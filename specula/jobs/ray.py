@@ -36,11 +36,11 @@ try:
 except ImportError as error:  # (the optional extra)
     raise ImportError("specula.jobs.ray needs Ray: pip install 'specula[ray]'") from error
 
+from ..hf.loading import load_model, resolve_model
+from ..hf.registry import proposer_factory
 from .answer_lines import error_line
 from .answerer import Answerer, Settings
 from .answers import AnswerFile, InputOrder, StopOnInterrupt, Tally
-from ..hf.loading import load_model, resolve_model
-from ..hf.registry import proposer_factory
 from .requests import BadRequest, Request, answer_key, file_shape, model_name, parse_request, unique_requests
 
 RAY_BATCH = 64  # requests a worker takes at once, decoded up to settings.batch_size at a time (continuous batching)
@@ -49,22 +49,36 @@ RAY_BATCH = 64  # requests a worker takes at once, decoded up to settings.batch_
 class RayWorker:
     """One actor of the pool: the model and proposer, loaded once; each call answers a batch of requests."""
 
-    def __init__(self, model: str | None, proposer: str, settings: Settings, dtype, device: str, threads: int,
-                 adapter: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str | None,
+        proposer: str,
+        settings: Settings,
+        dtype,
+        device: str,
+        threads: int,
+        adapter: str | None = None,
+    ) -> None:
         torch.set_num_threads(threads)  # the cores Ray gave this worker (its OMP_NUM_THREADS may come too late)
         self.model, tokenizer = load_model(model, dtype=dtype, device=device, adapter=adapter)
         factory = proposer_factory(proposer, tokenizer, self.model.dtype, device)
         self.skipped: list[tuple[int, str]] = []  # (line number, reason)
-        self.answerer = Answerer(self.model, tokenizer, factory(), settings,
-                                 lambda request, reason: self.skipped.append((request.line, reason)))
+        self.answerer = Answerer(
+            self.model,
+            tokenizer,
+            factory(),
+            settings,
+            lambda request, reason: self.skipped.append((request.line, reason)),
+        )
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, list]]:
         """``batch``: columns ``number`` (line numbers) and ``request`` (the line's JSON, checked by the driver).
         Yields a row as each request ends: its ``number`` and ``answer`` (its JSON line), or ``skipped`` (the
         reason) for one that could not be decoded."""
         self.skipped = []
-        requests = [parse_request(json.loads(line), number)
-                    for number, line in zip(batch["number"].tolist(), batch["request"])]
+        requests = [
+            parse_request(json.loads(line), number) for number, line in zip(batch["number"].tolist(), batch["request"])
+        ]
         for request, answer in self.answerer(requests, largest=min(RAY_BATCH, 32)):
             yield from self._skipped()
             yield {"number": [request.line], "answer": [json.dumps(answer, ensure_ascii=False)], "skipped": [""]}
@@ -95,7 +109,8 @@ def generate_with_ray(
     did. Bad lines are reported (``strict``: ``ValueError`` at the first, before any worker starts);
     Ctrl-C stops after the answer being written (``SystemExit(130)``), and a rerun with a resumed ``output`` goes on;
     ``json_path``: also write the run's summary there (:meth:`Tally.summary`).
-    ``model``, ``dtype`` and ``adapter`` are what :func:`specula.load_model` takes, ``proposer`` a ``--proposer`` name."""
+    ``model``, ``dtype`` and ``adapter`` are what :func:`specula.load_model` takes, ``proposer`` a ``--proposer``
+    name."""
     tally = Tally()
     settings = settings or Settings()
     if settings.model_name is None:
@@ -106,18 +121,21 @@ def generate_with_ray(
     stop = StopOnInterrupt()
     if requests:
         worker = {"model": model, "proposer": proposer, "settings": settings, "dtype": dtype, "adapter": adapter}
-        good = [{"number": number, "request": json.dumps(request.data)} for number, request in requests
-                if isinstance(request, Request)]
+        good = [
+            {"number": number, "request": json.dumps(request.data)}
+            for number, request in requests
+            if isinstance(request, Request)
+        ]
         answers = _answers(good, worker, workers, gpus_per_worker, cpus_per_worker) if good else None
         with stop:
             _write_answers(answers, requests, output, tally, input_path, stop)
-    tally.report(f"{workers} Ray worker{'s' * (workers > 1)}", output.path, stop.requested, json_path,
-                 workers=workers)
+    tally.report(f"{workers} Ray worker{'s' * (workers > 1)}", output.path, stop.requested, json_path, workers=workers)
     return tally
 
 
-def _pending(input_path: str | Path, output: AnswerFile, strict: bool, tally: Tally, model: str
-             ) -> list[tuple[int, Request | BadRequest]]:
+def _pending(
+    input_path: str | Path, output: AnswerFile, strict: bool, tally: Tally, model: str
+) -> list[tuple[int, Request | BadRequest]]:
     """(line number, request) for the requests of ``input_path`` still to answer and its bad lines (with ``strict``,
     the first is a ``ValueError``); those answered before counted in ``tally``. ``model``: the name requests may
     give the model."""
@@ -132,8 +150,9 @@ def _pending(input_path: str | Path, output: AnswerFile, strict: bool, tally: Ta
     return requests
 
 
-def _answers(requests: list[dict], worker: dict, workers: int, gpus_per_worker: float,
-             cpus_per_worker: int | None) -> "ray.data.Dataset":
+def _answers(
+    requests: list[dict], worker: dict, workers: int, gpus_per_worker: float, cpus_per_worker: int | None
+) -> "ray.data.Dataset":
     """The answers of ``requests`` by a pool of ``workers`` :class:`RayWorker` (made with ``worker``, the
     arguments they share), each answer a row of its own, sent back as soon as it is made."""
     ray.init(ignore_reinit_error=True, logging_level=logging.WARNING)  # RAY_ADDRESS: that cluster; else local
@@ -143,15 +162,23 @@ def _answers(requests: list[dict], worker: dict, workers: int, gpus_per_worker: 
     if cpus_per_worker is None:
         cpus_per_worker = 1 if gpus_per_worker else max(1, int(ray.cluster_resources().get("CPU", 1)) // workers)
     return ray.data.from_items(requests).map_batches(
-        RayWorker, batch_size=RAY_BATCH, compute=ray.data.ActorPoolStrategy(size=workers),
+        RayWorker,
+        batch_size=RAY_BATCH,
+        compute=ray.data.ActorPoolStrategy(size=workers),
         fn_constructor_kwargs={**worker, "device": "cuda" if gpus_per_worker else "cpu", "threads": cpus_per_worker},
-        num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
+        num_cpus=cpus_per_worker,
+        num_gpus=gpus_per_worker,
     )
 
 
-def _write_answers(answers: "ray.data.Dataset | None", requests: list[tuple[int, Request | BadRequest]],
-                   output: AnswerFile,
-                   tally: Tally, input_path: str | Path, stop: StopOnInterrupt) -> None:
+def _write_answers(
+    answers: "ray.data.Dataset | None",
+    requests: list[tuple[int, Request | BadRequest]],
+    output: AnswerFile,
+    tally: Tally,
+    input_path: str | Path,
+    stop: StopOnInterrupt,
+) -> None:
     """Write the answers in input order as they arrive (:class:`InputOrder`) and report the bad lines and the
     requests the workers skipped (a Batch API line's: an error line in its place), until all are in or ``stop`` is
     requested; a worker's error is a ``ValueError`` with its own last line."""

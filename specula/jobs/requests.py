@@ -30,8 +30,17 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what requests may call the embedded default model
 ENDPOINTS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion"}  # url -> body object
 BATCH_KEYS = ("custom_id", "method", "url", "body")
-SETTINGS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "top_k", "min_tokens",
-            "repetition_penalty")
+SETTINGS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "top_k",
+    "min_tokens",
+    "repetition_penalty",
+)
 # Fields specula honours only at their default (null is the default too), and why it cannot honour another value.
 DEFAULT_ONLY = {
     "n": (1, "specula makes one answer per request; repeat the line (with its own id and seed) for more"),
@@ -57,8 +66,15 @@ DEFAULT_ONLY = {
     "web_search_options": (None, "specula does not search the web"),
 }
 # Fields that do not change an answer: accepted and kept out of its decoding.
-NO_EFFECT = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-             "parallel_tool_calls")
+NO_EFFECT = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "parallel_tool_calls",
+)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's chat roles
 _OWN_FIELDS = ("id", "messages", "prompt", "prediction", "model")
 _KNOWN = set(SETTINGS) | set(DEFAULT_ONLY) | set(NO_EFFECT) | set(_OWN_FIELDS)
@@ -120,8 +136,9 @@ def parse_request(data: object, number: int, model: str | None = None, where: st
     try:
         request = _batch_request(data, number) if batch else _own_request(data, number)
         if model is not None and request.model is not None and not names_model(request.model, model):
-            raise _Problem(f'"model" is {request.model!r}, but the loaded model is {model!r}; name it or leave '
-                           '"model" out')
+            raise _Problem(
+                f'"model" is {request.model!r}, but the loaded model is {model!r}; name it or leave "model" out'
+            )
     except _Problem as problem:
         custom_id = data.get("custom_id") if batch and isinstance(data.get("custom_id"), str) else None
         return BadRequest(f"{where}: {problem}" if where else str(problem), custom_id, shape)
@@ -137,8 +154,10 @@ def _own_request(data: object, number: int) -> Request:
         if name not in _KNOWN and (near := difflib.get_close_matches(name, _KNOWN, n=1, cutoff=0.8)):
             raise _Problem(f'unknown field "{name}": did you mean "{near[0]}"?')
     if not isinstance(data, dict) or not ("messages" in data or "prompt" in data):
-        raise _Problem('each line must be a JSON object with "messages" (chat) or "prompt" (text), or an OpenAI '
-                       'Batch API request ("custom_id", "method", "url", "body")')
+        raise _Problem(
+            'each line must be a JSON object with "messages" (chat) or "prompt" (text), or an OpenAI '
+            'Batch API request ("custom_id", "method", "url", "body")'
+        )
     return _request(data, number, data.get("id", number), "messages" in data, None, data)
 
 
@@ -151,8 +170,9 @@ def _batch_request(data: dict, number: int) -> Request:
     if data["method"] != "POST":
         raise _Problem(f'"method" must be "POST", got {data["method"]!r}')
     if data["url"] not in ENDPOINTS:
-        raise _Problem(f'"url" must be one of {", ".join(ENDPOINTS)} (the endpoints specula answers), got '
-                       f'{data["url"]!r}')
+        raise _Problem(
+            f'"url" must be one of {", ".join(ENDPOINTS)} (the endpoints specula answers), got {data["url"]!r}'
+        )
     body = data["body"]
     if not isinstance(body, dict):
         raise _Problem('"body" must be a JSON object: the chat or text completion request')
@@ -164,8 +184,9 @@ def _batch_request(data: dict, number: int) -> Request:
     unknown = [name for name in body if name not in allowed]
     if unknown:
         near = difflib.get_close_matches(unknown[0], allowed, n=1, cutoff=0.8)
-        raise _Problem(f'body: unknown field "{unknown[0]}" for {data["url"]}'
-                       + (f': did you mean "{near[0]}"?' if near else ""))
+        raise _Problem(
+            f'body: unknown field "{unknown[0]}" for {data["url"]}' + (f': did you mean "{near[0]}"?' if near else "")
+        )
     return _request(body, number, data["custom_id"], chat, data["url"], data)
 
 
@@ -175,14 +196,19 @@ def _request(fields: dict, number: int, key: object, chat: bool, url: str | None
     if not chat and isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]  # (OpenAI's list of prompts, of one)
     if not chat and not isinstance(prompt, str):
-        raise _Problem('"prompt" must be a string: one prompt per line (several make several answers, and token '
-                       'ids are not read: give the text)')
+        raise _Problem(
+            '"prompt" must be a string: one prompt per line (several make several answers, and token '
+            "ids are not read: give the text)"
+        )
     if fields.get("model") is not None and not isinstance(fields["model"], str):
         raise _Problem('"model" must be a string')
     for name, (default, why) in DEFAULT_ONLY.items():
         value = fields.get(name)
-        if value is not None and value != default and not (name in ("tool_choice", "function_call") and
-                                                           value == "auto" and not fields.get("tools")):
+        if (
+            value is not None
+            and value != default
+            and not (name in ("tool_choice", "function_call") and value == "auto" and not fields.get("tools"))
+        ):
             raise _Problem(f'"{name}": {json.dumps(value)[:60]} cannot be honoured: {why}')
     prediction = fields.get("prediction")
     if prediction is not None:
@@ -192,15 +218,25 @@ def _request(fields: dict, number: int, key: object, chat: bool, url: str | None
             raise _Problem(f'"prediction": {error}') from None
         if not isinstance(prediction, str):
             raise _Problem('"prediction" must be text, or {"type": "content", "content": text}')
-    return Request(number, key, _messages(fields["messages"]) if chat else None, None if chat else prompt,
-                   prediction, _options(fields), fields.get("model"), url, data)
+    return Request(
+        number,
+        key,
+        _messages(fields["messages"]) if chat else None,
+        None if chat else prompt,
+        prediction,
+        _options(fields),
+        fields.get("model"),
+        url,
+        data,
+    )
 
 
 def _messages(messages: object) -> list[dict]:
     """A chat as chat templates read it: each message's text parts joined into its ``content``, OpenAI's
     ``developer`` role as ``system`` (what templates know it as).
 
-    >>> _messages([{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]}])
+    >>> _messages([{"role": "developer",
+    ...             "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]}])
     [{'role': 'system', 'content': 'Be brief.'}]
     """
     if not isinstance(messages, list) or not messages:
@@ -210,19 +246,26 @@ def _messages(messages: object) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _Problem(f'"messages"[{index}] must be an object with a "role" and a "content"')
         if message["role"] not in ROLES:
-            raise _Problem(f'"messages"[{index}]: unknown role {json.dumps(message["role"])}; OpenAI\'s roles are '
-                           + ", ".join(ROLES))
+            raise _Problem(
+                f'"messages"[{index}]: unknown role {json.dumps(message["role"])}; OpenAI\'s roles are '
+                + ", ".join(ROLES)
+            )
         content = message.get("content")
         if isinstance(content, list):
-            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                       for part in content):
-                raise _Problem(f'"messages"[{index}]: specula reads text only; its content parts must be '
-                               '{"type": "text", "text": ...}')
+            if not all(
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                for part in content
+            ):
+                raise _Problem(
+                    f'"messages"[{index}]: specula reads text only; its content parts must be '
+                    '{"type": "text", "text": ...}'
+                )
             content = "".join(part["text"] for part in content)
         if not isinstance(content, str):
             raise _Problem(f'"messages"[{index}] must have a "content": text, or a list of text parts')
-        chat.append({**message, "role": "system" if message["role"] == "developer" else message["role"],
-                     "content": content})
+        chat.append(
+            {**message, "role": "system" if message["role"] == "developer" else message["role"], "content": content}
+        )
     return chat
 
 
@@ -231,8 +274,10 @@ def _options(fields: dict) -> dict:
     given = {name: fields[name] for name in SETTINGS if fields.get(name) is not None}
     limits = {name: given.pop(name) for name in ("max_tokens", "max_completion_tokens") if name in given}
     if len(set(map(repr, limits.values()))) > 1:
-        raise _Problem(f'"max_tokens" ({limits["max_tokens"]}) and "max_completion_tokens" '
-                       f'({limits["max_completion_tokens"]}) differ; give one')
+        raise _Problem(
+            f'"max_tokens" ({limits["max_tokens"]}) and "max_completion_tokens" '
+            f"({limits['max_completion_tokens']}) differ; give one"
+        )
     for name, value in limits.items():
         given["max_tokens"] = _whole(name, value, 1)
     if "min_tokens" in given:
@@ -301,10 +346,13 @@ def unique_requests(path: Path, model: str | None = None) -> Iterator[tuple[int,
             key = answer_key(request.id)
             if key in first:
                 name = "custom_id" if request.batch else "id"
-                request = BadRequest(f"{path}:{number}: its {name} {key} is line {first[key]}'s too; give each "
-                                     f'request its own "{name}"' + ("" if request.batch else
-                                                                   " (a line without one is known by its line number)"),
-                                     None, request.batch)  # (its custom_id: an earlier line's answer has it)
+                request = BadRequest(
+                    f"{path}:{number}: its {name} {key} is line {first[key]}'s too; give each "
+                    f'request its own "{name}"'
+                    + ("" if request.batch else " (a line without one is known by its line number)"),
+                    None,
+                    request.batch,
+                )  # (its custom_id: an earlier line's answer has it)
             first.setdefault(key, number)
         yield number, request
 
@@ -317,8 +365,10 @@ def file_shape(path: Path) -> bool | None:
         if request.batch is not None:
             seen.setdefault(request.batch, number)
     if len(seen) == 2:
-        raise ValueError(f"{path} mixes OpenAI Batch API lines (line {seen[True]}) with specula's own request lines "
-                         f"(line {seen[False]}); one file holds one shape")
+        raise ValueError(
+            f"{path} mixes OpenAI Batch API lines (line {seen[True]}) with specula's own request lines "
+            f"(line {seen[False]}); one file holds one shape"
+        )
     return next(iter(seen), None)
 
 
@@ -345,7 +395,7 @@ def encode(tokenizer, request: Request | dict) -> torch.Tensor:
     if isinstance(request, dict):
         request = Request(0, None, request.get("messages"), request.get("prompt"))
     if request.messages is not None and tokenizer.chat_template is None:
-        raise ValueError("this model's tokenizer has no chat template; give \"prompt\" (plain text) instead")
+        raise ValueError('this model\'s tokenizer has no chat template; give "prompt" (plain text) instead')
     if request.messages is not None:
         return tokenizer.apply_chat_template(
             request.messages, add_generation_prompt=True, return_tensors="pt", return_dict=True

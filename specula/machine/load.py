@@ -27,8 +27,11 @@ def cpu_seconds() -> tuple[float, float, float] | None:
     if not fields or fields[0] != "cpu" or len(fields) < 9:
         return None
     user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[1:9])
-    return ((user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), time.process_time(),
-            time.monotonic())
+    return (
+        (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"),
+        time.process_time(),
+        time.monotonic(),
+    )
 
 
 class LoadMeter:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import torch
 
@@ -24,3 +25,11 @@ def resident_bytes() -> int | None:
 
         return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
     return None
+
+
+def give_back_freed() -> None:
+    """Return the C heap's freed memory to the system (glibc's ``malloc_trim``; elsewhere nothing): after a load, what
+    its passes allocated and freed in blocks under glibc's mmap threshold stays in the process's heap otherwise, so
+    the resident set would keep a large batch's level while idle."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -43,8 +43,11 @@ def cpu_name() -> str:
     """The CPU's model name, read once per process."""
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
-        names = [line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
+        names = [
+            line.partition(":")[2].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ]
         cpu = names[0] if names else cpu
     return cpu
 
@@ -58,8 +61,16 @@ def device_name(device: torch.device) -> str:
 
 def key(device: torch.device, operation: str, *shape: Hashable) -> str:
     """The key of one measurement of ``operation`` on ``device``."""
-    return json.dumps([device_name(device), torch.__version__, torch.backends.cpu.get_cpu_capability(), PASSES,
-                       operation, *map(str, shape)])
+    return json.dumps(
+        [
+            device_name(device),
+            torch.__version__,
+            torch.backends.cpu.get_cpu_capability(),
+            PASSES,
+            operation,
+            *map(str, shape),
+        ]
+    )
 
 
 def store_path() -> Path:
@@ -126,10 +137,19 @@ class Store:
         """Say on stderr what measuring cost since this was last said, if anything was measured."""
         seconds, unkept = self.seconds - self._told[0], len(self.unkept) - self._told[1]
         if seconds > 0:
-            busy = (f"; {unkept} of its measurements ran while other programs took the CPUs, so they are not kept: a "
-                    "later run measures them again") if unkept else ""
-            print(f"specula: measured this machine in {seconds:.1f} s{' more' if self._told[0] else ''} (kept in "
-                  f"{self.path}; later runs reuse it{busy})", file=sys.stderr)
+            busy = (
+                (
+                    f"; {unkept} of its measurements ran while other programs took the CPUs, so they are not kept: a "
+                    "later run measures them again"
+                )
+                if unkept
+                else ""
+            )
+            print(
+                f"specula: measured this machine in {seconds:.1f} s{' more' if self._told[0] else ''} (kept in "
+                f"{self.path}; later runs reuse it{busy})",
+                file=sys.stderr,
+            )
             self._told = (self.seconds, len(self.unkept))
 
 

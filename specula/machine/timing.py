@@ -31,8 +31,9 @@ def lower_median(values: Iterable[float]) -> float:
     return float(ordered[(len(ordered) - 1) // 2])
 
 
-def seconds_of(run: Callable[[], object], clock: Callable[[], float] | None = None,
-               repeats: int = TIMING_REPEATS) -> float:
+def seconds_of(
+    run: Callable[[], object], clock: Callable[[], float] | None = None, repeats: int = TIMING_REPEATS
+) -> float:
     """The fastest of ``repeats`` runs of ``run`` after one warm-up (other work on the machine only ever adds time,
     so the minimum is the steadiest estimate)."""
     clock = clock or CLOCK

@@ -13,8 +13,10 @@ measured while decoding, never assumed:
 Costs are learnt by sending, so sending is what exploration risks: a length is sent only once a pass over about
 half as many tokens has been timed (``k <= 2n - 1`` draft tokens after a pass over ``n`` tokens; the first pass after
 the prefill is a plain plain pass, while the proposer's draft is checked for free against the token it
-produces). What a pass costs is a fact of the model and the machine, not of the text, so the measured costs are remembered
-per target model (and its device and dtype) and later generations start from them (:func:`specula.policy.costs.shared_pass_costs`):
+produces). What a pass costs is a fact of the model and the machine, not of the text, so the measured costs are
+remembered
+per target model (and its device and dtype) and later generations start from them
+(:func:`specula.policy.costs.shared_pass_costs`):
 only the first generation with a model explores; later ones send what pays from their first pass (later processes
 too: the costs are kept with the calibrations as their prior). The machine's
 load is not a fact to remember: costs are weighed against plain passes timed about when they were, and a length
@@ -44,8 +46,9 @@ if TYPE_CHECKING:
     from ..core.draft import Draft
 
 
-def choose_lengths(rows: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray], costs: PassCosts | None
-                   ) -> list[int]:
+def choose_lengths(
+    rows: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray], costs: PassCosts | None
+) -> list[int]:
     """How many draft tokens each row of a pass sends: ``chances[r]`` holds ``P_1, P_2 ..`` for the tokens row ``r``
     has, ``costs`` the measured pass costs for ``len(rows)`` rows (``None``: untimed, every pass costs the same).
     See :func:`_choice`."""
@@ -53,7 +56,10 @@ def choose_lengths(rows: Sequence["RequestAcceptance"], chances: Sequence[np.nda
 
 
 def _choice(
-    rows: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray], costs: PassCosts | None, tree: bool = False,
+    rows: Sequence["RequestAcceptance"],
+    chances: Sequence[np.ndarray],
+    costs: PassCosts | None,
+    tree: bool = False,
     width: int | None = None,
 ) -> tuple[list[int], float, int | None]:
     """:func:`choose_lengths`, the expected tokens per second (per unit of cost) of that choice, and the width
@@ -87,8 +93,9 @@ def _choice(
     return [min(chosen, len(c)) for c in usable], float(rates[chosen]), probed
 
 
-def budgets(rows: Sequence["RequestAcceptance"], remaining: Sequence[int], costs: PassCosts | None,
-            probe: bool = False) -> tuple[list[int], int | None]:
+def budgets(
+    rows: Sequence["RequestAcceptance"], remaining: Sequence[int], costs: PassCosts | None, probe: bool = False
+) -> tuple[list[int], int | None]:
     """How many tokens to ask each row's proposer for (0: do not ask), ``remaining`` the room each row has left,
     and, with ``probe``, the width of a stale cost to measure again this pass (``None``: none). While a row's
     drafts pay (were its draft full, from its best source so far): what it would send, plus one token whose fate
@@ -122,8 +129,9 @@ class AdaptiveDrafts:
         asks, self._probing = budgets(states, room, self._costs(states), probe=True)
         return asks
 
-    def trim(self, states: Sequence[RequestAcceptance], drafts: Sequence["Draft"],
-             draft_seconds: Sequence[float | None]) -> list[list[int]]:
+    def trim(
+        self, states: Sequence[RequestAcceptance], drafts: Sequence["Draft"], draft_seconds: Sequence[float | None]
+    ) -> list[list[int]]:
         """The likeliest tokens of each draft, as many as pay (or as the width measured again this pass). Of a
         chain, its first ones; of a tree, a tree (a token is never likelier than its parent). Where a row has a
         tree, the pass is costed as a tree pass (verifying a tree costs more than a chain as wide) and sent only if
@@ -141,8 +149,9 @@ class AdaptiveDrafts:
                 return tree_picks
         return picks
 
-    def _pick(self, states: Sequence[RequestAcceptance], drafts: Sequence["Draft"], tree: bool,
-              width: int | None = None) -> tuple[list[list[int]], float]:
+    def _pick(
+        self, states: Sequence[RequestAcceptance], drafts: Sequence["Draft"], tree: bool, width: int | None = None
+    ) -> tuple[list[list[int]], float]:
         chances = [state.node_chances(draft) for state, draft in zip(states, drafts)]
         orders = [np.argsort(-chance, kind="stable") for chance in chances]
         counts, rate, _ = _choice(states, [c[o] for c, o in zip(chances, orders)], self._costs(states), tree, width)
@@ -159,8 +168,9 @@ class AdaptiveDrafts:
         table's check), each row's outcome into its acceptance and the pool's."""
         costs = self.costs(len(done.states)) if done.seconds is not None else None
         if costs is not None:  # (timed: the costs decisions follow; else a kept table, checked against the run)
-            (costs.record if self.timed else costs.check)(done.tokens, done.seconds,
-                                                          tree=any(draft.is_tree for draft in done.sent))
+            (costs.record if self.timed else costs.check)(
+                done.tokens, done.seconds, tree=any(draft.is_tree for draft in done.sent)
+            )
         for state, draft, verified, new in zip(done.states, done.proposed, done.sent, done.new_tokens):
             for learner in (state, self.pool):
                 if verified.is_tree:

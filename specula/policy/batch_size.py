@@ -13,9 +13,14 @@ from ..verifier.exactness import choose, model_key
 from ..verifier.runner import CachedModel
 from ..verifier.support import UnsupportedModelError, context_limit, model_device, vocab_size
 
+
 @torch.inference_mode()
 def fastest_batch_size(
-    model: torch.nn.Module, largest: int = 32, context: int = 128, gain: float = 1.1, context_per_row: int = 4096,
+    model: torch.nn.Module,
+    largest: int = 32,
+    context: int = 128,
+    gain: float = 1.1,
+    context_per_row: int = 4096,
     again: bool = False,
 ) -> int:
     """The batch size (1, 2, 4 ... up to ``largest``) whose plain decoding passes, as specula's loop runs them, make
@@ -23,8 +28,10 @@ def fastest_batch_size(
 
     Rows of ``context + 16 * largest``, ``context + 16``, ``context + 32`` ... tokens of cache (different lengths, as
     real requests have; fewer where the model's positions end) get one token each. Each size's tokens per second is
-    weighed against a one-row pass timed just before (3 rounds, the lower median of the ratios), so that load on the machine, which slows both, does not
-    favour one size over another. Doubling goes on while it gains at least ``gain`` in tokens per second and that many rows of
+    weighed against a one-row pass timed just before (3 rounds, the lower median of the ratios), so that load on the
+    machine, which slows both, does not
+    favour one size over another. Doubling goes on while it gains at least ``gain`` in tokens per second and that many
+    rows of
     ``context_per_row`` tokens of KV cache fit in a quarter of the free memory. 1 for models that cannot be batched.
     Measured once per model, or ``again`` (what it takes: ``docs/hardware.md``)."""
     if largest < 2:
@@ -38,14 +45,30 @@ def fastest_batch_size(
     step = max(0, min(16, (limit - 2 - context) // largest))  # (tokens each row has over the one before)
     context = max(1, min(context, limit - 2 - step * largest))
     try:
-        target = CachedModel(model, None, None, rollback=True, capacity=context + step * largest + 1,
-                             row_exact=exact, slots=largest, cheap_steps=not exact)
+        target = CachedModel(
+            model,
+            None,
+            None,
+            rollback=True,
+            capacity=context + step * largest + 1,
+            row_exact=exact,
+            slots=largest,
+            cheap_steps=not exact,
+        )
     except UnsupportedModelError:
         return 1
     text = torch.randint(0, vocab_size(model), (context + step * largest,), generator=torch.Generator().manual_seed(0))
     spare = spare_bytes(device)
-    alone = CachedModel(model, None, None, rollback=True, capacity=context + step * largest + 1,
-                        row_exact=exact, ragged=True, cheap_steps=not exact)  # (what each size is weighed against)
+    alone = CachedModel(
+        model,
+        None,
+        None,
+        rollback=True,
+        capacity=context + step * largest + 1,
+        row_exact=exact,
+        ragged=True,
+        cheap_steps=not exact,
+    )  # (what each size is weighed against)
     alone.start_row(0, text.to(device))
     best, best_rate, size = 1, 0.0, 1
     target.start_row(0, text.to(device))  # the longest row, whose prefixes the others take
@@ -55,9 +78,12 @@ def fastest_batch_size(
                 target.copy_prefix(0, index, context + step * index)
             else:  # (recurrent state holds no prefix of a row: computed)
                 target.start_row(index, text[: context + step * index].to(device))
-        kv_per_token = sum(t.nbytes for layer in target.cache.layers for t in (getattr(layer, "keys", None),
-                                                                                 getattr(layer, "values", None))
-                           if isinstance(t, torch.Tensor)) / (size * target.cached_tokens)  # (recurrent state: none)
+        kv_per_token = sum(
+            t.nbytes
+            for layer in target.cache.layers
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if isinstance(t, torch.Tensor)
+        ) / (size * target.cached_tokens)  # (recurrent state: none)
         if spare is not None and size * kv_per_token * context_per_row > spare / 4:
             break
         rate = _relative_rate(target, alone, text[:1].to(device))
@@ -76,8 +102,9 @@ def kept_batch_size(model: torch.nn.Module, largest: int = 32) -> int:
     batch size changes what a request decodes to (ordinary bf16/fp16 verification rounds by the rows of a pass), it
     must not follow the load of the moment, so every run on the machine takes the same."""
     weight = next(model.parameters())
-    key = store.key(weight.device, "batch size", model_key(model), weight.dtype,
-                          model.config._attn_implementation, largest)
+    key = store.key(
+        weight.device, "batch size", model_key(model), weight.dtype, model.config._attn_implementation, largest
+    )
     return store.shared().get(key, lambda: fastest_batch_size(model, largest, again=True))
 
 

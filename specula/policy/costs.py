@@ -1,7 +1,8 @@
 """Pass costs: what a verification pass over ``n`` tokens takes with this model on this machine, measured while
 decoding, on a machine that other programs share.
 
-Load comes and goes, and it slows a pass over several tokens more than a plain pass (docs/hardware.md). So a pass is weighed against the plain
+Load comes and goes, and it slows a pass over several tokens more than a plain pass (docs/hardware.md). So a pass is
+weighed against the plain
 passes (one token a row) timed nearest it, before or after: its cost is kept as that ratio, estimated robustly (the
 lower median of its recent samples: a stall only ever adds time). An estimate not refreshed for :data:`RECENT`
 passes is stale: a stale width is sent again now and then, out of a credit of :data:`EXPLORE` of the decoding time
@@ -19,9 +20,9 @@ import numpy as np
 import torch
 
 from ..machine import store
+from ..machine.profile import profile_of
 from ..machine.timing import lower_median
 from ..verifier.exactness import model_key
-from ..machine.profile import profile_of
 
 KEEP = 8  # samples kept per pass width (plain passes: those of the last FORGET passes)
 RECENT = 32  # passes after which a width's last sample is stale
@@ -71,14 +72,20 @@ class PassCosts:
         timed here takes the prior's estimate."""
         if tree not in self._estimates:
             ratios = np.full(self.size - self.rows, np.nan)
-            widths = [(tokens, np.array(samples)) for (tokens, is_tree), samples  # [samples, 2]: pass, seconds
-                      in sorted(self.samples.items(), key=lambda item: item[0][1])  # (trees last: theirs win)
-                      if is_tree <= tree and samples[-1][0] > self.passes - FORGET]
+            widths = [
+                (tokens, np.array(samples))
+                for (tokens, is_tree), samples in sorted(  # [samples, 2]: pass, seconds
+                    self.samples.items(), key=lambda item: item[0][1]
+                )  # (trees last: theirs win)
+                if is_tree <= tree and samples[-1][0] > self.passes - FORGET
+            ]
             if widths:
                 plain = np.array(self.samples.get((self.rows, False), [])).reshape(-1, 2)  # [plain passes, 2]
                 every = np.concatenate([samples for _, samples in widths])
-                relative = np.split(every[:, 1] / nearest_plain(every[:, 0], plain[:, 0], plain[:, 1]),
-                                    np.cumsum([len(samples) for _, samples in widths])[:-1])
+                relative = np.split(
+                    every[:, 1] / nearest_plain(every[:, 0], plain[:, 0], plain[:, 1]),
+                    np.cumsum([len(samples) for _, samples in widths])[:-1],
+                )
                 for (tokens, samples), ratio in zip(widths, relative):
                     recent = samples[:, 0] > self.passes - RECENT
                     ratios[tokens - self.rows] = lower_median(ratio[recent] if recent.any() else ratio[-3:])
@@ -119,8 +126,11 @@ class PassCosts:
         estimate = np.interp(at, measured, ratios[measured])
         if len(measured) > 1:
             last, before = measured[-1], measured[-2]
-            slope = max((ratios[last] - ratios[measured[0]]) / (last - measured[0]),
-                        (ratios[last] - ratios[before]) / (last - before), 0.0)
+            slope = max(
+                (ratios[last] - ratios[measured[0]]) / (last - measured[0]),
+                (ratios[last] - ratios[before]) / (last - before),
+                0.0,
+            )
             estimate[last:] += slope * (at[last:] - last)
         return estimate * (self.plain() or 1.0)
 
@@ -141,15 +151,17 @@ class PassCosts:
         for width in sorted(range(len(rates)), key=lambda m: -rates[m]):
             tokens = self.rows * (width + 1)
             last = self.samples.get((tokens, False))
-            if width == best or (tokens not in self.prior or self.passes > FORGET if last is None else (
-                    last[-1][0] > self.passes - RECENT or (width and last[-1][0] <= self.passes - FORGET))):
+            if width == best or (
+                tokens not in self.prior or self.passes > FORGET
+                if last is None
+                else (last[-1][0] > self.passes - RECENT or (width and last[-1][0] <= self.passes - FORGET))
+            ):
                 continue  # (never timed, fresh or forgotten; a prior's width is stale until timed here)
             loss = expected[width] * (1.0 / rates[width] - 1.0 / rates[best]) / plain  # (in plain passes)
             if loss <= self.credit:
                 self.credit -= loss
                 return width
         return best
-
 
     def table(self) -> dict[int, float]:
         """Chain passes' costs in plain passes by tokens, as this process measured them, else as its prior said:
@@ -186,8 +198,9 @@ def shared_pass_costs(owner: torch.nn.Module, setting: Hashable, max_draft: int,
     tables = profile_of(owner).pass_costs
     if (setting, max_draft, rows) not in tables:
         prior = store.shared().known.get(_kept_key(owner, rows), {})
-        tables[setting, max_draft, rows] = PassCosts(rows, rows * (max_draft + 1) + 1,
-                                                     {int(tokens): ratio for tokens, ratio in prior.items()})
+        tables[setting, max_draft, rows] = PassCosts(
+            rows, rows * (max_draft + 1) + 1, {int(tokens): ratio for tokens, ratio in prior.items()}
+        )
     return tables[setting, max_draft, rows]
 
 

@@ -65,8 +65,10 @@ class KeptCosts(PassCosts):
         if tree or tokens >= self.size:
             return
         self.run.record(tokens, seconds)
-        timed, plain = (np.array(self.run.samples.get((width, False), [])).reshape(-1, 2)  # [passes, 2]
-                        for width in (tokens, self.rows))
+        timed, plain = (
+            np.array(self.run.samples.get((width, False), [])).reshape(-1, 2)  # [passes, 2]
+            for width in (tokens, self.rows)
+        )
         if tokens == self.rows or len(timed) < CHECKED or not len(plain):
             return
         measured = lower_median(timed[:, 1] / nearest_plain(timed[:, 0], plain[:, 0], plain[:, 1]))  # (its last KEEP)
@@ -75,15 +77,17 @@ class KeptCosts(PassCosts):
             self.correct(tokens, measured / said)
             if self.kept is not None and not self.load.disturbed():  # (on top of what earlier runs found)
                 kept = store.shared().known.get(self.kept, {})
-                store.shared().keep(self.kept, {**kept, str(tokens): round(kept.get(str(tokens), 1.0) * float(
-                    measured / said), 3)})
+                store.shared().keep(
+                    self.kept, {**kept, str(tokens): round(kept.get(str(tokens), 1.0) * float(measured / said), 3)}
+                )
 
     def correct(self, tokens: int, factor: float) -> None:
         """Price passes over ``tokens`` tokens and more ``factor`` times dearer than the table said."""
         for (width, tree), samples in self.samples.items():
             if width >= tokens:
-                self.samples[width, tree] = type(samples)([(number, seconds * factor) for number, seconds in samples],
-                                                          maxlen=samples.maxlen)
+                self.samples[width, tree] = type(samples)(
+                    [(number, seconds * factor) for number, seconds in samples], maxlen=samples.maxlen
+                )
         self._estimates.clear()
 
 
@@ -97,8 +101,9 @@ def widths(rows: int) -> tuple[int, ...]:
     return WIDTHS if rows == 1 else WIDTHS[:-1]
 
 
-def kept_pass_costs(model: torch.nn.Module, max_draft: int, rows: int = 1, compiled: str | None = None
-                    ) -> KeptCosts | None:
+def kept_pass_costs(
+    model: torch.nn.Module, max_draft: int, rows: int = 1, compiled: str | None = None
+) -> KeptCosts | None:
     """The kept pass costs of ``model`` on this machine (measured on first use), as costs of passes of ``rows`` rows
     for drafts of up to ``max_draft`` tokens a row (between two of :data:`ROWS`, interpolated in the rows from their
     tables; past the most, the most's); ``None`` where its passes cannot be timed so. Worked example: 2 rows cost
@@ -110,8 +115,15 @@ def kept_pass_costs(model: torch.nn.Module, max_draft: int, rows: int = 1, compi
         return None
     share = (rows - fewer) / (more - fewer) if more > fewer else 0.0
     weight = next(model.parameters())
-    kept = store.key(weight.device, CORRECTED, model_key(model), weight.dtype, model.config._attn_implementation,
-                     rows, *([f"compiled {compiled}"] if compiled else []))
+    kept = store.key(
+        weight.device,
+        CORRECTED,
+        model_key(model),
+        weight.dtype,
+        model.config._attn_implementation,
+        rows,
+        *([f"compiled {compiled}"] if compiled else []),
+    )
     costs = KeptCosts(rows, rows * (max_draft + 1) + 1, widths(more)[-1], kept)
     for width, below, above in zip(widths(more), low, high):
         if rows * width < costs.size:
@@ -125,8 +137,16 @@ def _kept_table(model: torch.nn.Module, rows: int, compiled: str | None = None) 
     """The kept ratios of passes of ``rows`` (one of :data:`ROWS`) over each of :func:`widths`, measured on first
     use (passes as ``compiled`` runs them: :class:`~specula.verifier.runner.CachedModel`)."""
     weight = next(model.parameters())
-    key = store.key(weight.device, "pass costs", model_key(model), weight.dtype, model.config._attn_implementation,
-                    _context(rows), *([rows] if rows > 1 else []), *([f"compiled {compiled}"] if compiled else []))
+    key = store.key(
+        weight.device,
+        "pass costs",
+        model_key(model),
+        weight.dtype,
+        model.config._attn_implementation,
+        _context(rows),
+        *([rows] if rows > 1 else []),
+        *([f"compiled {compiled}"] if compiled else []),
+    )
     return store.shared().get(key, lambda: _measure(model, rows, compiled))
 
 
@@ -140,12 +160,22 @@ def _measure(model: torch.nn.Module, rows: int = 1, compiled: str | None = None)
     timed = widths(rows)
     passes = (ROUNDS + 1) * len(timed)  # (each keeps its first token, as the loop's passes do)
     context = fit_context(model, _context(rows), passes + max(timed))
-    ids = torch.randint(3, vocab_size(model), (context + passes + max(timed),),
-                        generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.randint(
+        3, vocab_size(model), (context + passes + max(timed),), generator=torch.Generator().manual_seed(0)
+    ).to(device)
     seconds: dict[int, list[float]] = {width: [] for width in timed}
     try:
-        target = CachedModel(model, None, None, rollback=True, capacity=len(ids) + 1, slots=rows, cheap_steps=True,
-                             compiled=compiled, max_width=MAX_WIDTH)
+        target = CachedModel(
+            model,
+            None,
+            None,
+            rollback=True,
+            capacity=len(ids) + 1,
+            slots=rows,
+            cheap_steps=True,
+            compiled=compiled,
+            max_width=MAX_WIDTH,
+        )
         target.start_row(0, ids[:context])
         for row in range(1, rows):  # (every row the same tokens: copied, not computed again, where the cache can)
             if target.rows_state is None:
@@ -156,8 +186,9 @@ def _measure(model: torch.nn.Module, rows: int = 1, compiled: str | None = None)
         for _ in range(ROUNDS + 1):  # (the first round warms up)
             for width in timed:
                 block = [ids[at : at + width]] * rows
-                seconds[width].append(time_pass(lambda: target.forward_rows(block, [width] * rows, argmax_only=True),
-                                                device))
+                seconds[width].append(
+                    time_pass(lambda: target.forward_rows(block, [width] * rows, argmax_only=True), device)
+                )
                 target.keep_rows([1] * rows)
                 at += 1
     except UnsupportedModelError:  # (a model the loop refuses, or whose state cannot be rolled back so)

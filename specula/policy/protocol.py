@@ -41,8 +41,9 @@ class DraftPolicy(Protocol):
     def budgets(self, states: Sequence[object], room: Sequence[int]) -> list[int]:
         """Tokens to ask each row's proposer for, with ``room[r]`` draft tokens left before row ``r``'s end."""
 
-    def trim(self, states: Sequence[object], drafts: Sequence["Draft"],
-             draft_seconds: Sequence[float | None]) -> list[list[int]]:
+    def trim(
+        self, states: Sequence[object], drafts: Sequence["Draft"], draft_seconds: Sequence[float | None]
+    ) -> list[list[int]]:
         """Indices (ascending) of the tokens of each row's draft to verify; ``draft_seconds[r]`` is what asking row
         ``r``'s proposer took (``None``: not asked)."""
 

@@ -37,8 +37,16 @@ import torch
 from ..core.draft import Draft, check_int, merged
 from ..core.sampling import Sampling
 
-__all__ = ["Draft", "PerRequest", "Proposer", "RequestFailed", "RequestProposer", "check_int", "for_requests",
-           "merged"]  # what a proposer is written with
+__all__ = [
+    "Draft",
+    "PerRequest",
+    "Proposer",
+    "RequestFailed",
+    "RequestProposer",
+    "check_int",
+    "for_requests",
+    "merged",
+]  # what a proposer is written with
 
 
 class Proposer:
@@ -185,8 +193,13 @@ _HOOKS = {"begin": "start_request", "propose": "propose_requests", "observe": "o
 def _overrides_one_sequence_hooks(cls: type) -> bool:
     """Whether ``cls`` defines a one-sequence hook below the class that defines the request hook standing for it
     (``RequestProposer``'s own ``propose_requests`` asks ``propose``, so it stands for any ``propose``)."""
+
     def owner(name: str) -> type:
         return next(klass for klass in cls.__mro__ if name in vars(klass))
 
-    return any(owner(one) is not owner(keyed) and issubclass(owner(one), owner(keyed))
-               and not (one == "propose" and owner(keyed) is RequestProposer) for one, keyed in _HOOKS.items())
+    return any(
+        owner(one) is not owner(keyed)
+        and issubclass(owner(one), owner(keyed))
+        and not (one == "propose" and owner(keyed) is RequestProposer)
+        for one, keyed in _HOOKS.items()
+    )

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
-from numba import njit
-
 
 
 def warm_up() -> None:
@@ -83,7 +81,9 @@ def prediction_lookup(prediction: np.ndarray, context: np.ndarray, expected: int
     n = context.shape[0]
     for p in range(1, prediction.shape[0]):
         length = 0
-        while length < max_ngram and length < p and length < n and prediction[p - 1 - length] == context[n - 1 - length]:
+        while (
+            length < max_ngram and length < p and length < n and prediction[p - 1 - length] == context[n - 1 - length]
+        ):
             length += 1
         if length == 0:
             continue
@@ -172,11 +172,13 @@ def _prefetch_intrinsic(typingctx, table, row, slot):
     def codegen(context, builder, signature, args):
         array = context.make_array(signature.args[0])(context, builder, args[0])
         zero = context.get_constant(types.intp, 0)
-        pointer = cgutils.get_item_pointer(context, builder, signature.args[0], array, [args[1], args[2], zero],
-                                           wraparound=False)
+        pointer = cgutils.get_item_pointer(
+            context, builder, signature.args[0], array, [args[1], args[2], zero], wraparound=False
+        )
         byte_pointer, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         prefetch = builder.module.declare_intrinsic(
-            "llvm.prefetch", [byte_pointer], ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]))
+            "llvm.prefetch", [byte_pointer], ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32])
+        )
         # read, high temporal locality, data cache
         builder.call(prefetch, [builder.bitcast(pointer, byte_pointer), i32(0), i32(3), i32(1)])
         return context.get_dummy_value()

@@ -9,10 +9,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import kernels
 from ..core.draft import Draft, check_int, merged
-from .base import RequestProposer
 from ..core.sampling import Sampling
+from . import kernels
+from .base import RequestProposer
 
 _FORMAT = "specula.NGramPredictor/1"
 
@@ -108,8 +108,9 @@ class NGramPredictor(RequestProposer):
         """Learn every n-gram ending in ``token_ids`` that continues ``recent``; the recent tokens after them."""
         tokens = np.concatenate([recent, _as_tokens(token_ids)])
         context = min(len(recent), self.max_order - 1)  # earlier tokens that new n-grams start in
-        if not kernels.ngram_update(tokens[len(recent) - context :], context, self.capacity // 2,
-                                    *self.tables.values()):
+        if not kernels.ngram_update(
+            tokens[len(recent) - context :], context, self.capacity // 2, *self.tables.values()
+        ):
             raise ValueError("token ids must be in [0, 2**31).")
         return tokens[-self.history :]
 
@@ -155,17 +156,28 @@ class NGramPredictor(RequestProposer):
         if not self.proposes_trees:
             return Draft(self._predict(context, length))
         firsts = kernels.ngram_alternatives(context, self.min_count, self.min_share, self.tables["contexts"])
-        return merged([[first, *self._predict(np.append(context, first)[-(self.max_order - 1) :], length - 1).tolist()]
-                       for first in firsts.tolist()])
+        return merged(
+            [
+                [first, *self._predict(np.append(context, first)[-(self.max_order - 1) :], length - 1).tolist()]
+                for first in firsts.tolist()
+            ]
+        )
 
     # Persistence
     def save(self, path: str | os.PathLike) -> None:
         """Write the tables and settings to ``path`` (a numpy ``.npz`` archive)."""
         settings = np.array([self.max_order, self.num_draft, self.history])
         with open(path, "wb") as file:
-            np.savez_compressed(file, format=np.array(_FORMAT), settings=settings, min_count=self.min_count,
-                                min_share=self.min_share, recent=self.recent, tree=np.array(self.proposes_trees),
-                                **self.tables)
+            np.savez_compressed(
+                file,
+                format=np.array(_FORMAT),
+                settings=settings,
+                min_count=self.min_count,
+                min_share=self.min_share,
+                recent=self.recent,
+                tree=np.array(self.proposes_trees),
+                **self.tables,
+            )
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "NGramPredictor":
@@ -179,8 +191,15 @@ class NGramPredictor(RequestProposer):
             raise ValueError(f"{path} is not an NGramPredictor file of format {_FORMAT!r}.")
         try:
             max_order, num_draft, history = (int(v) for v in data["settings"])
-            predictor = cls(max_order, num_draft, history, data["contexts"].shape[1],
-                            data["min_count"].tolist(), data["min_share"].tolist(), bool(data.get("tree", False)))
+            predictor = cls(
+                max_order,
+                num_draft,
+                history,
+                data["contexts"].shape[1],
+                data["min_count"].tolist(),
+                data["min_share"].tolist(),
+                bool(data.get("tree", False)),
+            )
             for name, empty in predictor.tables.items():
                 if data[name].shape != empty.shape or data[name].dtype != empty.dtype:
                     raise ValueError(f"table {name} has shape {data[name].shape}, expected {empty.shape}")
@@ -192,5 +211,7 @@ class NGramPredictor(RequestProposer):
 
     def __repr__(self) -> str:
         tree = ", tree=True" if self.proposes_trees else ""
-        return (f"NGramPredictor(max_order={self.max_order}, num_draft={self.num_draft}, history={self.history}, "
-                f"capacity={self.capacity}{tree})")
+        return (
+            f"NGramPredictor(max_order={self.max_order}, num_draft={self.num_draft}, history={self.history}, "
+            f"capacity={self.capacity}{tree})"
+        )

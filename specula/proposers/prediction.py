@@ -55,7 +55,9 @@ class Prediction:
         if len(self.proposed) and len(sent):
             predicted = sent.path(self.proposed.tolist())  # the sent tokens that follow the prediction's draft
             kept = sent.path(new_tokens[:-1])
-            agreed = next((i for i, (a, b) in enumerate(zip(predicted, kept)) if a != b), min(len(predicted), len(kept)))
+            agreed = next(
+                (i for i, (a, b) in enumerate(zip(predicted, kept)) if a != b), min(len(predicted), len(kept))
+            )
             self.accepted += agreed
             self.rejected += len(predicted) - agreed
         self.proposed = self.tokens[:0]

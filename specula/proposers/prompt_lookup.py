@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import lookup_candidates, prompt_lookup
 from ..core.draft import Draft, check_int, merged
 from .base import RequestProposer
+from .kernels import lookup_candidates, prompt_lookup
 
 
 class PromptLookup(RequestProposer):
@@ -39,8 +39,7 @@ class PromptLookup(RequestProposer):
         branches: occurrences whose continuations are proposed (1: a chain).
     """
 
-    def __init__(self, num_draft: int | None = None, min_ngram: int = 1, max_ngram: int = 3, branches: int = 1
-                 ) -> None:
+    def __init__(self, num_draft: int | None = None, min_ngram: int = 1, max_ngram: int = 3, branches: int = 1) -> None:
         if num_draft is not None:
             check_int("num_draft", num_draft, 1, " (tokens proposed per step; None: as many as asked)")
         check_int("min_ngram", min_ngram, 1)
@@ -62,5 +61,7 @@ class PromptLookup(RequestProposer):
 
     def __repr__(self) -> str:
         branches = f", branches={self.branches}" if self.branches > 1 else ""
-        return (f"PromptLookup(num_draft={self.num_draft}, min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
-                f"{branches})")
+        return (
+            f"PromptLookup(num_draft={self.num_draft}, min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
+            f"{branches})"
+        )

@@ -8,15 +8,17 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from ..core.draft import Draft, check_int
+from ..core.sampling import Sampling
 from ..verifier.runner import CachedModel
 from ..verifier.support import UnsupportedModelError, model_device, vocab_size
-from ..core.draft import Draft, check_int
 from .base import RequestProposer
-from ..core.sampling import Sampling
 
 
 def _vocab_description(tokenizer) -> str:
-    return f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '') or 'unnamed'}, {len(tokenizer)} tokens)"
+    return (
+        f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '') or 'unnamed'}, {len(tokenizer)} tokens)"
+    )
 
 
 class SmallModelDrafter(RequestProposer):
@@ -59,7 +61,11 @@ class SmallModelDrafter(RequestProposer):
         check_int("max_draft", max_draft, num_draft, " (num_draft)")
         if not 0 <= min_confidence < 1:
             raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence!r}.")
-        if tokenizer is not None and target_tokenizer is not None and tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        if (
+            tokenizer is not None
+            and target_tokenizer is not None
+            and tokenizer.get_vocab() != target_tokenizer.get_vocab()
+        ):
             raise ValueError(
                 f"The drafter's tokenizer {_vocab_description(tokenizer)} and the target's "
                 f"{_vocab_description(target_tokenizer)} have different vocabularies; a drafter must use the target's "
@@ -80,7 +86,8 @@ class SmallModelDrafter(RequestProposer):
             real = len(self.tokenizer) if self.tokenizer is not None else None
             if real is None or real > min(draft_rows, target_rows):
                 raise ValueError(
-                    f"The draft model {type(self.model).__name__} has a vocabulary of {draft_rows} tokens and the target "
+                    f"The draft model {type(self.model).__name__} has a vocabulary of {draft_rows} tokens and the "
+                    "target "
                     f"{type(model).__name__} has {target_rows}: they must share one token space. If the difference "
                     "is only padding rows of the embedding matrix, pass tokenizer= so the real vocabulary can be "
                     "checked."
@@ -108,8 +115,10 @@ class SmallModelDrafter(RequestProposer):
         states = [self.requests[request] for request in requests]
         batch = self.batch.cache_for(self.model, states, self.requests.values())
         if batch is None:  # (each request alone, in a cache of its own)
-            return [self._drafts([state], [context], [most], state.own_cache(self.model))[0]
-                    for state, context, most in zip(states, contexts, max_tokens)]
+            return [
+                self._drafts([state], [context], [most], state.own_cache(self.model))[0]
+                for state, context, most in zip(states, contexts, max_tokens)
+            ]
         return self._drafts(states, contexts, max_tokens, batch)
 
     def _drafts(self, states: list["_Request"], contexts, max_tokens, cache: CachedModel) -> list[Draft]:
@@ -143,8 +152,9 @@ class SmallModelDrafter(RequestProposer):
             drafts.append(Draft(torch.cat(drafted).cpu(), q))
         return drafts
 
-    def _next_token(self, state: "_Request", logits: torch.Tensor, drafted: list[torch.Tensor]
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    def _next_token(
+        self, state: "_Request", logits: torch.Tensor, drafted: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """The next draft token from the drafter's ``logits`` ([1, vocab]), the distribution it was drawn from
         (sampling), and whether drafting stops after it (greedy: the drafter is not confident of it)."""
         logits = logits.float()
@@ -153,7 +163,11 @@ class SmallModelDrafter(RequestProposer):
         scores = sampling.scores(logits, self._input_ids(state, drafted) if sampling.reads_tokens else None)
         if sampling.greedy:
             token = scores.argmax(dim=-1)
-            return token, None, self.min_confidence > 0 and float(torch.softmax(scores, -1)[0, token]) < self.min_confidence
+            return (
+                token,
+                None,
+                self.min_confidence > 0 and float(torch.softmax(scores, -1)[0, token]) < self.min_confidence,
+            )
         q = torch.softmax(scores, dim=-1)
         return sampling.sample(q), q[0], False
 
@@ -180,8 +194,10 @@ class SmallModelDrafter(RequestProposer):
             cached.extend(new.tolist())
             state.confirmed = len(cached)
             fed.append(torch.from_numpy(new.copy()).to(self.device))
-        logits = [cache.start_row(state.row(cache), tokens) if state.confirmed == len(tokens) else None
-                  for state, tokens in zip(states, fed)]  # (new requests: their prompt alone)
+        logits = [
+            cache.start_row(state.row(cache), tokens) if state.confirmed == len(tokens) else None
+            for state, tokens in zip(states, fed)
+        ]  # (new requests: their prompt alone)
         caught = self._feed(states, [tokens if got is None else None for tokens, got in zip(fed, logits)], cache)
         return [got if got is not None else other for got, other in zip(logits, caught)]
 
@@ -201,8 +217,9 @@ class SmallModelDrafter(RequestProposer):
 
     def _input_ids(self, state: "_Request", drafted: list[torch.Tensor]) -> torch.Tensor:
         """The request's sequence so far and the tokens drafted in this proposal, for processors that read them."""
-        return torch.tensor([state.cached_ids[: state.confirmed] + [int(token) for token in drafted]],
-                            device=self.device)
+        return torch.tensor(
+            [state.cached_ids[: state.confirmed] + [int(token) for token in drafted]], device=self.device
+        )
 
     def _over_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
         """The drafter's distributions as probabilities over the target's token ids (zero past the shared ones)."""
@@ -247,8 +264,9 @@ class _Rows:
         self.batchable = True
         self.free: list[int] = []  # rows no request holds
 
-    def cache_for(self, model: torch.nn.Module, states: list[_Request], running: Iterable[_Request]
-                  ) -> CachedModel | None:
+    def cache_for(
+        self, model: torch.nn.Module, states: list[_Request], running: Iterable[_Request]
+    ) -> CachedModel | None:
         """The shared cache with a row for every request of ``states`` (rebuilt, and what every ``running`` request
         cached dropped, when new requests do not fit); ``None`` while there is one request (and no batch yet), or
         for a draft model that cannot be batched."""

@@ -19,14 +19,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
 from ..decoding.budget import CacheBudget, OverBudget
 from ..jobs.answerer import Settings, answer_of, job_of
-from ..machine.memory import resident_bytes
 from ..jobs.requests import BadRequest, parse_request
+from ..machine.memory import resident_bytes
 from .engine import Engine
 
 WAIT = 0.25  # seconds between checks that a waiting client is still there
@@ -35,18 +35,27 @@ WAIT = 0.25  # seconds between checks that a waiting client is still there
 class HTTPError(Exception):
     """An answer with OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.param, self.kind, self.code = status, param, kind, code
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(
+            {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}},
+            status_code=self.status,
+        )
 
 
-def create_app(engine: Engine, model, tokenizer, settings: Settings, api_key: str | None = None,
-               budget: CacheBudget | None = None) -> FastAPI:
+def create_app(
+    engine: Engine, model, tokenizer, settings: Settings, api_key: str | None = None, budget: CacheBudget | None = None
+) -> FastAPI:
     """The server's app, answering with ``engine`` (closed when the app shuts down: what is in flight finishes); a
     request whose cache would not fit ``budget`` even alone is a 400."""
     numbers = itertools.count(1)
@@ -55,8 +64,11 @@ def create_app(engine: Engine, model, tokenizer, settings: Settings, api_key: st
     async def lifespan(app: FastAPI):
         yield
         await run_in_threadpool(engine.close)  # (uvicorn stopped accepting: what is in flight finishes)
-        print(f"specula serve: stopped ({engine.answered} answered, {engine.cancelled} cancelled, {engine.failed} "
-              "failed)", file=sys.stderr)
+        print(
+            f"specula serve: stopped ({engine.answered} answered, {engine.cancelled} cancelled, {engine.failed} "
+            "failed)",
+            file=sys.stderr,
+        )
 
     app = FastAPI(title="specula", lifespan=lifespan)
 
@@ -71,30 +83,46 @@ def create_app(engine: Engine, model, tokenizer, settings: Settings, api_key: st
 
     @app.middleware("http")
     async def _key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/") and \
-                request.headers.get("authorization") != f"Bearer {api_key}":
-            return HTTPError(401, "a valid API key is needed: send it as 'Authorization: Bearer KEY'",
-                             kind="invalid_request_error", code="invalid_api_key").response()
+        if (
+            api_key is not None
+            and request.url.path.startswith("/v1/")
+            and request.headers.get("authorization") != f"Bearer {api_key}"
+        ):
+            return HTTPError(
+                401,
+                "a valid API key is needed: send it as 'Authorization: Bearer KEY'",
+                kind="invalid_request_error",
+                code="invalid_api_key",
+            ).response()
         return await call_next(request)
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": settings.model_name, "in_flight": engine.in_flight,
-                "answered": engine.answered, "cancelled": engine.cancelled, "failed": engine.failed,
-                "tokens": engine.tokens,
-                "memory": {**(budget.report() if budget is not None else {}), "resident_bytes": resident_bytes()}}
+        return {
+            "status": "ok",
+            "model": settings.model_name,
+            "in_flight": engine.in_flight,
+            "answered": engine.answered,
+            "cancelled": engine.cancelled,
+            "failed": engine.failed,
+            "tokens": engine.tokens,
+            "memory": {**(budget.report() if budget is not None else {}), "resident_bytes": resident_bytes()},
+        }
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
-                                            "owned_by": "specula"}]}
+        return {
+            "object": "list",
+            "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "specula"}],
+        }
 
     async def complete(request: Request, url: str):
         body = await _body(request)
         stream, include_usage = _stream_options(body)
         number = next(numbers)  # (a request without its own seed draws from --seed + number, as a file's line)
-        parsed = parse_request({"custom_id": f"request-{number}", "method": "POST", "url": url, "body": body}, number,
-                               settings.model_name)
+        parsed = parse_request(
+            {"custom_id": f"request-{number}", "method": "POST", "url": url, "body": body}, number, settings.model_name
+        )
         if isinstance(parsed, BadRequest):
             raise HTTPError(400, str(parsed), _param(str(parsed)))
         try:
@@ -105,8 +133,11 @@ def create_app(engine: Engine, model, tokenizer, settings: Settings, api_key: st
             raise HTTPError(400, str(error), "messages" if parsed.messages is not None else "prompt") from None
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        handle = engine.submit(job, lambda kept: loop.call_soon_threadsafe(events.put_nowait, kept),
-                               lambda row, error: loop.call_soon_threadsafe(events.put_nowait, (row, error)))
+        handle = engine.submit(
+            job,
+            lambda kept: loop.call_soon_threadsafe(events.put_nowait, kept),
+            lambda row, error: loop.call_soon_threadsafe(events.put_nowait, (row, error)),
+        )
         if stream:
             chunks = _chunks(events, handle, parsed, tokenizer, settings, include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
@@ -147,8 +178,11 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
         raise HTTPError(400, f'"stream" must be true or false, got {json.dumps(stream)}', "stream")
     if options is not None and not stream:
         raise HTTPError(400, '"stream_options" is only allowed with "stream": true', "stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
+    if options is not None and (
+        not isinstance(options, dict)
+        or set(options) - {"include_usage"}
+        or not isinstance(options.get("include_usage", False), bool)
+    ):
         raise HTTPError(400, '"stream_options" must be {"include_usage": true or false}', "stream_options")
     return bool(stream), bool((options or {}).get("include_usage"))
 
@@ -179,13 +213,15 @@ def _answer(event: tuple, parsed, tokenizer, settings: Settings) -> dict:
     """The answer line of a request's end (``(row, error)``); a failure of the loop is a 500."""
     row, error = event
     if error is not None:
-        raise HTTPError(500, f"decoding failed ({type(error).__name__}: {str(error).splitlines()[0]})",
-                        kind="server_error")
+        raise HTTPError(
+            500, f"decoding failed ({type(error).__name__}: {str(error).splitlines()[0]})", kind="server_error"
+        )
     return answer_of(row, parsed, tokenizer, settings)
 
 
-async def _chunks(events: asyncio.Queue, handle, parsed, tokenizer, settings: Settings, include_usage: bool
-                  ) -> AsyncIterator[str]:
+async def _chunks(
+    events: asyncio.Queue, handle, parsed, tokenizer, settings: Settings, include_usage: bool
+) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk shape: text as passes accept tokens (held back only while it may end
     in a broken character or the start of a stop string), the finish reason, usage if asked, ``[DONE]``."""
     chat = parsed.url == "/v1/chat/completions"
@@ -194,13 +230,27 @@ async def _chunks(events: asyncio.Queue, handle, parsed, tokenizer, settings: Se
     stops = parsed.options.get("stop", ())
 
     def chunk(text: str | None, finish: str | None = None, usage: dict | None = None, first: bool = False) -> str:
-        choices = [] if usage is not None else [
-            {"index": 0, "delta": ({"role": "assistant"} if first else {}) | ({} if text is None else
-                                                                                {"content": text}),
-             "logprobs": None, "finish_reason": finish} if chat else
-            {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
-        data = {"id": name, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": settings.model_name, "choices": choices} | ({"usage": usage} if usage is not None else {})
+        choices = (
+            []
+            if usage is not None
+            else [
+                {
+                    "index": 0,
+                    "delta": ({"role": "assistant"} if first else {}) | ({} if text is None else {"content": text}),
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+                if chat
+                else {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            ]
+        )
+        data = {
+            "id": name,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": settings.model_name,
+            "choices": choices,
+        } | ({"usage": usage} if usage is not None else {})
         return f"data: {json.dumps(data)}\n\n"
 
     ids: list[int] = []
@@ -214,20 +264,21 @@ async def _chunks(events: asyncio.Queue, handle, parsed, tokenizer, settings: Se
             text = tokenizer.decode(ids, skip_special_tokens=True)
             ready = _ready(text, stops)
             if len(ready) > len(sent):
-                yield chunk(ready[len(sent):])
+                yield chunk(ready[len(sent) :])
                 sent = ready
         done = True
         answer = _answer(event, parsed, tokenizer, settings)["response"]["body"]
         choice = answer["choices"][0]
         final = choice["message"]["content"] if chat else choice["text"]
         if final.startswith(sent) and len(final) > len(sent):
-            yield chunk(final[len(sent):])
+            yield chunk(final[len(sent) :])
         yield chunk(None if chat else "", choice["finish_reason"])
         if include_usage:
             yield chunk(None, usage=answer["usage"])
         yield "data: [DONE]\n\n"
     except HTTPError as error:
-        yield f"data: {json.dumps({'error': {'message': str(error), 'type': error.kind, 'param': None, 'code': None}})}\n\n"
+        body = {"error": {"message": str(error), "type": error.kind, "param": None, "code": None}}
+        yield f"data: {json.dumps(body)}\n\n"
     finally:
         if not done:  # (the client went away: its row ends after the pass under way)
             handle.cancel()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..decoding.driver import finished_rows
 from ..decoding.loop import Decoder, Job, Row
+from ..machine.memory import give_back_freed
 
 _CLOSE = object()
 
@@ -48,8 +49,12 @@ class Engine:
         self._thread = threading.Thread(target=self._drive, name="specula-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job, on_tokens: Callable[[list[int]], None],
-               on_done: Callable[[Row | None, BaseException | None], None]) -> Handle:
+    def submit(
+        self,
+        job: Job,
+        on_tokens: Callable[[list[int]], None],
+        on_done: Callable[[Row | None, BaseException | None], None],
+    ) -> Handle:
         """Queue ``job``; ``on_tokens`` and ``on_done`` are called from the engine's thread."""
         handle = Handle(job, on_tokens, on_done)
         self.submitted += 1
@@ -69,6 +74,8 @@ class Engine:
     def _stream(self) -> Iterator[Job | None]:
         """The loop's live stream of jobs: blocks while the loop holds no row, else ``None`` when none is waiting."""
         while True:
+            if not self._running and self._waiting.empty():
+                give_back_freed()  # (idle: what the last requests' passes freed goes back to the system)
             try:
                 handle = self._waiting.get(block=not self._running)
             except queue.Empty:

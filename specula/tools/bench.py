@@ -10,14 +10,14 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..core.stats import PREDICTION_COUNTERS, TREE_COUNTERS, SpecStats
 from ..decoding.driver import decode_all
 from ..decoding.loop import Decoder
-from ..core.stats import PREDICTION_COUNTERS, TREE_COUNTERS, SpecStats
-from ..verifier.cache_names import cache_in
 from ..hf.generate import generate, prepare_jobs
 from ..hf.inputs import left_padded
 from ..jobs.requests import encode
 from ..proposers.base import Proposer
+from ..verifier.cache_names import cache_in
 from .replay import Replay
 
 # A method turns a prompt, max new tokens and the request's prediction ("prediction" of its workload line, or None;
@@ -49,8 +49,9 @@ class HFMethod:
         return out[0, prompt.shape[1] :].tolist(), time.perf_counter() - started, None
 
     def _generate(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        return self.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
-                                   **self.generate_kwargs)
+        return self.model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, **self.generate_kwargs
+        )
 
     @contextlib.contextmanager
     def _recording(self) -> Iterator[dict]:
@@ -83,14 +84,18 @@ def hf_method(model: torch.nn.Module, **generate_kwargs) -> HFMethod:
     return HFMethod(model, **generate_kwargs)
 
 
-def specula_method(model: torch.nn.Module, make_proposer: Callable[[], Proposer | None], predicted_with=None,
-                    **generate_kwargs) -> Method:
+def specula_method(
+    model: torch.nn.Module, make_proposer: Callable[[], Proposer | None], predicted_with=None, **generate_kwargs
+) -> Method:
     """``specula.generate`` with a fresh proposer per request and extra arguments (e.g. ``do_sample=True``); given
     ``predicted_with`` (the tokenizer that encodes predictions), with each request's prediction."""
 
     def run(prompt: torch.Tensor, max_new_tokens: int, prediction: object = None):
-        given = ({"prediction": prediction, "tokenizer": predicted_with}
-                 if predicted_with is not None and prediction is not None else {})
+        given = (
+            {"prediction": prediction, "tokenizer": predicted_with}
+            if predicted_with is not None and prediction is not None
+            else {}
+        )
         out = generate(model, prompt, make_proposer(), max_new_tokens=max_new_tokens, **generate_kwargs, **given)
         return out.sequences[0, prompt.shape[1] :].tolist(), out.stats.wall_time_s, out.stats
 
@@ -109,8 +114,9 @@ def hf_batch_method(model: torch.nn.Module, pad_token_id: int | None, **generate
         for first in range(0, len(prompts), batch_size):
             ids, mask = left_padded([p.to(model.device) for p in prompts[first : first + batch_size]], pad_token_id)
             started = time.perf_counter()
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
-                                 **generate_kwargs)
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id, **generate_kwargs
+            )
             seconds += time.perf_counter() - started
             for tokens in out[:, ids.shape[1] :].tolist():
                 rows.append(tokens[: next((i + 1 for i, token in enumerate(tokens) if token in eos), len(tokens))])
@@ -128,12 +134,18 @@ def specula_batch_method(
     def run(prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int):
         jobs = []
         for key, prompt in enumerate(prompts):
-            (job,) = prepare_jobs(model, prompt[None].to(model.device), max_new_tokens=max_new_tokens,
-                                  **generate_kwargs)
+            (job,) = prepare_jobs(
+                model, prompt[None].to(model.device), max_new_tokens=max_new_tokens, **generate_kwargs
+            )
             job.key = key
             jobs.append(job)
-        decoder = Decoder(model, make_proposer(), batch_size, exact=generate_kwargs.get("exact"),
-                          compile=generate_kwargs.get("compile"))
+        decoder = Decoder(
+            model,
+            make_proposer(),
+            batch_size,
+            exact=generate_kwargs.get("exact"),
+            compile=generate_kwargs.get("compile"),
+        )
         started = time.perf_counter()
         rows = decode_all(decoder, jobs)
         seconds = time.perf_counter() - started
@@ -157,8 +169,14 @@ def oracle_method(
     outputs: dict[tuple, list[int]] = {}
 
     def replay(prompt: torch.Tensor, output: list[int], max_new_tokens: int):
-        out = generate(model, prompt, Replay([prompt[0].tolist() + output], num_draft), max_new_tokens=max_new_tokens,
-                       adaptive_draft=False, **generate_kwargs)
+        out = generate(
+            model,
+            prompt,
+            Replay([prompt[0].tolist() + output], num_draft),
+            max_new_tokens=max_new_tokens,
+            adaptive_draft=False,
+            **generate_kwargs,
+        )
         return out.sequences[0, prompt.shape[1] :].tolist(), out.stats
 
     def run(prompt: torch.Tensor, max_new_tokens: int, prediction: object = None):
@@ -234,21 +252,37 @@ def run_bench(
             measured = []  # the prompts measured so far: a bench stopped half-way reports them
             try:
                 for index, request in enumerate(requests):
-                    times, outputs, varied = _runs(methods, encode(tokenizer, request), max_new_tokens, repeats,
-                                                   index, seed, request.prediction)
+                    times, outputs, varied = _runs(
+                        methods, encode(tokenizer, request), max_new_tokens, repeats, index, seed, request.prediction
+                    )
                     if baseline_outputs is not None:
                         baseline_outputs[workload, index] = outputs[baseline][0]
                     for name in names:
-                        _add(totals[name], *outputs[name], statistics.median(times[name]), outputs[baseline][0],
-                             name not in varied)
+                        _add(
+                            totals[name],
+                            *outputs[name],
+                            statistics.median(times[name]),
+                            outputs[baseline][0],
+                            name not in varied,
+                        )
                     measured.append(index)
                     if progress:
                         progress(f"{workload} {index + 1}/{len(requests)}")
             finally:
                 if measured:
                     base_rate = totals[baseline]["tokens"] / totals[baseline]["seconds"]
-                    rows += [_row(workload, name, len(measured), totals[name], base_rate, compare_outputs,
-                                  getattr(methods[name], "setup", None)) for name in names]
+                    rows += [
+                        _row(
+                            workload,
+                            name,
+                            len(measured),
+                            totals[name],
+                            base_rate,
+                            compare_outputs,
+                            getattr(methods[name], "setup", None),
+                        )
+                        for name in names
+                    ]
     return rows
 
 
@@ -274,9 +308,15 @@ _STATS_COUNTERS = ("drafted", "accepted", "passes", *TREE_COUNTERS, *PREDICTION_
 _COUNTERS = ("tokens", "seconds", "same", "repeatable", *_STATS_COUNTERS)
 
 
-def _runs(methods: dict[str, Method], prompt: torch.Tensor, max_new_tokens: int, repeats: int, index: int,
-          seed: int | None, prediction: object = None
-          ) -> tuple[dict[str, list[float]], dict[str, tuple[list[int], object]], set[str]]:
+def _runs(
+    methods: dict[str, Method],
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    repeats: int,
+    index: int,
+    seed: int | None,
+    prediction: object = None,
+) -> tuple[dict[str, list[float]], dict[str, tuple[list[int], object]], set[str]]:
     """Every method on one prompt (and its ``prediction``) ``repeats`` times, the order rotated by prompt and
     repeat: each method's times, its last output and stats, and the methods whose output changed between repeats."""
     names = list(methods)
@@ -296,8 +336,9 @@ def _runs(methods: dict[str, Method], prompt: torch.Tensor, max_new_tokens: int,
     return times, outputs, varied
 
 
-def _add(total: dict, tokens: list[int], stats: SpecStats | None, seconds: float, reference: list[int],
-         repeatable: bool) -> None:
+def _add(
+    total: dict, tokens: list[int], stats: SpecStats | None, seconds: float, reference: list[int], repeatable: bool
+) -> None:
     """One prompt's run of a method into the method's totals for its workload."""
     total["tokens"] += len(tokens)
     total["seconds"] += seconds
@@ -310,17 +351,24 @@ def _add(total: dict, tokens: list[int], stats: SpecStats | None, seconds: float
             total["verification"] = str(stats.exactness)
 
 
-def _row(workload: str, name: str, prompts: int, total: dict, base_rate: float, compare_outputs: bool,
-         hf_setup: str | None) -> BenchRow:
+def _row(
+    workload: str, name: str, prompts: int, total: dict, base_rate: float, compare_outputs: bool, hf_setup: str | None
+) -> BenchRow:
     rate = total["tokens"] / total["seconds"]
     return BenchRow(
-        workload=workload, method=name, prompts=prompts, new_tokens=total["tokens"], seconds=total["seconds"],
-        tokens_per_s=rate, speedup_vs_hf_greedy=rate / base_rate,
+        workload=workload,
+        method=name,
+        prompts=prompts,
+        new_tokens=total["tokens"],
+        seconds=total["seconds"],
+        tokens_per_s=rate,
+        speedup_vs_hf_greedy=rate / base_rate,
         identical_to_greedy=total["same"] / prompts if compare_outputs else None,
         repeatable=total["repeatable"] / prompts if compare_outputs else None,
         acceptance_rate=total["accepted"] / total["drafted"] if total["drafted"] else None,
         tokens_per_pass=total["tokens"] / total["passes"] if total["passes"] else None,
-        drafted=total["drafted"], **{counter: total[counter] for counter in TREE_COUNTERS + PREDICTION_COUNTERS},
+        drafted=total["drafted"],
+        **{counter: total[counter] for counter in TREE_COUNTERS + PREDICTION_COUNTERS},
         hf_setup=hf_setup,
         verification=total.get("verification"),
     )
@@ -345,15 +393,32 @@ def run_batch_bench(
     with _interruptible(rows):
         for workload, requests in workloads.items():
             prompts = [encode(tokenizer, request)[0] for request in requests]
-            for row in _batch_rows(methods, prompts, workload, max_new_tokens, batch_size, baseline_rates[workload],
-                                   reference, repeats, progress):
+            for row in _batch_rows(
+                methods,
+                prompts,
+                workload,
+                max_new_tokens,
+                batch_size,
+                baseline_rates[workload],
+                reference,
+                repeats,
+                progress,
+            ):
                 rows.append(row)
     return rows
 
 
-def _batch_rows(methods: dict[str, BatchMethod], prompts: list[torch.Tensor], workload: str, max_new_tokens: int,
-                batch_size: int, baseline_rate: float, reference: dict | None, repeats: int,
-                progress: Callable[[str], None] | None) -> Iterator[BenchRow]:
+def _batch_rows(
+    methods: dict[str, BatchMethod],
+    prompts: list[torch.Tensor],
+    workload: str,
+    max_new_tokens: int,
+    batch_size: int,
+    baseline_rate: float,
+    reference: dict | None,
+    repeats: int,
+    progress: Callable[[str], None] | None,
+) -> Iterator[BenchRow]:
     """:func:`run_batch_bench`'s rows of one workload, one method at a time."""
     for name, method in methods.items():
         runs = [method(prompts, max_new_tokens, batch_size) for _ in range(repeats)]
@@ -366,8 +431,13 @@ def _batch_rows(methods: dict[str, BatchMethod], prompts: list[torch.Tensor], wo
             progress(f"{workload} {name}")
         rate = tokens / seconds
         yield BenchRow(
-            workload=workload, method=name, prompts=len(prompts), new_tokens=tokens, seconds=seconds,
-            tokens_per_s=rate, speedup_vs_hf_greedy=rate / baseline_rate,
+            workload=workload,
+            method=name,
+            prompts=len(prompts),
+            new_tokens=tokens,
+            seconds=seconds,
+            tokens_per_s=rate,
+            speedup_vs_hf_greedy=rate / baseline_rate,
             identical_to_greedy=same / len(prompts) if reference is not None else None,
             repeatable=repeatable / len(prompts),
             acceptance_rate=stats.acceptance_rate if stats is not None and stats.drafted else None,
@@ -382,8 +452,10 @@ def format_table(rows: list[BenchRow]) -> str:
     """A plain-text table, one block per workload."""
     workload_width = max([11] + [len(row.workload) + 2 for row in rows])
     method_width = max([29] + [len(row.method) + 2 for row in rows])
-    header = (f"{'workload':<{workload_width}}{'method':<{method_width}}{'tok/s':>8}{'speedup':>9}{'identical':>11}"
-              f"{'repeatable':>12}{'accept':>8}{'tok/pass':>10}{'trees':>20}")
+    header = (
+        f"{'workload':<{workload_width}}{'method':<{method_width}}{'tok/s':>8}{'speedup':>9}{'identical':>11}"
+        f"{'repeatable':>12}{'accept':>8}{'tok/pass':>10}{'trees':>20}"
+    )
     lines = [header, "-" * len(header)]
     for row in rows:
         accept = f"{row.acceptance_rate:.0%}" if row.acceptance_rate is not None else "-"
@@ -391,7 +463,9 @@ def format_table(rows: list[BenchRow]) -> str:
         repeatable = f"{row.repeatable:.0%}" if row.repeatable is not None else "-"
         per_pass = f"{row.tokens_per_pass:.2f}" if row.tokens_per_pass is not None else "-"
         # passes that sent a tree, their mean size, and the tokens they gained over their first branches
-        trees = f"{row.tree_passes} x{row.tree_drafted / row.tree_passes:.1f} +{row.tree_gain}" if row.tree_passes else "-"
+        trees = (
+            f"{row.tree_passes} x{row.tree_drafted / row.tree_passes:.1f} +{row.tree_gain}" if row.tree_passes else "-"
+        )
         lines.append(
             f"{row.workload:<{workload_width}}{row.method:<{method_width}}{row.tokens_per_s:>8.1f}"
             f"{row.speedup_vs_hf_greedy:>8.2f}x"
@@ -402,9 +476,13 @@ def format_table(rows: list[BenchRow]) -> str:
         lines.append("model.generate decoded with: " + "; ".join(f"{name} {setup}" for name, setup in setups.items()))
     predicted = [row for row in rows if row.accepted_prediction_tokens or row.rejected_prediction_tokens]
     if predicted:
-        lines.append("prediction tokens verified, accepted / rejected: " + "; ".join(
-            f"{row.workload} {row.method} {row.accepted_prediction_tokens} / {row.rejected_prediction_tokens}"
-            for row in predicted))
+        lines.append(
+            "prediction tokens verified, accepted / rejected: "
+            + "; ".join(
+                f"{row.workload} {row.method} {row.accepted_prediction_tokens} / {row.rejected_prediction_tokens}"
+                for row in predicted
+            )
+        )
     verified = {row.method: row.verification for row in rows if row.verification is not None}
     if verified:
         lines.append("specula verified: " + "; ".join(f"{name} {how}" for name, how in verified.items()))

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..verifier.cache_names import cache_in
 from ..hf.generate import generate
 from ..proposers.base import Proposer
+from ..verifier.cache_names import cache_in
 
 TIE_ULPS = 8  # a gap within this many units in the last place of the larger logit counts as a near-tie
 
@@ -74,8 +74,13 @@ def drift(
     start = input_ids.shape[1]
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
     with torch.inference_mode():
-        plain = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), output_logits=True,
-                               return_dict_in_generate=True, **settings)
+        plain = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            output_logits=True,
+            return_dict_in_generate=True,
+            **settings,
+        )
     recorder = _PassLogits(model)
     try:
         speculative = generate(model, input_ids, proposer, exact=exact, adaptive_draft=adaptive_draft, **settings)
@@ -90,16 +95,32 @@ def drift(
     token_b = b[position] if position < len(b) else None
     one_token = plain.logits[position][0]
     passed = recorder.rows[start + position]
-    gaps = (_gap(one_token, token_a, token_b) if token_a is not None else None,
-            _gap(passed, token_b, token_a) if token_b is not None else None)
+    gaps = (
+        _gap(one_token, token_a, token_b) if token_a is not None else None,
+        _gap(passed, token_b, token_a) if token_b is not None else None,
+    )
     pair = [t for t in (token_a, token_b) if t is not None]
     size = max(float(one_token[pair].float().abs().max()), float(passed[pair].float().abs().max()), 1.0)
     dtype = next(model.parameters()).dtype  # (model.generate hands out logits upcast to fp32)
     tolerance = TIE_ULPS * torch.finfo(dtype).eps * size
     near_tie = all(g is not None and g <= tolerance for g in gaps)
-    verdict = "near-tie" if near_tie else (
-        f"not a near-tie: the two passes disagree by more than {dtype} rounding explains; please report it "
-        "with the model, dtype, device, proposer and this request"
+    verdict = (
+        "near-tie"
+        if near_tie
+        else (
+            f"not a near-tie: the two passes disagree by more than {dtype} rounding explains; please report it "
+            "with the model, dtype, device, proposer and this request"
+        )
     )
-    return Drift(identical=False, new_tokens=len(a), drafted=drafted, position=position, plain_token=token_a, speculative_token=token_b,
-                 gap_one_token=gaps[0], gap_verification=gaps[1], tolerance=tolerance, verdict=verdict)
+    return Drift(
+        identical=False,
+        new_tokens=len(a),
+        drafted=drafted,
+        position=position,
+        plain_token=token_a,
+        speculative_token=token_b,
+        gap_one_token=gaps[0],
+        gap_verification=gaps[1],
+        tolerance=tolerance,
+        verdict=verdict,
+    )

@@ -36,7 +36,11 @@ class ProbeReport:
         )
         if self.culprit is None and self.logits_identical:
             return f"{setting}: every module's output is bit for bit what one-token steps give."
-        where = f"; first: {self.culprit} ({self.culprit_op}) at positions {self.differing_positions}" if self.culprit else ""
+        where = (
+            f"; first: {self.culprit} ({self.culprit_op}) at positions {self.differing_positions}"
+            if self.culprit
+            else ""
+        )
         return (
             f"{setting}: {self.modules_differing} modules' outputs differ from one-token steps{where}; logits "
             f"{'identical' if self.logits_identical else f'differ by up to {self.max_logit_difference:.3g}'}."
@@ -66,13 +70,15 @@ class _Recorder:
         self.calls: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = []
         self.handles = [
             module.register_forward_hook(self._hook(name), with_kwargs=True)
-            for name, module in model.named_modules() if name
+            for name, module in model.named_modules()
+            if name
         ]
 
     def _hook(self, name: str):
         def hook(module, args, kwargs, output):
             given = _first_tensor(list(args) + [v for v in kwargs.values() if isinstance(v, torch.Tensor)])
             self.calls.append((name, given, _first_tensor(output)))
+
         return hook
 
     def remove(self) -> None:
@@ -119,16 +125,20 @@ def probe(model: torch.nn.Module, input_ids: torch.Tensor, width: int = 8, exact
         recorder.remove()
 
     report = ProbeReport(
-        device=str(model.device), dtype=str(next(model.parameters()).dtype).removeprefix("torch."), width=width,
-        exact=exact, logits_identical=torch.equal(logits_steps, logits_pass),
+        device=str(model.device),
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        width=width,
+        exact=exact,
+        logits_identical=torch.equal(logits_steps, logits_pass),
         max_logit_difference=float((logits_steps.float() - logits_pass.float()).abs().max()),
     )
     _name_the_culprit(report, model, step_calls, pass_calls, width)
     return report
 
 
-def _name_the_culprit(report: ProbeReport, model: torch.nn.Module, step_calls: list, pass_calls: list,
-                      width: int) -> None:
+def _name_the_culprit(
+    report: ProbeReport, model: torch.nn.Module, step_calls: list, pass_calls: list, width: int
+) -> None:
     """Count the modules whose pass output differs from their one-token steps', and name the first whose inputs
     agree. One-token steps repeat each module's calls once per step; a pass calls each once."""
     per_step = len(step_calls) // width

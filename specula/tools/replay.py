@@ -43,7 +43,11 @@ class Replay(Proposer):
 
 
 def recorded_outputs(
-    workloads: Path, limit: int, max_new_tokens: int, cache: Path | None = None, model: str | None = None,
+    workloads: Path,
+    limit: int,
+    max_new_tokens: int,
+    cache: Path | None = None,
+    model: str | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, list[tuple[list[int], list[int]]]]:
     """(prompt, greedy output) token ids of the first ``limit`` rows of every workload, by workload; outputs

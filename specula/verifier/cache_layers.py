@@ -31,7 +31,9 @@ class PreallocatedLayer(DynamicLayer):
         self.row_starts: torch.Tensor | None = None  # [rows]: where each row writes its next block (batches)
         self.ceiling: tuple[int, int] | None = None  # (rows, tokens a row) a memory budget holds it to (batches)
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None) -> None:
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None
+    ) -> None:
         self.device = key_states.device
         self.length = 0  # (also after transformers' reset())
         self.slots = slots or len(key_states)

@@ -25,8 +25,13 @@ def _row_major_linear_weights(model: nn.Module) -> list[nn.Parameter]:
     seen: dict[int, nn.Parameter] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if (isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and weight.is_floating_point()
-                and weight.dim() == 2 and weight.is_contiguous()):
+        if (
+            isinstance(module, nn.Linear)
+            and isinstance(weight, torch.Tensor)
+            and weight.is_floating_point()
+            and weight.dim() == 2
+            and weight.is_contiguous()
+        ):
             seen.setdefault(id(weight), weight)
     return list(seen.values())
 
@@ -62,8 +67,11 @@ def tune_cpu_layout(model: nn.Module, repeats: int = 5, remember: bool = False) 
         return False
     shapes = sorted({(tuple(w.shape), str(w.dtype)) for w in weights})
     key = store.key(weights[0].device, "cpu layout", *shapes)
-    column_major = store.shared().get(key, lambda: _decide(model, weights, repeats)) if remember else \
-        _decide(model, weights, repeats)
+    column_major = (
+        store.shared().get(key, lambda: _decide(model, weights, repeats))
+        if remember
+        else _decide(model, weights, repeats)
+    )
     if column_major:
         _store(weights, column_major=True)
     return column_major

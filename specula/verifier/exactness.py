@@ -2,7 +2,8 @@
 
 A row-exact pass (:mod:`specula.verifier.row_exact`) gives every token of a verification pass the bits of its
 one-token step, so greedy output is ``model.generate``'s bit for bit in bf16 and fp16 too. What that costs differs
-by machine, from a few percent to several times an ordinary pass (docs/exactness.md). So by default (``exact=None``) specula measures it, once per machine
+by machine, from a few percent to several times an ordinary pass (docs/exactness.md). So by default (``exact=None``)
+specula measures it, once per machine
 and model: a pass over ``TIMED_ROWS`` tokens after :data:`CONTEXT` tokens, row-exact against ordinary, interleaved
 (a busy moment slows both), the lower median of the ratios. Exactness is chosen where it costs at most
 :data:`THRESHOLD` times an ordinary pass. The measurement is kept with the calibrations (:mod:`.calibration`), so
@@ -57,13 +58,17 @@ def choose(model: torch.nn.Module, exact: bool | None, verifies: bool = True) ->
     if not is_half_precision(model):
         return Exactness(False, reason="fp32: rounding far below the gaps between logits")
     if model.config._attn_implementation not in SUPPORTED_ATTENTION:
-        return Exactness(False, reason=f"row-exact passes need sdpa or eager attention, not "
-                                       f"{model.config._attn_implementation!r}")
+        return Exactness(
+            False, reason=f"row-exact passes need sdpa or eager attention, not {model.config._attn_implementation!r}"
+        )
     cost = measured_cost(model)
     if cost is None:
         return Exactness(False, reason="this model's row-exact passes are not supported")
-    return Exactness(cost <= THRESHOLD, cost, "measured" if cost <= THRESHOLD else
-                     f"exactness would cost over {THRESHOLD:.2f}x; exact=True forces it")
+    return Exactness(
+        cost <= THRESHOLD,
+        cost,
+        "measured" if cost <= THRESHOLD else f"exactness would cost over {THRESHOLD:.2f}x; exact=True forces it",
+    )
 
 
 def model_key(model: torch.nn.Module) -> str:
@@ -77,8 +82,9 @@ def measured_cost(model: torch.nn.Module) -> float | None:
     """A row-exact pass's time over an ordinary one's for ``model`` on this machine (measured once, kept); ``None``
     where row-exact passes are not supported for it."""
     weight = next(model.parameters())
-    key = store.key(weight.device, "exact pass", model_key(model), weight.dtype,
-                          model.config._attn_implementation, CONTEXT)
+    key = store.key(
+        weight.device, "exact pass", model_key(model), weight.dtype, model.config._attn_implementation, CONTEXT
+    )
     return store.shared().get(key, lambda: _measure(model))
 
 
@@ -88,20 +94,24 @@ def _measure(model: torch.nn.Module) -> float | None:
 
     device = model_device(model)
     context = fit_context(model, CONTEXT, REPEATS + 1 + TIMED_ROWS)
-    ids = torch.randint(3, vocab_size(model), (context + REPEATS + 1 + TIMED_ROWS,),
-                        generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.randint(
+        3, vocab_size(model), (context + REPEATS + 1 + TIMED_ROWS,), generator=torch.Generator().manual_seed(0)
+    ).to(device)
 
     def seconds(target: CachedModel) -> float:
         """One pass over ``TIMED_ROWS`` tokens, keeping its first (as the loop's passes do)."""
         at = target.cached_tokens
-        elapsed = time_pass(lambda: target.forward_rows([ids[at : at + TIMED_ROWS]], [TIMED_ROWS], argmax_only=True),
-                            device)
+        elapsed = time_pass(
+            lambda: target.forward_rows([ids[at : at + TIMED_ROWS]], [TIMED_ROWS], argmax_only=True), device
+        )
         target.keep_rows([1])
         return elapsed
 
     try:
-        targets = [CachedModel(model, None, None, rollback=True, capacity=len(ids) + 1, row_exact=exact)
-                   for exact in (False, True)]
+        targets = [
+            CachedModel(model, None, None, rollback=True, capacity=len(ids) + 1, row_exact=exact)
+            for exact in (False, True)
+        ]
         for target in targets:
             target.start_row(0, ids[:context])
         with warnings.catch_warnings():

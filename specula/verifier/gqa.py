@@ -30,10 +30,12 @@ _EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "sinks")
 TIMED_BATCH = 4  # rows of the timed passes of several rows
 
 
-def _grouped(way: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-             scaling: float | None) -> torch.Tensor:
+def _grouped(
+    way: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
     """SDPA of ``query`` (``[B, heads, n, dim]``) over ``key`` and ``value`` as they are (``[B, kv_heads, keys,
-    dim]``; ``mask``: ``[B, 1, n, keys]`` or ``None``), ``way`` "unrepeated" (``enable_gqa``) or "folded" (each key/value head's
+    dim]``; ``mask``: ``[B, 1, n, keys]`` or ``None``), ``way`` "unrepeated" (``enable_gqa``) or "folded" (each
+    key/value head's
     query heads as one head of their queries), in the layout transformers' attention functions return (``[B, n,
     heads, dim]``). Folded, query ``i`` of head ``kv * group + g`` is row ``g * n + i`` of head ``kv``, so the mask
     repeats whole: with 2 queries and 3 heads per group, rows 0-5 take the mask's rows 0, 1, 0, 1, 0, 1."""
@@ -42,16 +44,20 @@ def _grouped(way: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         group = heads // key.shape[1]
         folded = query.reshape(batch, key.shape[1], group * n, dim)  # [B, kv_heads, group * n, dim]
         out = torch.nn.functional.scaled_dot_product_attention(  # (mask: [B, 1, group * n, keys])
-            folded, key, value, attn_mask=None if mask is None else mask.repeat(1, 1, group, 1), scale=scaling,
+            folded,
+            key,
+            value,
+            attn_mask=None if mask is None else mask.repeat(1, 1, group, 1),
+            scale=scaling,
         ).reshape(batch, heads, n, dim)
     else:
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                                               enable_gqa=True)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True
+        )
     return out.transpose(1, 2).contiguous()
 
 
-def _way(module: torch.nn.Module, sdpa: Callable, query: torch.Tensor, key: torch.Tensor,
-         scaling: float | None) -> str:
+def _way(module: torch.nn.Module, sdpa: Callable, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> str:
     """The cheapest way here for this head geometry and kind of pass: "repeated" (transformers' ``sdpa``),
     "unrepeated" or "folded", timed on ``TIMED_ROWS`` queries a row after ``TIMED_KEYS`` keys, one row or
     ``TIMED_BATCH``, or on one query without a mask (once per machine)."""
@@ -64,18 +70,23 @@ def _way(module: torch.nn.Module, sdpa: Callable, query: torch.Tensor, key: torc
 
         def calibrate() -> str:
             generator = torch.Generator().manual_seed(0)
-            q, k, v = (torch.randn(rows, h, length, dim, generator=generator).to(dtype)
-                       for h, length in ((heads, queries), (kv_heads, TIMED_KEYS), (kv_heads, TIMED_KEYS)))
+            q, k, v = (
+                torch.randn(rows, h, length, dim, generator=generator).to(dtype)
+                for h, length in ((heads, queries), (kv_heads, TIMED_KEYS), (kv_heads, TIMED_KEYS))
+            )
             mask = None
             if queries > 1:
                 mask = torch.ones(queries, TIMED_KEYS, dtype=torch.bool).tril(TIMED_KEYS - queries)
                 mask = mask.expand(rows, 1, -1, -1)
             ways = ("folded",) if queries == 1 else ("unrepeated", "folded")  # (one query: transformers' is unrepeated)
-            return cheapest({"repeated": lambda: sdpa(module, q, k, v, mask, scaling=scaling),
-                             **{way: lambda way=way: _grouped(way, q, k, v, mask, scaling) for way in ways}})
+            return cheapest(
+                {
+                    "repeated": lambda: sdpa(module, q, k, v, mask, scaling=scaling),
+                    **{way: lambda way=way: _grouped(way, q, k, v, mask, scaling) for way in ways},
+                }
+            )
 
-        key_name = store.key(query.device, "grouped attention", heads, kv_heads, dim, dtype, scaling, rows,
-                                   queries)
+        key_name = store.key(query.device, "grouped attention", heads, kv_heads, dim, dtype, scaling, rows, queries)
         ways[geometry] = store.shared().get(key_name, calibrate)
     return ways[geometry]
 
@@ -95,8 +106,13 @@ def unrepeated_kv_heads() -> Iterator[None]:
         way = "repeated"
         one_token_step = query.shape[2] == 1 and attention_mask is None and query.shape[0] == 1
         masked = attention_mask is not None and attention_mask.shape[1] == 1 and query.shape[2] > 1
-        if ((one_token_step or masked) and query.shape[1] != key.shape[1] and not dropout
-                and query.device.type == "cpu" and all(kwargs.get(name) is None for name in _EXTRAS)):
+        if (
+            (one_token_step or masked)
+            and query.shape[1] != key.shape[1]
+            and not dropout
+            and query.device.type == "cpu"
+            and all(kwargs.get(name) is None for name in _EXTRAS)
+        ):
             way = _way(module, sdpa, query, key, scaling)
         if way == "repeated":
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

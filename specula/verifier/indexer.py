@@ -45,13 +45,17 @@ class PerQueryIndexers:
     def applied(self) -> contextlib.AbstractContextManager:
         """Within the block, every indexer call over several queries is split into one-query calls."""
         return forwards_replaced(
-            self.indexers, lambda indexer, forward: functools.partial(_per_query, forward, indexer.index_topk))
+            self.indexers, lambda indexer, forward: functools.partial(_per_query, forward, indexer.index_topk)
+        )
 
 
 def _picks_top_k(module: torch.nn.Module) -> bool:
     parameters = inspect.signature(module.forward).parameters
-    return isinstance(getattr(module, "index_topk", None), int) and "attention_mask" in parameters \
+    return (
+        isinstance(getattr(module, "index_topk", None), int)
+        and "attention_mask" in parameters
         and cache_parameter(parameters) is not None
+    )
 
 
 def _per_query(forward, top_k: int, *args, **kwargs) -> torch.Tensor:
@@ -75,7 +79,9 @@ def _per_query(forward, top_k: int, *args, **kwargs) -> torch.Tensor:
         step = {name: _query(value, n, t) for name, value in arguments.items()}
         step["attention_mask"] = mask[:, t : t + 1, : past + t + 1]
         picked = forward(**step)  # [B, 1, min(top_k, past + t + 1)]
-        later = torch.arange(past + t + 1, past + t + 1 + width - picked.shape[-1], device=picked.device, dtype=picked.dtype)
+        later = torch.arange(
+            past + t + 1, past + t + 1 + width - picked.shape[-1], device=picked.device, dtype=picked.dtype
+        )
         picks.append(torch.cat([picked, later.expand(*picked.shape[:2], -1)], dim=-1))
     return torch.cat(picks, dim=1)
 

@@ -27,17 +27,22 @@ from torch import nn
 
 from ..machine import store
 from ..machine.memory import spare_bytes
+from ..machine.profile import profile_of
 from ..machine.timing import cheapest
 from .calibration import TIMED_ROWS
-from ..machine.profile import profile_of
 
 
 def _packable(module: nn.Module) -> bool:
     """An ``nn.Linear`` computed by ``nn.Linear.forward`` itself, with a floating-point weight on the CPU."""
     weight = getattr(module, "weight", None)
-    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-            and isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.is_floating_point())
+    return (
+        isinstance(module, nn.Linear)
+        and type(module).forward is nn.Linear.forward
+        and isinstance(weight, torch.Tensor)
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.is_floating_point()
+    )
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -51,6 +56,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None):
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
     return forward
 
 
@@ -63,11 +69,11 @@ def _faster_packed(layer: nn.Linear, packed: torch.Tensor, rows: int = TIMED_ROW
     def calibrate() -> bool:
         x = torch.randn((1, rows, weight.shape[1]), generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         packed_forward = _packed_forward(packed, layer.bias)
-        return cheapest({"ordinary": lambda: nn.Linear.forward(layer, x), "packed": lambda: packed_forward(x)}
-                        ) == "packed"
+        return (
+            cheapest({"ordinary": lambda: nn.Linear.forward(layer, x), "packed": lambda: packed_forward(x)}) == "packed"
+        )
 
-    key = store.key(weight.device, "packed linear", tuple(weight.shape), weight.dtype, layer.bias is not None,
-                          rows)
+    key = store.key(weight.device, "packed linear", tuple(weight.shape), weight.dtype, layer.bias is not None, rows)
     return store.shared().get(key, calibrate)
 
 
@@ -92,15 +98,19 @@ class PackedLinears:
             weight = module.weight
             if id(weight) not in packed_by_weight:
                 packed = _pack(weight) if budget is None or weight.nbytes <= budget else None
-                uses = (False, False) if packed is None else (_faster_packed(module, packed),
-                                                              _faster_packed(module, packed, rows=1))
+                uses = (
+                    (False, False)
+                    if packed is None
+                    else (_faster_packed(module, packed), _faster_packed(module, packed, rows=1))
+                )
                 if any(uses) and budget is not None:
                     budget -= weight.nbytes
                 packed_by_weight[id(weight)] = (packed, uses) if any(uses) else None
             if packed_by_weight[id(weight)] is not None:
                 packed, uses = packed_by_weight[id(weight)]
-                self.layers.append([module, weight, module.bias, _state(weight), _packed_forward(packed, module.bias),
-                                    uses])
+                self.layers.append(
+                    [module, weight, module.bias, _state(weight), _packed_forward(packed, module.bias), uses]
+                )
 
     @contextlib.contextmanager
     def applied(self, step: bool = False) -> Iterator[None]:

@@ -39,8 +39,13 @@ def has_recurrent_state(cache: DynamicCache) -> bool:
 
 def snapshot(cache: DynamicCache) -> Snapshot:
     """Copies of every recurrent layer's conv and scan states, as they are now."""
-    return Snapshot({index: _layer_states(layer) for index, layer in enumerate(cache.layers)
-                     if isinstance(layer, LinearAttentionCacheLayerMixin)})
+    return Snapshot(
+        {
+            index: _layer_states(layer)
+            for index, layer in enumerate(cache.layers)
+            if isinstance(layer, LinearAttentionCacheLayerMixin)
+        }
+    )
 
 
 def restore(cache: DynamicCache, kept: Snapshot) -> None:
@@ -51,9 +56,12 @@ def restore(cache: DynamicCache, kept: Snapshot) -> None:
 
 def _layer_states(layer: LinearAttentionCacheLayerMixin) -> dict[tuple[str, int], torch.Tensor]:
     """Copies of a recurrent cache layer's states: ``{("conv" or "recurrent", state index): tensor}``."""
-    return {(kind, state): held[state].clone()
-            for kind, held in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states))
-            for state in range(layer.number_of_states) if held[state] is not None}
+    return {
+        (kind, state): held[state].clone()
+        for kind, held in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states))
+        for state in range(layer.number_of_states)
+        if held[state] is not None
+    }
 
 
 def _put_layer_states(layer: LinearAttentionCacheLayerMixin, states: dict[tuple[str, int], torch.Tensor]) -> None:
@@ -68,10 +76,15 @@ def _put_layer_states(layer: LinearAttentionCacheLayerMixin, states: dict[tuple[
 
 
 # Models whose pass over several tokens after a filled cache computes their recurrent layers otherwise than one-token
-# steps do (found by the architecture sweep): their recurrent layers are always verified step by step (:class:`Stepwise`).
+# steps do (found by the architecture sweep): their recurrent layers are always verified step by step
+# (:class:`Stepwise`).
 STEP_BY_STEP = {
-    **dict.fromkeys(["mamba", "falcon_mamba", "jamba", "zamba"], "a Mamba-1 scan over several tokens starts from a zero state"),
-    **dict.fromkeys(["nemotron_h", "zamba2"], "a Mamba-2 scan over several tokens clamps the time step, a one-token step does not"),
+    **dict.fromkeys(
+        ["mamba", "falcon_mamba", "jamba", "zamba"], "a Mamba-1 scan over several tokens starts from a zero state"
+    ),
+    **dict.fromkeys(
+        ["nemotron_h", "zamba2"], "a Mamba-2 scan over several tokens clamps the time step, a one-token step does not"
+    ),
     "recurrent_gemma": "a pass over several tokens convolves without the cached conv state",
 }
 
@@ -93,7 +106,11 @@ class Stepwise:
     def __init__(self, model: torch.nn.Module, cache: DynamicCache) -> None:
         recurrent = [module for module in model.modules() if _cache_mixer(module, cache) or _keeps_own_state(module)]
         # the innermost (Mamba's blocks take the cache too, to hand it to their mixer)
-        self.mixers = [module for module in recurrent if not any(inner in recurrent for inner in module.modules() if inner is not module)]
+        self.mixers = [
+            module
+            for module in recurrent
+            if not any(inner in recurrent for inner in module.modules() if inner is not module)
+        ]
         self.states: list[list] | None = None  # [mixer][t]: its states after the first t tokens of the last pass
 
     def covers(self, cache: DynamicCache) -> bool:
@@ -116,18 +133,35 @@ class Stepwise:
         before the pass); else each token follows the one before."""
         self.states = [[] for _ in self.mixers]
         states = dict(zip(self.mixers, self.states))
-        with forwards_replaced(self.mixers, lambda mixer, forward: functools.partial(
-                self._steps, forward, mixer, cache, states[mixer], parents)):
+        with forwards_replaced(
+            self.mixers,
+            lambda mixer, forward: functools.partial(self._steps, forward, mixer, cache, states[mixer], parents),
+        ):
             yield
 
     @staticmethod
-    def _steps(forward, mixer: torch.nn.Module, cache: DynamicCache, states: list, parents: list[list[int]] | None,
-               /, *args, **kwargs):
+    def _steps(
+        forward,
+        mixer: torch.nn.Module,
+        cache: DynamicCache,
+        states: list,
+        parents: list[list[int]] | None,
+        /,
+        *args,
+        **kwargs,
+    ):
         """``forward`` over each token in turn, each from its parent's state; ``states[t + 1]``: the layer's states
         after token t (``states[0]``: before the pass)."""
         hidden = next(value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
         n = hidden.shape[1]  # hidden states: [batch, n, width]
-        one = lambda value, t: value[:, t : t + 1] if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] == n else value
+
+        def one(value, t):
+            return (
+                value[:, t : t + 1]
+                if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] == n
+                else value
+            )
+
         states.append(_read(mixer, cache))
         outputs, projection = [], _OutputOnce(mixer, hidden.shape[-1])
         with projection.installed(), _projected_once(mixer, hidden):
@@ -135,7 +169,9 @@ class Stepwise:
                 follows = [row[t] for row in parents] if parents is not None else None  # [B]
                 if follows is not None and any(parent != t - 1 for parent in follows):  # (a branch starts)
                     _write(mixer, cache, _of_rows(states, [parent + 1 for parent in follows]))
-                outputs.append(forward(*(one(value, t) for value in args), **{key: one(value, t) for key, value in kwargs.items()}))
+                outputs.append(
+                    forward(*(one(value, t) for value in args), **{key: one(value, t) for key, value in kwargs.items()})
+                )
                 states.append(_read(mixer, cache))
                 if t == 0:
                     projection.find(outputs[0])
@@ -165,8 +201,11 @@ def _projected_once(mixer: torch.nn.Module, hidden: torch.Tensor) -> contextlib.
     ``hidden``: ``[B, n, width]``) compute all ``n`` rows at the first step and serve each step its row: one pass over
     their weights instead of one per token (what the pass's other linear layers do; row-exact verification makes those
     rows exact where it is on). A layer fed anything else (the input masked, normed ...) computes as it is."""
-    linears = [module for module in mixer.modules() if isinstance(module, torch.nn.Linear)
-               and module.in_features == hidden.shape[-1]]
+    linears = [
+        module
+        for module in mixer.modules()
+        if isinstance(module, torch.nn.Linear) and module.in_features == hidden.shape[-1]
+    ]
     return forwards_replaced(linears, lambda linear, forward: functools.partial(_row_served, forward, hidden, []))
 
 
@@ -175,8 +214,12 @@ def _row_served(forward, hidden: torch.Tensor, computed: list, x: torch.Tensor) 
     ``hidden`` (the same memory: a slice ``hidden[:, t:t+1]``)."""
     offset = x.data_ptr() - hidden.data_ptr()
     step = hidden.stride(1) * hidden.element_size()
-    if x.shape != (hidden.shape[0], 1, hidden.shape[2]) or x.stride() != hidden.stride() or offset % step \
-            or not 0 <= offset // step < hidden.shape[1]:
+    if (
+        x.shape != (hidden.shape[0], 1, hidden.shape[2])
+        or x.stride() != hidden.stride()
+        or offset % step
+        or not 0 <= offset // step < hidden.shape[1]
+    ):
         return forward(x)
     if not computed:
         computed.append(forward(hidden))
@@ -191,9 +234,12 @@ class _OutputOnce:
     steps get a placeholder from it, which the layer only returns, and :meth:`filled` puts the computed rows there."""
 
     def __init__(self, mixer: torch.nn.Module, width: int) -> None:
-        self.linears = [module for module in mixer.modules() if isinstance(module, torch.nn.Linear)
-                        and module.out_features == width]
-        self.first: dict[torch.nn.Module, list] = {}  # the first step's calls: layer -> [output, its copy, forward, calls]
+        self.linears = [
+            module for module in mixer.modules() if isinstance(module, torch.nn.Linear) and module.out_features == width
+        ]
+        self.first: dict[
+            torch.nn.Module, list
+        ] = {}  # the first step's calls: layer -> [output, its copy, forward, calls]
         self.found: torch.nn.Module | bool | None = None  # (None: not looked for yet; False: none)
         self.inputs: list[torch.Tensor] = []  # its inputs in the later steps: [B, 1, in_features] each
 
@@ -214,16 +260,24 @@ class _OutputOnce:
     def find(self, returned) -> None:
         """After the first step, which ``returned`` this."""
         returned = returned if isinstance(returned, torch.Tensor) else returned[0]
-        self.found = next((linear for linear, (output, copy, _, calls) in self.first.items()
-                           if output is returned and calls == 1 and torch.equal(output, copy)), False)
+        self.found = next(
+            (
+                linear
+                for linear, (output, copy, _, calls) in self.first.items()
+                if output is returned and calls == 1 and torch.equal(output, copy)
+            ),
+            False,
+        )
 
     def filled(self, outputs: list) -> list:
         """The steps' ``outputs`` with the placeholders replaced by the projection's rows."""
         if not self.found or not self.inputs:
             return outputs
         rows = self.first[self.found][2](torch.cat(self.inputs, dim=1))  # [B, n - 1, width]
-        return [outputs[0]] + [rows[:, t : t + 1] if isinstance(output, torch.Tensor) else (rows[:, t : t + 1], *output[1:])
-                               for t, output in enumerate(outputs[1:])]
+        return [outputs[0]] + [
+            rows[:, t : t + 1] if isinstance(output, torch.Tensor) else (rows[:, t : t + 1], *output[1:])
+            for t, output in enumerate(outputs[1:])
+        ]
 
 
 def _of_rows(states: list[dict], after: list[int]) -> dict:
@@ -233,18 +287,25 @@ def _of_rows(states: list[dict], after: list[int]) -> dict:
 
 
 def _cache_mixer(module: torch.nn.Module, cache: DynamicCache) -> bool:
-    """Whether ``module`` may compute a recurrent layer of ``cache``: its ``layer_idx`` is one, and its forward takes the
+    """Whether ``module`` may compute a recurrent layer of ``cache``: its ``layer_idx`` is one, and its forward takes
+    the
     cache and the attention mask (which zeroes a batch's padding) but no positions (a recurrence needs none; the
     attention beside it in a hybrid layer, Falcon-H1's, does). transformers 5.24 names every cache argument ``cache``,
     so the name no longer tells (``cache_params`` before). Zaya's attention projection, which keeps a conv state in
     the cache but returns queries, keys and values, takes a ``conv_mask``: not one."""
     index = getattr(module, "layer_idx", None)
-    if not isinstance(index, int) or not 0 <= index < len(cache.layers) \
-            or not isinstance(cache.layers[index], LinearAttentionCacheLayerMixin):
+    if (
+        not isinstance(index, int)
+        or not 0 <= index < len(cache.layers)
+        or not isinstance(cache.layers[index], LinearAttentionCacheLayerMixin)
+    ):
         return False
     parameters = inspect.signature(module.forward).parameters
-    return cache_parameter(parameters) is not None and "attention_mask" in parameters \
+    return (
+        cache_parameter(parameters) is not None
+        and "attention_mask" in parameters
         and not {"position_embeddings", "position_ids"} & set(parameters)
+    )
 
 
 def _keeps_own_state(module: torch.nn.Module) -> bool:
@@ -278,8 +339,14 @@ def crop_attention(cache: DynamicCache, tokens: int) -> None:
     back by :meth:`Stepwise.put_back` instead."""
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin) and not layer.record_past:
-            attention = next((cls for cls in type(layer).__mro__ if issubclass(cls, CacheLayerMixin)
-                              and not issubclass(cls, LinearAttentionCacheLayerMixin)), None)
+            attention = next(
+                (
+                    cls
+                    for cls in type(layer).__mro__
+                    if issubclass(cls, CacheLayerMixin) and not issubclass(cls, LinearAttentionCacheLayerMixin)
+                ),
+                None,
+            )
             if attention is not None:  # (a layer holding both: zamba's hybrid layers)
                 attention.crop(layer, -tokens)
         else:
@@ -293,7 +360,9 @@ class RecurrentRows:
 
     def __init__(self, cache: DynamicCache, slots: int) -> None:
         self.cache, self.slots = cache, slots
-        self.layers = [index for index, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.layers = [
+            index for index, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)
+        ]
         self.buffers: dict[tuple[int, str, int], torch.Tensor] = {}  # (layer, kind, state) -> [slots, ...]
 
     def put_row(self, index: int, alone: DynamicCache) -> None:
@@ -305,8 +374,12 @@ class RecurrentRows:
                 if buffer is None:
                     buffer = self.buffers[(layer, kind, state)] = tensor.new_zeros((self.slots, *tensor.shape[1:]))
                 buffer[index] = tensor[0]
-            for name in ("conv_kernel_size", "has_previous_state", "is_conv_states_initialized",
-                         "is_recurrent_states_initialized"):
+            for name in (
+                "conv_kernel_size",
+                "has_previous_state",
+                "is_conv_states_initialized",
+                "is_recurrent_states_initialized",
+            ):
                 setattr(held, name, dict(getattr(computed, name)))
             for name in ("dtype", "device"):  # (as far as the installed transformers' layers keep them)
                 if hasattr(computed, name):

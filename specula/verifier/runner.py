@@ -11,27 +11,46 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 from transformers.cache_utils import (
-    DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer,
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionLayer,
 )
 
+from ..machine.timing import lower_median, time_pass
 from .cache_layers import PreallocatedHybridLayer, PreallocatedLayer
-
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
+from .packed import packed_for
 from .recurrent import (
-    STEP_BY_STEP, RecurrentRows, Snapshot, Stepwise, crop_attention, has_recurrent_state, restore, snapshot,
+    STEP_BY_STEP,
+    RecurrentRows,
+    Snapshot,
+    Stepwise,
+    crop_attention,
+    has_recurrent_state,
+    restore,
+    snapshot,
     stop_recording,
 )
-from .packed import packed_for
-from ..machine.timing import lower_median, time_pass
+from .row_exact import is_half_precision, row_exact_for
 from .static import ALWAYS, CompiledPasses, bucket_of, buckets_up_to, compiled_passes, static_layers
+from .support import (
+    UnsupportedModelError,
+    cache_argument,
+    check_batchable,
+    check_cache_length,
+    check_recurrent_rows,
+    check_rollback,
+    check_split_independent,
+    check_standard_cache,
+    describe,
+    model_device,
+    multi_token_failure,
+)
 from .threads import thread_choice
 from .tree_mask import ancestry_of, block_mask, parents_of, paths_of
-from .row_exact import is_half_precision, row_exact_for
-from .support import (
-    UnsupportedModelError, cache_argument, check_batchable, check_cache_length, check_recurrent_rows, check_rollback,
-    check_split_independent, check_standard_cache, describe, model_device, multi_token_failure,
-)
 
 # Attention kernels for multi-token passes on a GPU: every backend but cuDNN's. cuDNN builds an execution plan for
 # each new (query, key) shape, and a verification pass has a new one every step (the cache grows, the draft length
@@ -119,7 +138,9 @@ class CachedModel:
         self.attention_mask = attention_mask
         self.accepts_logits_to_keep = "logits_to_keep" in parameters
         self.cached_tokens = 0
-        self._undo: tuple[Snapshot, torch.Tensor] | None = None  # recurrent: the states before the last pass, its tokens
+        self._undo: tuple[Snapshot, torch.Tensor] | None = (
+            None  # recurrent: the states before the last pass, its tokens
+        )
         self.row_exact = row_exact_for(model) if row_exact else None
         self.packed = None if row_exact else packed_for(model)  # (verification passes with prepacked weights)
         # ordinary passes with the thread count measured faster: in fp32 only (in bf16/fp16 their rounding, which
@@ -143,7 +164,9 @@ class CachedModel:
         """An empty cache as ``model.generate`` builds it, its full-attention layers preallocated, recording the past
         where rollbacks will be asked for."""
         cache = DynamicCache(config=self.model.config.get_text_config(decoder=True))
-        cache.layers = [PreallocatedLayer(self.capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        cache.layers = [
+            PreallocatedLayer(self.capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
+        ]
         if self.can_roll_back:
             cache.activate_past_recording()
             stop_recording(cache)  # (recurrent layers: put back whole, see rollback)
@@ -163,8 +186,13 @@ class CachedModel:
         self.window = max(windows - {None}, default=None)  # (the cache gives every sliding layer the config's)
         self.mixed = len(windows) > 1  # full-attention and sliding-window layers: a mask for each (by layer type)
         self.attends = bool(windows)  # (a model of recurrent layers only takes no mask, no positions)
-        other = sorted({type(layer).__name__ for layer in self.cache.layers
-                        if type(layer) not in (PreallocatedLayer, PreallocatedHybridLayer, LinearAttentionLayer, DummyLayer)})
+        other = sorted(
+            {
+                type(layer).__name__
+                for layer in self.cache.layers
+                if type(layer) not in (PreallocatedLayer, PreallocatedHybridLayer, LinearAttentionLayer, DummyLayer)
+            }
+        )
         check_batchable(model, other, parameters, self.attends)
         if has_recurrent_state(self.cache):
             self.stepwise = self.stepwise or Stepwise(model, self.cache)
@@ -177,11 +205,16 @@ class CachedModel:
     def _begin_static(self, capacity: int, max_width: int, how: str) -> None:
         """Passes of static shapes, compiled: the rows' buffers :class:`~specula.verifier.static.StaticLayer` (of a
         capacity rounded up to a power of two, so that few capacities, each a shape of its own, ever occur)."""
-        if self.row_exact is not None or self.rows_state is not None or self.indexers is not None \
-                or not static_layers(self.cache, 1 << (capacity - 1).bit_length()):
+        if (
+            self.row_exact is not None
+            or self.rows_state is not None
+            or self.indexers is not None
+            or not static_layers(self.cache, 1 << (capacity - 1).bit_length())
+        ):
             raise UnsupportedModelError(
                 f"{describe(self.model)} cannot run compiled passes: specula compiles models whose cache layers all "
-                "hold attention, with ordinary verification (not exact=True); pass compile=False (--no-compile).")
+                "hold attention, with ordinary verification (not exact=True); pass compile=False (--no-compile)."
+            )
         self.row_buckets, self.width_buckets = buckets_up_to(self.slots), buckets_up_to(max_width)
         self.compiled = compiled_passes(self.model, self.cache_argument, self.device)
         self.compile_always = how == ALWAYS
@@ -242,7 +275,9 @@ class CachedModel:
         """Make row ``index`` hold the first ``length`` tokens of row ``source`` (their states do not depend on
         later tokens)."""
         if self.rows_state is not None:
-            raise UnsupportedModelError(f"{describe(self.model)} keeps recurrent state, which holds no prefix of a row.")
+            raise UnsupportedModelError(
+                f"{describe(self.model)} keeps recurrent state, which holds no prefix of a row."
+            )
         for layer in self.cache.layers:
             if isinstance(layer, PreallocatedLayer):
                 layer.hold_rows(index + 1)
@@ -307,7 +342,10 @@ class CachedModel:
         return logits
 
     def forward_rows(
-        self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None = None,
+        self,
+        blocks: list[torch.Tensor],
+        num_logits: list[int],
+        trees: list[list[int] | None] | None = None,
         argmax_only: bool = False,
     ) -> list[torch.Tensor]:
         """Append ``blocks[b]`` (1-D) to row ``b``'s cache; return each row's logits at the last ``num_logits[b]``
@@ -321,8 +359,9 @@ class CachedModel:
             return self._forward_static(blocks, num_logits, trees)
         return self._forward_eager(blocks, num_logits, trees, argmax_only)
 
-    def _forward_eager(self, blocks: list[torch.Tensor], num_logits: list[int],
-                       trees: list[list[int] | None] | None, argmax_only: bool) -> list[torch.Tensor]:
+    def _forward_eager(
+        self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None, argmax_only: bool
+    ) -> list[torch.Tensor]:
         """:meth:`forward_rows` of a batch (``ragged``), each row's block padded to the longest only."""
         lengths = torch.tensor(self._block_lengths, device=self.device)  # [B]
         n = int(lengths.max())
@@ -331,12 +370,16 @@ class CachedModel:
         ancestry, depth = ancestry_of(trees or [None] * len(blocks), n, self.device)  # [B, n, n]; [B, n]
         positions = starts[:, None] + depth  # [B, n]
         keys = torch.arange(int(starts.max()) + n, device=self.device)  # every slot a query may see
-        mask = block_mask(starts, keys, ancestry, depth, positions, self.window, self.attention == "eager",
-                          self.dtype, self.mixed)
+        mask = block_mask(
+            starts, keys, ancestry, depth, positions, self.window, self.attention == "eager", self.dtype, self.mixed
+        )
         first = lengths - torch.tensor(num_logits, device=self.device)  # [B]: first position wanted per row
         keep = n - int(first.min())
         inputs = {
-            "input_ids": tokens, self.cache_argument: self.cache, "use_cache": True, "attention_mask": mask,
+            "input_ids": tokens,
+            self.cache_argument: self.cache,
+            "use_cache": True,
+            "attention_mask": mask,
             "position_ids": positions,
         }
         if self.accepts_logits_to_keep:
@@ -369,8 +412,9 @@ class CachedModel:
         check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")
         return [logits[b, first[b] - (n - keep) : lengths[b] - (n - keep)] for b in range(self.batch)]
 
-    def _compiled_pays(self, blocks: list[torch.Tensor], num_logits: list[int],
-                       trees: list[list[int] | None] | None) -> bool:
+    def _compiled_pays(
+        self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None
+    ) -> bool:
         """Whether this pass runs compiled: always, or where its bucket's compiled passes measured cheaper than eager
         ones (timed here on first use, on these very blocks, interleaved; what they wrote past the rows' ends is not
         kept)."""
@@ -396,8 +440,9 @@ class CachedModel:
             layer._grow(int(self.starts[:batch].max()) + width)
         return self.cache.layers[0].capacity
 
-    def _forward_static(self, blocks: list[torch.Tensor], num_logits: list[int],
-                        trees: list[list[int] | None] | None) -> list[torch.Tensor]:
+    def _forward_static(
+        self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None
+    ) -> list[torch.Tensor]:
         """:meth:`forward_rows` as a compiled pass of the smallest bucket that holds it: ``R`` rows (the batch's, then
         padding rows that start at 0 and write where no row is in use) of ``W`` tokens (a block padded with its
         last token, which no token of the block sees)."""
@@ -415,8 +460,9 @@ class CachedModel:
         ancestry, depth = ancestry_of(trees, width, self.device)  # [R, W, W]; [R, W]
         positions = starts[:, None] + depth  # [R, W]
         keys = torch.arange(capacity, device=self.device)  # every slot: what no row wrote yet is masked
-        mask = block_mask(starts, keys, ancestry, depth, positions, self.window, self.attention == "eager",
-                          self.dtype, self.mixed)
+        mask = block_mask(
+            starts, keys, ancestry, depth, positions, self.window, self.attention == "eager", self.dtype, self.mixed
+        )
         for layer in self.cache.layers:
             layer.static = True
         try:
@@ -456,7 +502,9 @@ class CachedModel:
                         for buffer in (layer._key_buffer, layer._value_buffer):
                             buffer[b, :, start : start + len(path)] = buffer[b, :, source]
         if self.stepwise is not None and self.stepwise.tokens():  # (a tree's path: the state after its last token)
-            self.stepwise.put_back(self.cache, [path[-1] + 1 if path else k for path, k in zip(paths or [None] * len(kept), kept)])
+            self.stepwise.put_back(
+                self.cache, [path[-1] + 1 if path else k for path, k in zip(paths or [None] * len(kept), kept)]
+            )
         self.starts[: self.batch] += torch.tensor(kept, device=self.device)
         self._set_rows()
 

@@ -60,8 +60,9 @@ class StaticLayer(PreallocatedLayer):
     static = False
     follows_rows = False
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None
-                            ) -> None:
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None
+    ) -> None:
         super().lazy_initialization(key_states, value_states, slots)
         self._mark_static()
 
@@ -119,8 +120,13 @@ class CompiledPasses:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         # CUDA graphs on a GPU; on a CPU the weights folded into the code (inductor's freezing), so that its linear
         # layers take them prepacked, as eager passes do (specula.verifier.packed)
-        settings = {} if BACKEND != "inductor" else {"mode": "reduce-overhead"} if device.type == "cuda" else \
-            {"options": {"freezing": True}}
+        settings = (
+            {}
+            if BACKEND != "inductor"
+            else {"mode": "reduce-overhead"}
+            if device.type == "cuda"
+            else {"options": {"freezing": True}}
+        )
         self._compiled = torch.compile(_forward, dynamic=False, fullgraph=True, backend=BACKEND, **settings)
         self.shapes: set[tuple[int, ...]] = set()  # the buckets compiled so far
         self.compile_seconds = 0.0
@@ -137,8 +143,11 @@ class CompiledPasses:
             self.shapes.add(shape)
             seconds = time.perf_counter() - started
             self.compile_seconds += seconds
-            print(f"specula: compiled the passes of {shape[0]} row(s) x {shape[1]} token(s) over {shape[2]} cached in "
-                  f"{seconds:.1f} s", file=sys.stderr)
+            print(
+                f"specula: compiled the passes of {shape[0]} row(s) x {shape[1]} token(s) over {shape[2]} cached in "
+                f"{seconds:.1f} s",
+                file=sys.stderr,
+            )
         # (CUDA graphs reuse their output's memory at the next replay: a copy outlives it)
         return logits.clone() if tokens.device.type == "cuda" else logits
 
@@ -153,15 +162,23 @@ class CompiledPasses:
         from .exactness import model_key
 
         weight = self.model.get_input_embeddings().weight
-        key = store.key(self.device, "compiled pass", model_key(self.model), weight.dtype,
-                        self.model.config._attn_implementation, *shape)
+        key = store.key(
+            self.device,
+            "compiled pass",
+            model_key(self.model),
+            weight.dtype,
+            self.model.config._attn_implementation,
+            *shape,
+        )
         return store.shared().get(key, lambda: round(compare(), 3)) < 1.0
 
 
-def _forward(model: torch.nn.Module, cache_argument: str, cache, tokens: torch.Tensor, positions: torch.Tensor, mask
-             ) -> torch.Tensor:
-    return model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                 **{cache_argument: cache}).logits
+def _forward(
+    model: torch.nn.Module, cache_argument: str, cache, tokens: torch.Tensor, positions: torch.Tensor, mask
+) -> torch.Tensor:
+    return model(
+        input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, **{cache_argument: cache}
+    ).logits
 
 
 _PASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -187,8 +204,10 @@ def compiles(model: torch.nn.Module, compile: bool | None, exact: bool) -> str |
     a pass is mostly the host's work on this device (:func:`host_bound`) in each bucket where compiled passes
     measure cheaper (:data:`WHERE_CHEAPER`), never under row-exact verification."""
     if compile and exact:
-        raise ValueError("compile=True (--compile) runs ordinary verification passes; it cannot be combined with "
-                         "exact=True (--exact): drop one of them.")
+        raise ValueError(
+            "compile=True (--compile) runs ordinary verification passes; it cannot be combined with "
+            "exact=True (--exact): drop one of them."
+        )
     if compile is not None:
         return ALWAYS if compile else None
     return WHERE_CHEAPER if not exact and host_bound(model) else None
@@ -225,10 +244,17 @@ def _host_share(model: torch.nn.Module) -> list[float]:
     from transformers import DynamicCache
 
     device = model_device(model)
-    ids = torch.randint(3, model.get_input_embeddings().weight.shape[0], (CONTEXT + REPEATS + 1,),
-                        generator=torch.Generator().manual_seed(0)).to(device)
-    cache = {cache_argument(model, inspect.signature(model.forward).parameters):
-             DynamicCache(config=model.config.get_text_config(decoder=True))}
+    ids = torch.randint(
+        3,
+        model.get_input_embeddings().weight.shape[0],
+        (CONTEXT + REPEATS + 1,),
+        generator=torch.Generator().manual_seed(0),
+    ).to(device)
+    cache = {
+        cache_argument(model, inspect.signature(model.forward).parameters): DynamicCache(
+            config=model.config.get_text_config(decoder=True)
+        )
+    }
     model(input_ids=ids[None, :CONTEXT], use_cache=True, **cache)
     host, wall = [], []
     for i in range(CONTEXT, CONTEXT + REPEATS + 1):
@@ -245,4 +271,3 @@ def synchronize(device: torch.device) -> None:
     """Wait until ``device`` has done the work queued on it (a CPU computes as it is asked)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-

@@ -169,11 +169,19 @@ def check_rollback(model: torch.nn.Module, cache: DynamicCache, stepwise: bool =
     stale = sorted({type(layer).__name__ for layer in cache.layers if _crop_is_stale(layer)})
     unwritten = not stepwise and any(
         isinstance(layer, LinearAttentionCacheLayerMixin) and not any(layer.has_previous_state.values())
-        for layer in cache.layers)
-    croppable = all(layer.is_croppable for layer in cache.layers if not isinstance(layer, LinearAttentionCacheLayerMixin))
+        for layer in cache.layers
+    )
+    croppable = all(
+        layer.is_croppable for layer in cache.layers if not isinstance(layer, LinearAttentionCacheLayerMixin)
+    )
     if stale or unwritten or not croppable:
-        reason = (f"its {', '.join(stale)} layers cannot crop what they keep" if stale
-                  else "it keeps recurrent state outside its cache" if unwritten else "its layers cannot be cropped")
+        reason = (
+            f"its {', '.join(stale)} layers cannot crop what they keep"
+            if stale
+            else "it keeps recurrent state outside its cache"
+            if unwritten
+            else "its layers cannot be cropped"
+        )
         raise UnsupportedModelError(
             f"The KV cache of {describe(model)} cannot be rolled back ({reason}), so drafts cannot be "
             "verified. Use proposer=None or model.generate() for this model."
@@ -184,6 +192,7 @@ def _crop_is_stale(layer: object) -> bool:
     """Whether ``layer``'s class replaced ``update()`` but kept a parent's ``crop()``, which cannot know what the new
     ``update()`` keeps (DeepSeek-V4's layers trim to the window and fill compressor buffers that crop never rolls
     back, yet inherit ``is_croppable``)."""
+
     def owner(name: str) -> type | None:
         return next((cls for cls in type(layer).__mro__ if name in vars(cls)), None)
 
@@ -218,7 +227,9 @@ def _written_lengths(cache: DynamicCache) -> tuple[set[int], bool]:
     lengths, written = set(), False
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
-            written |= any(layer.is_conv_states_initialized.values()) or any(layer.is_recurrent_states_initialized.values())
+            written |= any(layer.is_conv_states_initialized.values()) or any(
+                layer.is_recurrent_states_initialized.values()
+            )
         if isinstance(layer, CacheLayerMixin) and layer.is_initialized:
             lengths.add(layer.get_seq_length())
             written = True

@@ -1,7 +1,8 @@
 """How many CPU threads an ordinary verification pass runs with: torch's, or one where that is faster now.
 
 On a machine another program keeps busy, torch's threads wait for the slowest of them at every operation, and a
-pass over several tokens loses most (one thread can then be several times faster than two: docs/hardware.md). So each ordinary pass over several tokens runs with
+pass over several tokens loses most (one thread can then be several times faster than two: docs/hardware.md). So each
+ordinary pass over several tokens runs with
 the thread count whose recent passes of its shape were cheaper (:class:`ThreadChoice`), and every :data:`EVERY`-th
 pass of a shape runs with the other one, so that the choice follows the machine both ways at a bounded cost.
 One-token steps and row-exact passes keep torch's thread count (their bits are ``model.generate``'s).
@@ -17,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from ..machine.timing import lower_median
 from ..machine.profile import profile_of
+from ..machine.timing import lower_median
 
 EVERY = 32  # one pass of a shape in this many runs with the thread count not chosen, to measure it again
 KEEP = 4  # recent passes kept per shape and thread count

@@ -43,9 +43,17 @@ def paths_of(ancestry: torch.Tensor, trees: list[list[int] | None]) -> list[list
     return paths
 
 
-def block_mask(starts: torch.Tensor, keys: torch.Tensor, ancestry: torch.Tensor, depth: torch.Tensor,
-               positions: torch.Tensor, window: int | None, additive: bool, dtype: torch.dtype, mixed: bool
-               ) -> torch.Tensor | dict[str, torch.Tensor]:
+def block_mask(
+    starts: torch.Tensor,
+    keys: torch.Tensor,
+    ancestry: torch.Tensor,
+    depth: torch.Tensor,
+    positions: torch.Tensor,
+    window: int | None,
+    additive: bool,
+    dtype: torch.dtype,
+    mixed: bool,
+) -> torch.Tensor | dict[str, torch.Tensor]:
     """The attention mask of a pass over blocks of tokens (``[B, 1, n, keys]``; for a model with both kinds of layers
     (``mixed``), one per layer type) over ``keys`` (every slot a query may see), rows' blocks starting at ``starts``
     (``[B]``), their tokens' ``ancestry`` (``[B, n, n]``), ``depth`` in it and ``positions`` (``[B, n]``); with a

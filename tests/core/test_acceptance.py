@@ -6,13 +6,12 @@ import collections
 
 import pytest
 import torch
+from helpers import chi_square_p_value
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specula
-from specula.core import acceptance
 from specula.core.acceptance import accept_draft, acceptance_probability, residual_distribution
-from helpers import chi_square_p_value
 
 
 def output_distribution(p: torch.Tensor, q: torch.Tensor, accept_probability=acceptance_probability) -> torch.Tensor:
@@ -27,8 +26,10 @@ def output_distribution(p: torch.Tensor, q: torch.Tensor, accept_probability=acc
 def distributions(size: int):
     """Probability vectors over ``size`` tokens, with exact zeros and tiny values."""
     weight = st.one_of(st.just(0.0), st.floats(1e-12, 1.0), st.floats(1e-3, 1.0))
-    return st.lists(weight, min_size=size, max_size=size).filter(lambda w: sum(w) > 0).map(
-        lambda w: torch.tensor(w, dtype=torch.float64) / sum(w)
+    return (
+        st.lists(weight, min_size=size, max_size=size)
+        .filter(lambda w: sum(w) > 0)
+        .map(lambda w: torch.tensor(w, dtype=torch.float64) / sum(w))
     )
 
 

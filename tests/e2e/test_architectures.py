@@ -39,11 +39,39 @@ REFUSED_PLAIN = {
 # Their caches keep recurrent state (Mamba/SSM, linear attention, gated delta nets), rolled back by
 # specula.verifier.recurrent: drafts right up to every length must be accepted (the random models rarely repeat
 # themselves, so PromptLookup's drafts are mostly rejected).
-RECURRENT = ["bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear",
-             "mamba", "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text",
-             "qwen3_5_text", "qwen3_next", "recurrent_gemma", "zamba", "zamba2", "zaya"]
+RECURRENT = [
+    "bailing_hybrid",
+    "bamba",
+    "falcon_h1",
+    "falcon_mamba",
+    "granitemoehybrid",
+    "jamba",
+    "kimi_linear",
+    "mamba",
+    "mamba2",
+    "nemotron_h",
+    "olmo_hybrid",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_5_text",
+    "qwen3_next",
+    "recurrent_gemma",
+    "zamba",
+    "zamba2",
+    "zaya",
+]
 # Sparse attention: an indexer picks each query's keys, which specula.verifier.indexer picks per query in a pass.
-SPARSE = ["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4", "qwen4_exp", "qwen4_exp_text"]
+SPARSE = [
+    "axk2",
+    "deepseek_v32",
+    "dots3_note",
+    "dots3_note_text",
+    "glm_moe_dsa",
+    "hy_v4",
+    "qwen4_exp",
+    "qwen4_exp_text",
+]
 # Cannot be built as a tiny text-only causal LM here (tests/architectures.py says why).
 NOT_TINY = {"blt", "gemma3n", "gemma4_assistant", "gemma4_unified_assistant", "musicgen", "musicgen_melody"}
 
@@ -51,8 +79,9 @@ NOT_TINY = {"blt", "gemma3n", "gemma4_assistant", "gemma4_unified_assistant", "m
 def _identical_or_refused(model: torch.nn.Module, make_proposer, refusal: str | None, adaptive: bool = False) -> None:
     """``adaptive=False``: every draft is verified, whatever the cost model would decide on this machine."""
     for prompt in sweep_prompts():
-        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                  max_new_tokens=NEW_TOKENS)
+        expected = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW_TOKENS
+        )
         run = lambda: specula.generate(  # noqa: E731
             model, prompt, make_proposer(), max_new_tokens=NEW_TOKENS, adaptive_draft=adaptive
         )
@@ -66,13 +95,15 @@ def _identical_or_refused(model: torch.nn.Module, make_proposer, refusal: str | 
 def _accepted_and_identical(model: torch.nn.Module) -> None:
     """Drafts of model.generate's own continuation, whole and right up to each length, every one sent."""
     for prompt in sweep_prompts():
-        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                  max_new_tokens=NEW_TOKENS)
+        expected = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW_TOKENS
+        )
         for proposer in (Oracle(expected, 6), PartlyRight(expected, 6)):
             out = specula.generate(model, prompt, proposer, max_new_tokens=NEW_TOKENS, adaptive_draft=False)
             assert out.sequences.tolist() == expected.tolist()
             assert out.stats.accepted >= out.stats.new_tokens // 3 and (out.stats.accepted < out.stats.drafted) == (
-                type(proposer) is PartlyRight)
+                type(proposer) is PartlyRight
+            )
 
 
 @pytest.mark.parametrize("model_type", CAUSAL_LM_TYPES)

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import functools
 
-
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
 from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, chi_square_p_value, hf_greedy
 from tiny_models import VOCAB, tiny_model
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import specula
 from specula.decoding import estimate
-from specula.verifier.runner import UnsupportedModelError
-from specula.decoding.loop import MAX_DRAFT
 
 NEW_TOKENS = 24
 PAD = 0  # the tiny models' pad_token_id
@@ -29,8 +26,12 @@ def prompts() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     words = torch.randint(3, VOCAB, (12,), generator=generator)
     repetitive = torch.cat([words[:6], words[:6], words[:6], words[2:5]])
-    return [repetitive, torch.randint(3, VOCAB, (9,), generator=generator), repetitive[3:],
-            torch.randint(3, VOCAB, (30,), generator=generator)]
+    return [
+        repetitive,
+        torch.randint(3, VOCAB, (9,), generator=generator),
+        repetitive[3:],
+        torch.randint(3, VOCAB, (30,), generator=generator),
+    ]
 
 
 def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,12 +65,22 @@ def test_each_row_is_its_own_model_generate(name: str, proposer: str) -> None:
     expected = [alone(name, row, eos_token_id=[]) for row in rows]
     references = [torch.tensor(row.tolist() + out) for row, out in zip(rows, expected)]
     proposers = {
-        "prompt-lookup": specula.PromptLookup(), "ngram": specula.NGramPredictor(), "none": None,
-        "oracle": Oracle(references, 5), "always-wrong": AlwaysWrong(references, 5, VOCAB),
+        "prompt-lookup": specula.PromptLookup(),
+        "ngram": specula.NGramPredictor(),
+        "none": None,
+        "oracle": Oracle(references, 5),
+        "always-wrong": AlwaysWrong(references, 5, VOCAB),
     }
     ids, mask = left_padded(rows)
-    out = specula.generate(model(name), ids, proposers[proposer], attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                           eos_token_id=[], adaptive_draft=False)
+    out = specula.generate(
+        model(name),
+        ids,
+        proposers[proposer],
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=[],
+        adaptive_draft=False,
+    )
     assert new_tokens(out, ids.shape[1]) == expected
     assert out.sequences[:, : ids.shape[1]].tolist() == ids.tolist()
     assert len(out.stats.rows) == len(rows) and out.stats.new_tokens == NEW_TOKENS * len(rows)
@@ -90,8 +101,15 @@ def test_rows_stop_on_their_own_eos_inside_accepted_blocks(name: str) -> None:
     assert len(expected[0]) <= 6 and max(map(len, expected)) > len(expected[0])
     references = [torch.tensor(row.tolist() + out) for row, out in zip(rows, expected)]
     ids, mask = left_padded(rows)
-    out = specula.generate(model(name), ids, Oracle(references, 8), attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                           eos_token_id=eos, adaptive_draft=False)
+    out = specula.generate(
+        model(name),
+        ids,
+        Oracle(references, 8),
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=eos,
+        adaptive_draft=False,
+    )
     assert new_tokens(out, ids.shape[1]) == expected
     width = ids.shape[1] + max(map(len, expected))
     assert out.sequences.shape == (len(rows), width)
@@ -116,8 +134,15 @@ def test_stopping_criteria_end_rows_on_their_own() -> None:
     expected = [alone("llama", row, eos_token_id=[], stopping_criteria=criteria) for row in rows]
     assert len(expected[1]) == 4 and max(map(len, expected)) == NEW_TOKENS
     ids, mask = left_padded(rows)
-    out = specula.generate(model("llama"), ids, specula.PromptLookup(), attention_mask=mask,
-                           max_new_tokens=NEW_TOKENS, eos_token_id=[], stopping_criteria=criteria)
+    out = specula.generate(
+        model("llama"),
+        ids,
+        specula.PromptLookup(),
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=[],
+        stopping_criteria=criteria,
+    )
     assert new_tokens(out, ids.shape[1]) == expected
 
 
@@ -155,13 +180,22 @@ def seeded(seed: int) -> torch.Generator:
 def test_a_seeded_request_samples_the_same_alone_and_in_any_batch() -> None:
     rows = prompts()
     settings = dict(do_sample=True, temperature=1.5, max_new_tokens=16, eos_token_id=[])
-    alone_out = specula.generate(model("llama"), rows[0][None], specula.PromptLookup(), generator=seeded(5),
-                                 **settings).sequences[0, len(rows[0]) :].tolist()
+    alone_out = (
+        specula.generate(model("llama"), rows[0][None], specula.PromptLookup(), generator=seeded(5), **settings)
+        .sequences[0, len(rows[0]) :]
+        .tolist()
+    )
     outputs = []
     for members, seeds in (([0, 1], [5, 7]), ([2, 0, 3], [9, 5, 11])):
         ids, mask = left_padded([rows[i] for i in members])
-        out = specula.generate(model("llama"), ids, specula.PromptLookup(), attention_mask=mask,
-                               generator=[seeded(s) for s in seeds], **settings)
+        out = specula.generate(
+            model("llama"),
+            ids,
+            specula.PromptLookup(),
+            attention_mask=mask,
+            generator=[seeded(s) for s in seeds],
+            **settings,
+        )
         outputs.append(new_tokens(out, ids.shape[1])[members.index(0)])
     assert outputs[0] == outputs[1] == alone_out
     with pytest.raises(ValueError, match="one per row"):
@@ -206,9 +240,19 @@ def test_sampling_in_a_batch_keeps_each_rows_distribution() -> None:
     counts = [dict() for _ in rows]
     generator, drafted = seeded(0), 0
     for _ in range(500):
-        out = specula.generate(sharp(), ids, GreedyGuess(guesses), attention_mask=mask, do_sample=True,
-                               temperature=1.0, top_k=0, max_new_tokens=3, eos_token_id=[], generator=generator,
-                               adaptive_draft=False)
+        out = specula.generate(
+            sharp(),
+            ids,
+            GreedyGuess(guesses),
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            max_new_tokens=3,
+            eos_token_id=[],
+            generator=generator,
+            adaptive_draft=False,
+        )
         drafted += sum(row.accepted_per_position[:1] == [1] or row.drafted > 0 for row in out.stats.rows)
         for b, token in enumerate(out.sequences[:, ids.shape[1] + 1].tolist()):
             counts[b][token] = counts[b].get(token, 0) + 1
@@ -236,8 +280,14 @@ def test_the_decoder_estimates_its_speedup_over_plain_decoding(monkeypatch) -> N
     assert decoder.plain_speedup() == pytest.approx(plain_passes / (decoder.passes - len(rows)))
     assert decoder.plain_speedup() > 3
     sampled = specula.Decoder(model("llama"), Oracle(references, 6), slots=2)
-    list(sampled.run([specula.Job(row.numpy(), 8, sampling=specula.Sampling(do_sample=True), key=b)
-                      for b, row in enumerate(rows)]))
+    list(
+        sampled.run(
+            [
+                specula.Job(row.numpy(), 8, sampling=specula.Sampling(do_sample=True), key=b)
+                for b, row in enumerate(rows)
+            ]
+        )
+    )
     assert sampled.plain_speedup() is not None  # (under sampling too)
 
 
@@ -274,8 +324,10 @@ def test_a_pass_with_a_row_whose_drafts_are_drawn_at_random_is_sized_without_mea
         return costs
 
     decoder.policy._costs = recording
-    jobs = [specula.Job(rows[0].numpy(), 6, sampling=specula.Sampling(do_sample=True), key="sampled"),
-            specula.Job(rows[1].numpy(), NEW_TOKENS, key="greedy")]
+    jobs = [
+        specula.Job(rows[0].numpy(), 6, sampling=specula.Sampling(do_sample=True), key="sampled"),
+        specula.Job(rows[1].numpy(), NEW_TOKENS, key="greedy"),
+    ]
     list(decoder.run(jobs))
     assert (True, True) not in weighed
     assert (True, False) in weighed and (False, True) in weighed

@@ -7,17 +7,19 @@ import sys
 
 import pytest
 import torch
+from architectures import tiny_causal_lm
+from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, PartlyRight, TreeOracle, chi_square_p_value
+from sampling_cases import PLAIN, TRUNCATED, copyable_prompt, joint_of_two_tokens, sample_first_two, sharp_model
+from tiny_models import VOCAB as TINY_VOCAB
+from tiny_models import tiny_model
 from transformers import TopPLogitsWarper
 
 import specula
 from specula.core import acceptance
-from architectures import tiny_causal_lm
-from helpers import AlwaysWrong, NoisyModelDrafter, Oracle, PartlyRight, TreeOracle, chi_square_p_value
-from tiny_models import VOCAB as TINY_VOCAB, tiny_model
-from sampling_cases import PLAIN, TRUNCATED, sharp_model, joint_of_two_tokens, copyable_prompt, sample_first_two
 
 # ---------------------------------------------------------------------------------------------------------------
 # End to end: specula.generate samples the target's exact joint distribution of the first tokens.
+
 
 @pytest.mark.distribution
 @pytest.mark.parametrize(
@@ -70,6 +72,7 @@ def test_the_test_fails_when_rejections_resample_from_p(monkeypatch) -> None:
 def test_the_test_fails_when_draft_positions_are_drawn_from_the_wrong_prefix(monkeypatch) -> None:
     """Deterministic drafts: the token at each node is drawn from the scores a token later (after its first child,
     the draft token being verified) instead of that node's own."""
+
     def walk_one_token_late(scores, tokens, children, sampling):
         new, node = [], -1
         while True:
@@ -95,6 +98,7 @@ def test_the_test_fails_when_the_ratio_is_inverted(monkeypatch) -> None:
 @pytest.mark.distribution
 def test_the_test_fails_when_top_p_is_applied_to_q_only(monkeypatch) -> None:
     """The drafter samples with top-k and top-p, the verifier's p lacks top-p (warpers applied to one side only)."""
+
     def without_top_p(do_sample, processors, generator):
         return specula.Sampling(do_sample, [p for p in processors if not isinstance(p, TopPLogitsWarper)], generator)
 
@@ -165,7 +169,10 @@ def test_settings_come_from_the_generation_config_exactly_as_in_model_generate()
     assert out.tolist() == expected.tolist()
     model.generation_config.update(do_sample=False, repetition_penalty=1.0)  # what the config asked made a difference
     torch.manual_seed(5)
-    assert specula.generate(model, prompt, None, max_new_tokens=30, eos_token_id=[]).sequences.tolist() != expected.tolist()
+    assert (
+        specula.generate(model, prompt, None, max_new_tokens=30, eos_token_id=[]).sequences.tolist()
+        != expected.tolist()
+    )
 
 
 @pytest.mark.parametrize(
@@ -214,14 +221,22 @@ def _sharp(name: str) -> torch.nn.Module:
 
 def hf_sampled(model, prompt: torch.Tensor, seed: int, **settings_) -> torch.Tensor:
     torch.manual_seed(seed)
-    return model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
-                          max_new_tokens=_SAMPLED_TOKENS, eos_token_id=[], pad_token_id=0, **settings_)
+    return model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        do_sample=True,
+        max_new_tokens=_SAMPLED_TOKENS,
+        eos_token_id=[],
+        pad_token_id=0,
+        **settings_,
+    )
 
 
 def specula_sampled(model, prompt: torch.Tensor, proposer, seed: int, **kwargs) -> specula.GenerateOutput:
     torch.manual_seed(seed)
-    return specula.generate(model, prompt, proposer, do_sample=True, max_new_tokens=_SAMPLED_TOKENS,
-                            eos_token_id=[], **kwargs)
+    return specula.generate(
+        model, prompt, proposer, do_sample=True, max_new_tokens=_SAMPLED_TOKENS, eos_token_id=[], **kwargs
+    )
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
@@ -240,10 +255,12 @@ def test_seeded_sampling_draws_model_generates_tokens(name: str, settings_: dict
                     assert out.stats.accepted >= _SAMPLED_TOKENS // 2
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "mamba2", "falcon_h1", "mamba", "recurrent_gemma", "deepseek_v32",
-                                        "glm_moe_dsa"])
+@pytest.mark.parametrize(
+    "model_type", ["qwen3_next", "mamba2", "falcon_h1", "mamba", "recurrent_gemma", "deepseek_v32", "glm_moe_dsa"]
+)
 def test_seeded_sampling_with_recurrent_state_or_sparse_attention_draws_model_generates_tokens(model_type: str) -> None:
-    """Recurrent state rolled back after rejected drafts (specula.verifier.recurrent: fed again, or step by step for mamba
+    """Recurrent state rolled back after rejected drafts (specula.verifier.recurrent: fed again, or step by step for
+    mamba
     and recurrent_gemma), and sparse attention's keys picked per query (specula.verifier.indexer), leave the draws
     model.generate's."""
     model, prompt = tiny_causal_lm(model_type), torch.tensor([[5, 17, 33, 42, 8, 61, 29] * 3])
@@ -252,8 +269,9 @@ def test_seeded_sampling_with_recurrent_state_or_sparse_attention_draws_model_ge
     for seed in (0, 1):
         ref = hf_sampled(model, prompt, seed, **SEEDED["temperature"])
         for proposer in (specula.PromptLookup(), Oracle(ref, 6), PartlyRight(ref, 6)):
-            out = specula_sampled(model, prompt, proposer, seed, adaptive_draft=False, pad_token_id=0,
-                                  **SEEDED["temperature"])
+            out = specula_sampled(
+                model, prompt, proposer, seed, adaptive_draft=False, pad_token_id=0, **SEEDED["temperature"]
+            )
             assert out.sequences.tolist() == ref.tolist(), (seed, type(proposer).__name__)
             if isinstance(proposer, Oracle):
                 assert out.stats.accepted >= _SAMPLED_TOKENS // 3
@@ -264,8 +282,9 @@ def test_seeded_sampling_through_trees_draws_model_generates_tokens(shape: str) 
     model, prompt = _sharp("llama"), torch.tensor([[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
     for seed in (0, 1):
         ref = hf_sampled(model, prompt, seed, **SEEDED["top_k"])
-        out = specula_sampled(model, prompt, TreeOracle([ref], shape, TINY_VOCAB), seed, adaptive_draft=False,
-                              **SEEDED["top_k"])
+        out = specula_sampled(
+            model, prompt, TreeOracle([ref], shape, TINY_VOCAB), seed, adaptive_draft=False, **SEEDED["top_k"]
+        )
         assert out.sequences.tolist() == ref.tolist()
         assert out.stats.tree_passes > 0 and (shape == "wrong" or out.stats.accepted >= _SAMPLED_TOKENS // 2)
 
@@ -280,9 +299,18 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_in_any_batch() -> None
         width = max(len(prompts[r]) for r in rows)
         ids = torch.tensor([[0] * (width - len(prompts[r])) + prompts[r] for r in rows])
         mask = (torch.arange(width) >= torch.tensor([width - len(prompts[r]) for r in rows])[:, None]).long()
-        out = specula.generate(model, ids, Oracle([refs[r] for r in rows], 6), attention_mask=mask, do_sample=True,
-                               max_new_tokens=_SAMPLED_TOKENS, eos_token_id=[], adaptive_draft=False,
-                               generator=[torch.Generator().manual_seed(r) for r in rows], **SEEDED["top_k"])
+        out = specula.generate(
+            model,
+            ids,
+            Oracle([refs[r] for r in rows], 6),
+            attention_mask=mask,
+            do_sample=True,
+            max_new_tokens=_SAMPLED_TOKENS,
+            eos_token_id=[],
+            adaptive_draft=False,
+            generator=[torch.Generator().manual_seed(r) for r in rows],
+            **SEEDED["top_k"],
+        )
         for b, r in enumerate(rows):
-            assert out.sequences[b, width:].tolist() == refs[r][0, len(prompts[r]):].tolist(), (rows, r)
+            assert out.sequences[b, width:].tolist() == refs[r][0, len(prompts[r]) :].tolist(), (rows, r)
         assert out.stats.accepted > 0

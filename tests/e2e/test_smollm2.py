@@ -11,8 +11,8 @@ import torch
 from helpers import Oracle, hf_greedy
 
 import specula
-from specula.hf.loading import load_model
 from specula.hf.inputs import left_padded
+from specula.hf.loading import load_model
 from specula.jobs.requests import encode, load_workloads
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"  # (beside a development checkout; a bare clone has none)
@@ -23,8 +23,10 @@ pytestmark = pytest.mark.slow
 def workloads() -> Path:
     """The public workloads' folder; where this checkout has none, the test skips, saying how to get it."""
     if not WORKLOADS.is_dir():
-        pytest.skip(f"no public workloads in {WORKLOADS}: check specula out beside the shared folder ({SHARED}), or "
-                    "set SPECULA_WORKLOADS to a folder of request files")
+        pytest.skip(
+            f"no public workloads in {WORKLOADS}: check specula out beside the shared folder ({SHARED}), or "
+            "set SPECULA_WORKLOADS to a folder of request files"
+        )
     return WORKLOADS
 
 
@@ -47,8 +49,11 @@ def reference(index: int) -> torch.Tensor:
     return hf_greedy(model, prompts()[index][1], 48, eos_token_id=model.generation_config.eos_token_id)
 
 
-@pytest.mark.parametrize("make_proposer", [specula.PromptLookup, specula.NGramPredictor,
-                                           lambda: specula.PromptLookup(branches=8)], ids=["lookup", "ngram", "tree"])
+@pytest.mark.parametrize(
+    "make_proposer",
+    [specula.PromptLookup, specula.NGramPredictor, lambda: specula.PromptLookup(branches=8)],
+    ids=["lookup", "ngram", "tree"],
+)
 @pytest.mark.parametrize("index", range(5))
 def test_greedy_output_is_identical_to_generate(index: int, make_proposer) -> None:
     """With the draft lengths the cost model picks; on the prompts whose outputs copy from them, with every draft
@@ -74,7 +79,9 @@ def bf16_reference(index: int) -> list[int]:
     steps do not depend on how many follow), computed once for the bf16 tests."""
     model, _ = smollm2_bf16()
     prompt = prompts()[index][1]
-    return hf_greedy(model, prompt, 48, eos_token_id=model.generation_config.eos_token_id)[0, prompt.shape[1] :].tolist()
+    return hf_greedy(model, prompt, 48, eos_token_id=model.generation_config.eos_token_id)[
+        0, prompt.shape[1] :
+    ].tolist()
 
 
 @pytest.mark.parametrize("index", range(5))
@@ -86,8 +93,7 @@ def test_bf16_greedy_output_is_identical_to_generate_and_to_itself(index: int) -
     expected = prompt[0].tolist() + bf16_reference(index)
     timed = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=48, exact=True)
     # and every draft sent: a cost model that sends none on a machine where row-exact passes are dear checks nothing
-    sent = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=48, adaptive_draft=False,
-                            exact=True)
+    sent = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=48, adaptive_draft=False, exact=True)
     assert timed.sequences.tolist() == sent.sequences.tolist() == [expected]
     assert sent.stats.drafted > 0
 
@@ -97,7 +103,9 @@ def test_bf16_drafts_of_33_tokens_past_700_keys_are_model_generate() -> None:
     sent: passes of 33 tokens whose queries see 650-760 keys. On a 2-core EPYC, queries grouped by 16 key counts
     there (keys padded and masked) made new token 68 'b' where model.generate gives 'com' (a near-tie)."""
     model, tokenizer = smollm2_bf16()
-    row = next(row for rows in load_workloads(workloads(), 1).values() for row in rows if row.id == "code_edit/contextlib")
+    row = next(
+        row for rows in load_workloads(workloads(), 1).values() for row in rows if row.id == "code_edit/contextlib"
+    )
     prompt = encode(tokenizer, row)
     expected = hf_greedy(model, prompt, 100, eos_token_id=model.generation_config.eos_token_id)
     out = specula.generate(model, prompt, Oracle(expected, 32), max_new_tokens=100, adaptive_draft=False, exact=True)
@@ -116,8 +124,9 @@ def test_a_batch_of_workload_prompts_gives_each_its_own_output() -> None:
     expected = [hf_greedy(model, row[None], 32, eos_token_id=eos)[0, len(row) :].tolist() for row in rows]
     ids, mask = left_padded(rows, tokenizer.pad_token_id)
     width = ids.shape[1]
-    out = specula.generate(model, ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=32,
-                           adaptive_draft=False)
+    out = specula.generate(
+        model, ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=32, adaptive_draft=False
+    )
     got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
     assert got == expected
     assert out.stats.accepted > 0 and sum(row.passes for row in out.stats.rows) < out.stats.new_tokens
@@ -146,8 +155,15 @@ def test_bf16_trees_alone_and_in_a_batch_are_model_generate() -> None:
     for members in ([1], [2, 0, 4]):
         ids, mask = left_padded([rows[i] for i in members], tokenizer.pad_token_id)
         width = ids.shape[1]
-        out = specula.generate(model, ids, specula.PromptLookup(branches=8), attention_mask=mask, max_new_tokens=32,
-                               adaptive_draft=False, exact=True)
+        out = specula.generate(
+            model,
+            ids,
+            specula.PromptLookup(branches=8),
+            attention_mask=mask,
+            max_new_tokens=32,
+            adaptive_draft=False,
+            exact=True,
+        )
         got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
         assert got == [expected[i] for i in members], members
         assert out.stats.accepted > 0
@@ -166,11 +182,15 @@ def test_seeded_sampling_draws_model_generates_tokens(dtype: str) -> None:
             continue
         torch.manual_seed(seed)
         expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings_).tolist()
-        for proposer, adaptive in ((specula.PromptLookup(), True), (specula.PromptLookup(), False),
-                                   (specula.PromptLookup(branches=4), False)):
+        for proposer, adaptive in (
+            (specula.PromptLookup(), True),
+            (specula.PromptLookup(), False),
+            (specula.PromptLookup(branches=4), False),
+        ):
             torch.manual_seed(seed)
-            out = specula.generate(model, prompt, proposer, adaptive_draft=adaptive, exact=dtype == "bf16" or None,
-                                   **settings_)
+            out = specula.generate(
+                model, prompt, proposer, adaptive_draft=adaptive, exact=dtype == "bf16" or None, **settings_
+            )
             assert out.sequences.tolist() == expected, (name, proposer, adaptive)
             accepted += out.stats.accepted
     assert accepted > 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import functools
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -44,8 +43,9 @@ def test_a_tree_gives_model_generates_tokens_alone(name: str, shape: str) -> Non
     row = prompts()[0]
     expected = alone(name, row, eos_token_id=[])
     proposer = TreeOracle([torch.tensor(row.tolist() + expected)], shape, VOCAB)
-    out = specula.generate(model(name), row[None], proposer, max_new_tokens=NEW_TOKENS, eos_token_id=[],
-                           adaptive_draft=False)
+    out = specula.generate(
+        model(name), row[None], proposer, max_new_tokens=NEW_TOKENS, eos_token_id=[], adaptive_draft=False
+    )
     assert out.sequences[0, len(row) :].tolist() == expected
     if shape != "wrong":  # the right branch, not the first child, was taken
         assert out.stats.accepted > NEW_TOKENS // 2 and out.stats.passes < NEW_TOKENS // 2
@@ -70,9 +70,19 @@ def test_trees_and_chains_in_a_batch_give_each_row_its_own_tokens(name: str) -> 
             return super().propose(context_ids, max_tokens)
 
     ids, mask = left_padded(rows, 0)
-    out = specula.generate(model(name), ids, Mixed(references, "second", VOCAB), attention_mask=mask,
-                           max_new_tokens=NEW_TOKENS, eos_token_id=[], adaptive_draft=False)
-    news = [seq[ids.shape[1] : ids.shape[1] + stats.new_tokens] for seq, stats in zip(out.sequences.tolist(), out.stats.rows)]
+    out = specula.generate(
+        model(name),
+        ids,
+        Mixed(references, "second", VOCAB),
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=[],
+        adaptive_draft=False,
+    )
+    news = [
+        seq[ids.shape[1] : ids.shape[1] + stats.new_tokens]
+        for seq, stats in zip(out.sequences.tolist(), out.stats.rows)
+    ]
     assert news == expected
     assert out.stats.rows[0].accepted > NEW_TOKENS // 2 and out.stats.rows[1].accepted == 0
     assert out.stats.rows[0].tree_gain == out.stats.rows[0].accepted and out.stats.rows[2].tree_passes == 0
@@ -91,9 +101,18 @@ def test_a_tree_path_that_ends_the_output(limit: str, batch: bool) -> None:
     rows = [row, mate] if batch else [row]
     references = [torch.cat([r, torch.tensor(alone("llama", r, new_tokens, eos_token_id=eos))]) for r in rows]
     ids, mask = left_padded(rows, 0)
-    out = specula.generate(model("llama"), ids, TreeOracle(references, "second", VOCAB, depth=6),
-                           attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=eos)
-    got = [seq[ids.shape[1] : ids.shape[1] + stats.new_tokens] for seq, stats in zip(out.sequences.tolist(), out.stats.rows)]
+    out = specula.generate(
+        model("llama"),
+        ids,
+        TreeOracle(references, "second", VOCAB, depth=6),
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        eos_token_id=eos,
+    )
+    got = [
+        seq[ids.shape[1] : ids.shape[1] + stats.new_tokens]
+        for seq, stats in zip(out.sequences.tolist(), out.stats.rows)
+    ]
     assert got[0] == full[: end + 1]
     assert got == [reference[len(r) :].tolist() for r, reference in zip(rows, references)]
 
@@ -121,8 +140,10 @@ def two_tokens(make_draft, trials: int = 20000) -> tuple[collections.Counter, co
     firsts, pairs = collections.Counter(), collections.Counter()
     for _ in range(trials):
         draft = make_draft(sampling.generator)
-        rows = [P0] + [AFTER[token] if parent == -1 else torch.full((V,), 1 / V)
-                       for token, parent in zip(draft.tokens.tolist(), draft.parent_list())]
+        rows = [P0] + [
+            AFTER[token] if parent == -1 else torch.full((V,), 1 / V)
+            for token, parent in zip(draft.tokens.tolist(), draft.parent_list())
+        ]
         new = accept_draft(torch.log(torch.stack(rows)), draft, sampling)
         firsts[new[0]] += 1
         if len(new) > 1:
@@ -134,10 +155,15 @@ def fits_the_target(firsts: collections.Counter, pairs: collections.Counter) -> 
     """The first token is the target's, and so is the second given the first (wherever a step made one)."""
     with_second = collections.Counter(first for first, _ in pairs.elements())
     total = sum(with_second.values())
-    conditional = {(first, second): with_second[first] / total * float(AFTER[first, second])
-                   for first in with_second for second in range(V)}
-    return (chi_square_p_value(firsts, dict(enumerate(P0.tolist()))) > 0.001
-            and chi_square_p_value(pairs, conditional) > 0.001)
+    conditional = {
+        (first, second): with_second[first] / total * float(AFTER[first, second])
+        for first in with_second
+        for second in range(V)
+    }
+    return (
+        chi_square_p_value(firsts, dict(enumerate(P0.tolist()))) > 0.001
+        and chi_square_p_value(pairs, conditional) > 0.001
+    )
 
 
 @pytest.mark.distribution
@@ -156,6 +182,7 @@ def test_the_test_fails_without_renormalising_after_a_rejected_child(monkeypatch
 def test_the_test_fails_when_the_walk_follows_the_first_child_whatever_was_drawn(monkeypatch) -> None:
     """Deterministic trees: a drawn token that is a later sibling's moves the walk to the first child, whose
     scores then give the next token (the wrong prefix)."""
+
     def first_child_walk(scores, tokens, children, sampling):
         new, node = [], -1
         while True:
@@ -171,8 +198,9 @@ def test_the_test_fails_when_the_walk_follows_the_first_child_whatever_was_drawn
 
 def test_a_model_that_cannot_hold_a_tree_gets_its_first_branches_and_a_warning() -> None:
     torch.manual_seed(0)
-    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, bos_token_id=1,
-                                      eos_token_id=2, pad_token_id=0)  # (no position_ids: ALiBi)
+    config = transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )  # (no position_ids: ALiBi)
     bloom = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     row = prompts()[0]
     expected = hf_greedy(bloom, row[None], NEW_TOKENS, eos_token_id=[])[0, len(row) :].tolist()
@@ -180,7 +208,13 @@ def test_a_model_that_cannot_hold_a_tree_gets_its_first_branches_and_a_warning()
     for shape in ("late", "second"):  # the right tokens first; a wrong first child everywhere
         with pytest.warns(UserWarning, match="takes no position_ids.*cut to their first branch"):
             # adaptive_draft=False: every draft is verified, whatever the cost model would decide on this machine
-            out = specula.generate(bloom, row[None], TreeOracle(reference, shape, VOCAB), max_new_tokens=NEW_TOKENS,
-                                   eos_token_id=[], adaptive_draft=False)
+            out = specula.generate(
+                bloom,
+                row[None],
+                TreeOracle(reference, shape, VOCAB),
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=[],
+                adaptive_draft=False,
+            )
         assert out.sequences[0, len(row) :].tolist() == expected
         assert out.stats.accepted > NEW_TOKENS // 2 if shape == "late" else out.stats.accepted == 0

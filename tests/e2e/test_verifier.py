@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 
 import pytest
-import transformers
 import torch
+import transformers
 from helpers import AlwaysWrong, Oracle, Recorder, hf_greedy
 from tiny_models import ARCHITECTURES, VOCAB, tiny_model
 
@@ -33,7 +33,11 @@ def reference(name: str, prompt: str) -> torch.Tensor:
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_prompt_lookup_matches_hf_greedy(name: str, prompt: str) -> None:
     out = specula.generate(
-        model(name), torch.tensor([PROMPTS[prompt]]), specula.PromptLookup(), max_new_tokens=NEW_TOKENS, eos_token_id=[],
+        model(name),
+        torch.tensor([PROMPTS[prompt]]),
+        specula.PromptLookup(),
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=[],
         adaptive_draft=False,
     )
     assert out.sequences.tolist() == reference(name, prompt).tolist()
@@ -56,14 +60,22 @@ def test_plain_decoding_matches_hf_greedy(name: str) -> None:
 def test_oracle_and_always_wrong_proposers(name: str) -> None:
     ref = reference(name, "random")
     prompt = torch.tensor([RANDOM])
-    oracle = specula.generate(model(name), prompt, Oracle(ref, 7), max_new_tokens=NEW_TOKENS, eos_token_id=[],
-                              adaptive_draft=False)
+    oracle = specula.generate(
+        model(name), prompt, Oracle(ref, 7), max_new_tokens=NEW_TOKENS, eos_token_id=[], adaptive_draft=False
+    )
     wrong = specula.generate(
-        model(name), prompt, AlwaysWrong(ref, 7, VOCAB), max_new_tokens=NEW_TOKENS, eos_token_id=[], adaptive_draft=False
+        model(name),
+        prompt,
+        AlwaysWrong(ref, 7, VOCAB),
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=[],
+        adaptive_draft=False,
     )
     assert oracle.sequences.tolist() == wrong.sequences.tolist() == ref.tolist()
     assert oracle.stats.acceptance_rate == 1.0
-    assert oracle.stats.passes == 1 + -(-(NEW_TOKENS - 1) // 8)  # the prefill's token, then blocks of 7 drafts + 1 bonus
+    assert oracle.stats.passes == 1 + -(
+        -(NEW_TOKENS - 1) // 8
+    )  # the prefill's token, then blocks of 7 drafts + 1 bonus
     assert wrong.stats.accepted == 0 and wrong.stats.drafted > 0
     assert wrong.stats.passes == NEW_TOKENS
 
@@ -102,8 +114,9 @@ def test_sliding_window_rollback_past_the_window(name: str) -> None:
     prompt = torch.tensor([REPETITIVE * 3])
     assert prompt.shape[1] > 4 * window
     expected = hf_greedy(model(name), prompt, 120)
-    out = specula.generate(model(name), prompt, specula.PromptLookup(), max_new_tokens=120, eos_token_id=[],
-                           adaptive_draft=False)
+    out = specula.generate(
+        model(name), prompt, specula.PromptLookup(), max_new_tokens=120, eos_token_id=[], adaptive_draft=False
+    )
     assert out.sequences.tolist() == expected.tolist()
     assert out.stats.accepted > 0 and out.stats.accepted < out.stats.drafted  # rollbacks happened
 
@@ -150,11 +163,14 @@ def test_a_mamba_model_decodes_with_drafts_as_model_generate() -> None:
     import transformers
 
     torch.manual_seed(0)
-    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1))
+    mamba = transformers.MambaForCausalLM(
+        transformers.MambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1)
+    )
     expected = hf_greedy(mamba.eval(), torch.tensor([REPETITIVE]), 5).tolist()
     for proposer in (specula.PromptLookup(), None):
-        out = specula.generate(mamba, torch.tensor([REPETITIVE]), proposer, max_new_tokens=5, eos_token_id=[],
-                               adaptive_draft=False)
+        out = specula.generate(
+            mamba, torch.tensor([REPETITIVE]), proposer, max_new_tokens=5, eos_token_id=[], adaptive_draft=False
+        )
         assert out.sequences.tolist() == expected
 
 

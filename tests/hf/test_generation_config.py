@@ -20,8 +20,9 @@ def plain_output() -> list[int]:
     """The new tokens of greedy decoding with no setting that changes them: the settings below are chosen from it, so
     that each one changes what model.generate produces."""
     model = tiny_model("llama")
-    out = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=False, max_new_tokens=NEW_TOKENS,
-                         eos_token_id=None)
+    out = model.generate(
+        PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None
+    )
     return out[0, PROMPT.shape[1] :].tolist()
 
 
@@ -39,8 +40,13 @@ def settings(name: str) -> dict:
 
 
 SETTINGS = [
-    "repetition_penalty", "no_repeat_ngram_size", "suppress_tokens", "begin_suppress_tokens", "bad_words_ids",
-    "min_new_tokens", "forced_eos_token_id",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "bad_words_ids",
+    "min_new_tokens",
+    "forced_eos_token_id",
 ]
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 import transformers
 from helpers import Oracle, chi_square_p_value
-from sampling_cases import TRUNCATED, VOCAB as SHARP_VOCAB, copyable_prompt, hf_warped_probs, sharp_model
+from sampling_cases import TRUNCATED, copyable_prompt, hf_warped_probs, sharp_model
+from sampling_cases import VOCAB as SHARP_VOCAB
 from tiny_models import tiny_model, tiny_tokenizer
 
 import specula
@@ -43,8 +44,9 @@ def test_custom_generate_greedy_is_identical(name, make_proposer) -> None:
 
 
 def test_return_dict_in_generate_carries_the_stats() -> None:
-    out = specula_hf_generate(model(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS, return_dict_in_generate=True,
-                              adaptive_draft=False)
+    out = specula_hf_generate(
+        model(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS, return_dict_in_generate=True, adaptive_draft=False
+    )
     assert isinstance(out, specula.GenerateOutput)
     assert out.sequences.shape == (1, PROMPT.shape[1] + NEW_TOKENS)
     assert out.stats.new_tokens == NEW_TOKENS and out.stats.accepted > 0
@@ -75,14 +77,22 @@ def test_stop_strings_end_the_output_where_model_generate_ends_it() -> None:
     kwargs = dict(max_new_tokens=NEW_TOKENS, stop_strings=[stop], tokenizer=tiny_tokenizer())
     expected = hf_generate(model(), **kwargs)
     # Drafts as proposed (not as the timed cost model would cut them), so the stop falls inside the same block.
-    out = specula_hf_generate(model(), specula.PromptLookup(), return_dict_in_generate=True, adaptive_draft=False,
-                              **kwargs)
+    out = specula_hf_generate(
+        model(), specula.PromptLookup(), return_dict_in_generate=True, adaptive_draft=False, **kwargs
+    )
     assert out.sequences.tolist() == expected.tolist()
     assert out.sequences.shape[1] - PROMPT.shape[1] <= position + 1 < NEW_TOKENS
     # The same through specula.generate with HF's criterion object.
     criteria = transformers.StoppingCriteriaList([transformers.StopStringCriteria(tiny_tokenizer(), [stop])])
-    direct = specula.generate(model(), PROMPT, specula.PromptLookup(), max_new_tokens=NEW_TOKENS,
-                              stopping_criteria=criteria, eos_token_id=[], adaptive_draft=False)
+    direct = specula.generate(
+        model(),
+        PROMPT,
+        specula.PromptLookup(),
+        max_new_tokens=NEW_TOKENS,
+        stopping_criteria=criteria,
+        eos_token_id=[],
+        adaptive_draft=False,
+    )
     assert direct.sequences.tolist() == expected.tolist()
 
 
@@ -103,11 +113,18 @@ class RecordingStreamer(transformers.generation.BaseStreamer):
 def test_streamers_get_every_step_as_it_is_accepted(through) -> None:
     streamer = RecordingStreamer()
     if through == "model.generate":
-        out = specula_hf_generate(model(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS, streamer=streamer,
-                                  return_dict_in_generate=True, adaptive_draft=False)
+        out = specula_hf_generate(
+            model(),
+            specula.PromptLookup(),
+            max_new_tokens=NEW_TOKENS,
+            streamer=streamer,
+            return_dict_in_generate=True,
+            adaptive_draft=False,
+        )
     else:
-        out = specula.generate(model(), PROMPT, specula.PromptLookup(), max_new_tokens=NEW_TOKENS, streamer=streamer,
-                               adaptive_draft=False)
+        out = specula.generate(
+            model(), PROMPT, specula.PromptLookup(), max_new_tokens=NEW_TOKENS, streamer=streamer, adaptive_draft=False
+        )
     assert streamer.ended and streamer.puts[0] == PROMPT[0].tolist()
     steps = streamer.puts[1:]
     assert len(steps) == out.stats.passes and max(map(len, steps)) > 1  # whole accepted blocks, one put per step
@@ -125,18 +142,33 @@ def test_text_streamer_prints_the_text(capsys) -> None:
 def test_logits_processors_are_applied_at_every_verified_position() -> None:
     """repetition_penalty reads the tokens so far: each verified position must see exactly its own prefix."""
     expected = hf_generate(model(), max_new_tokens=NEW_TOKENS, repetition_penalty=1.5, no_repeat_ngram_size=4)
-    processors = transformers.LogitsProcessorList([
-        transformers.RepetitionPenaltyLogitsProcessor(1.5), transformers.NoRepeatNGramLogitsProcessor(4),
-    ])
+    processors = transformers.LogitsProcessorList(
+        [
+            transformers.RepetitionPenaltyLogitsProcessor(1.5),
+            transformers.NoRepeatNGramLogitsProcessor(4),
+        ]
+    )
     # The oracle drafts tokens the sequence has not had yet: a position that saw later drafts would penalise them.
     for proposer in (specula.PromptLookup(), Oracle(expected, 7)):
         out = specula_hf_generate(
-            model(), proposer, max_new_tokens=NEW_TOKENS, repetition_penalty=1.5, no_repeat_ngram_size=4,
-            return_dict_in_generate=True, adaptive_draft=False,
+            model(),
+            proposer,
+            max_new_tokens=NEW_TOKENS,
+            repetition_penalty=1.5,
+            no_repeat_ngram_size=4,
+            return_dict_in_generate=True,
+            adaptive_draft=False,
         )
         assert out.sequences.tolist() == expected.tolist()
-        direct = specula.generate(model(), PROMPT, proposer, max_new_tokens=NEW_TOKENS, eos_token_id=[],
-                                  logits_processor=processors, adaptive_draft=False)
+        direct = specula.generate(
+            model(),
+            PROMPT,
+            proposer,
+            max_new_tokens=NEW_TOKENS,
+            eos_token_id=[],
+            logits_processor=processors,
+            adaptive_draft=False,
+        )
         assert direct.sequences.tolist() == expected.tolist()
     assert direct.stats.acceptance_rate == 1.0 and direct.stats.drafted > NEW_TOKENS // 2
 
@@ -160,9 +192,15 @@ def test_sampling_through_model_generate_keeps_the_distribution() -> None:
     ids = torch.tensor([prompt])
     for _ in range(2000):
         out = target.generate(
-            ids, attention_mask=torch.ones_like(ids), custom_generate=specula.custom_generate,
-            proposer=specula.PromptLookup(), do_sample=True, max_new_tokens=3, repetition_penalty=1.5,
-            return_dict_in_generate=True, **TRUNCATED,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            custom_generate=specula.custom_generate,
+            proposer=specula.PromptLookup(),
+            do_sample=True,
+            max_new_tokens=3,
+            repetition_penalty=1.5,
+            return_dict_in_generate=True,
+            **TRUNCATED,
         )
         counts[tuple(out.sequences[0, len(prompt) : len(prompt) + 2].tolist())] += 1
         stats.drafted += out.stats.drafted

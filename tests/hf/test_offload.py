@@ -14,7 +14,7 @@ PROMPT = torch.arange(3, 23).repeat(3)[None]
 
 
 def new_tokens(out: torch.Tensor) -> list[int]:
-    return out[0, PROMPT.shape[1]:].tolist()
+    return out[0, PROMPT.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("offload", ["cpu", "disk"])
@@ -30,6 +30,7 @@ def test_a_model_accelerate_offloads_decodes_as_before(offload, tmp_path) -> Non
     else:
         accelerate.disk_offload(model, tmp_path, execution_device=torch.device("cpu"))
     assert model.get_input_embeddings().weight.device.type == "meta"
-    out = specula.generate(model, PROMPT, specula.PromptLookup(), max_new_tokens=16, eos_token_id=[],
-                           adaptive_draft=False)
+    out = specula.generate(
+        model, PROMPT, specula.PromptLookup(), max_new_tokens=16, eos_token_id=[], adaptive_draft=False
+    )
     assert new_tokens(out.sequences) == expected and out.stats.accepted > 0

@@ -6,8 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_model, tiny_tokenizer
 
-from specula.hf import loading
-from specula.hf import precision
+from specula.hf import loading, precision
 
 GIB = 1 << 30
 
@@ -15,9 +14,11 @@ GIB = 1 << 30
 @pytest.fixture
 def cpu(monkeypatch):
     """Set what the CPU can do and how much memory the machine has."""
+
     def configure(native_bf16: bool, memory: int | None = 64 * GIB) -> None:
         monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native_bf16)
         monkeypatch.setattr(precision, "physical_memory_bytes", lambda: memory)
+
     return configure
 
 

@@ -23,8 +23,9 @@ PROMPT = torch.arange(3, 23).repeat(3)[None]  # (text that repeats: PromptLookup
 
 def lora(model: torch.nn.Module, name: str = "default", seed: int = 0, into: "peft.PeftModel | None" = None):
     """A LoRA adapter with random, non-zero weights on every attention projection (as trained ones are)."""
-    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                             init_lora_weights=False)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False
+    )
     torch.manual_seed(seed)
     if into is not None:
         into.add_adapter(name, config)
@@ -33,7 +34,7 @@ def lora(model: torch.nn.Module, name: str = "default", seed: int = 0, into: "pe
 
 
 def new_tokens(out: torch.Tensor) -> list[int]:
-    return out[0, PROMPT.shape[1]:].tolist()
+    return out[0, PROMPT.shape[1] :].tolist()
 
 
 def test_a_peft_model_decodes_as_its_own_generate_through_both_entry_points() -> None:
@@ -44,8 +45,15 @@ def test_a_peft_model_decodes_as_its_own_generate_through_both_entry_points() ->
     assert expected != plain  # (the adapter changes what the model says: a test that drops it fails)
     out = specula.generate(model, PROMPT, specula.PromptLookup(), max_new_tokens=24, eos_token_id=[])
     assert new_tokens(out.sequences) == expected and out.stats.accepted > 0
-    through = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), custom_generate=specula.custom_generate,
-                             proposer=specula.PromptLookup(), max_new_tokens=24, eos_token_id=[], do_sample=False)
+    through = model.generate(
+        PROMPT,
+        attention_mask=torch.ones_like(PROMPT),
+        custom_generate=specula.custom_generate,
+        proposer=specula.PromptLookup(),
+        max_new_tokens=24,
+        eos_token_id=[],
+        do_sample=False,
+    )
     assert new_tokens(through) == expected
 
 
@@ -84,13 +92,27 @@ def test_the_cli_applies_an_adapter_folder(model_folder, tmp_path) -> None:
     adapted.save_pretrained(tmp_path / "adapter")
     prompt = "1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3"
     ids = encode(tokenizer, {"prompt": prompt})
-    expected = tokenizer.decode(hf_greedy(adapted, ids, 12, eos_token_id=[])[0, ids.shape[1]:],
-                                skip_special_tokens=True)
+    expected = tokenizer.decode(
+        hf_greedy(adapted, ids, 12, eos_token_id=[])[0, ids.shape[1] :], skip_special_tokens=True
+    )
     (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": prompt}) + "\n")
-    cli.main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
-              "--model", str(model_folder), "--adapter", str(tmp_path / "adapter"), "--dtype", "fp32",
-              "--max-new-tokens", "12"])
+    cli.main(
+        [
+            "generate",
+            "--input",
+            str(tmp_path / "in.jsonl"),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+            "--model",
+            str(model_folder),
+            "--adapter",
+            str(tmp_path / "adapter"),
+            "--dtype",
+            "fp32",
+            "--max-new-tokens",
+            "12",
+        ]
+    )
     assert json.loads((tmp_path / "out.jsonl").read_text())["text"] == expected
     with pytest.raises(SystemExit, match="is not a PEFT adapter's folder"):
         cli.main(["generate", "--prompt", "hi", "--model", str(model_folder), "--adapter", str(tmp_path)])
-

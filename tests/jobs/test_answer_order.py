@@ -15,8 +15,13 @@ from specula.hf import loading
 from specula.jobs import answerer as answerer_module
 from specula.jobs.answers import AnswerFile, InputOrder, Tally
 
-PROMPTS = ["alpha beta gamma delta alpha beta", "print hello world print", "def foo(bar, baz): return bar",
-           "the quick brown fox jumps", "one two three four"]
+PROMPTS = [
+    "alpha beta gamma delta alpha beta",
+    "print hello world print",
+    "def foo(bar, baz): return bar",
+    "the quick brown fox jumps",
+    "one two three four",
+]
 NEW_TOKENS = 12
 
 
@@ -25,8 +30,10 @@ def early_end(model_folder, tmp_path_factory) -> Path:
     """The tiny model, saved with an end-of-sequence token that the third prompt reaches at its second new token
     (and the first two prompts never within NEW_TOKENS): in a batch of three, the third request ends first."""
     model, tokenizer = loading.load_model(model_folder, dtype=torch.float32)
-    greedy = [hf_greedy(model, tokenizer(p, return_tensors="pt").input_ids, NEW_TOKENS)[0, -NEW_TOKENS:].tolist()
-              for p in PROMPTS]
+    greedy = [
+        hf_greedy(model, tokenizer(p, return_tensors="pt").input_ids, NEW_TOKENS)[0, -NEW_TOKENS:].tolist()
+        for p in PROMPTS
+    ]
     eos = next(token for token in greedy[2][1:] if token not in greedy[0] + greedy[1] and token != greedy[2][0])
     model.generation_config.eos_token_id = eos
     folder = tmp_path_factory.mktemp("early-end")
@@ -48,8 +55,19 @@ def test_answers_are_written_in_input_order_though_they_finish_out_of_it(early_e
     lines = [json.dumps({"id": f"r{n}", "prompt": p}) for n, p in enumerate(PROMPTS)]
     lines.insert(3, "not a request")  # a skipped line between them
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    run = ["generate", "--input", tmp_path / "in.jsonl", "--model", early_end, "--dtype", "fp32",
-           "--max-new-tokens", NEW_TOKENS, "--temperature", 0]
+    run = [
+        "generate",
+        "--input",
+        tmp_path / "in.jsonl",
+        "--model",
+        early_end,
+        "--dtype",
+        "fp32",
+        "--max-new-tokens",
+        NEW_TOKENS,
+        "--temperature",
+        0,
+    ]
     cli.main([str(arg) for arg in run + ["--output", tmp_path / "b3.jsonl", "--batch-size", 3]])
     assert finished != sorted(finished), "the requests did not finish out of order: the test proves nothing"
     written = [json.loads(line) for line in (tmp_path / "b3.jsonl").read_text().splitlines()]

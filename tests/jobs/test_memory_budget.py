@@ -23,8 +23,12 @@ NEW = 6
 
 
 def cache_bytes(target: CachedModel) -> int:
-    return sum(buffer.nbytes for layer in target.cache.layers if isinstance(layer, PreallocatedLayer)
-               for buffer in (layer._key_buffer, layer._value_buffer))
+    return sum(
+        buffer.nbytes
+        for layer in target.cache.layers
+        if isinstance(layer, PreallocatedLayer)
+        for buffer in (layer._key_buffer, layer._value_buffer)
+    )
 
 
 def test_requests_wait_for_room_and_the_cache_stays_within_the_budget(monkeypatch) -> None:
@@ -47,7 +51,7 @@ def test_requests_wait_for_room_and_the_cache_stays_within_the_budget(monkeypatc
     assert max(rows for rows, _ in seen) == 2 and max(size for _, size in seen) <= budget.limit
     for row in rows:
         expected = hf_greedy(model, torch.from_numpy(row.job.prompt)[None], NEW, eos_token_id=[])
-        assert row.output.tolist() == expected[0, len(row.job.prompt):].tolist()
+        assert row.output.tolist() == expected[0, len(row.job.prompt) :].tolist()
     assert len(rows) == 5
 
 
@@ -60,11 +64,26 @@ def test_a_request_that_could_never_fit_is_refused() -> None:
 
 
 def test_a_file_skips_a_request_over_the_budget_saying_why(model_folder, tmp_path, capsys) -> None:
-    lines = [{"id": "short", "prompt": "the quick brown fox", "max_tokens": 4},
-             {"id": "long", "prompt": "the quick brown fox", "max_tokens": 400}]
+    lines = [
+        {"id": "short", "prompt": "the quick brown fox", "max_tokens": 4},
+        {"id": "long", "prompt": "the quick brown fox", "max_tokens": 400},
+    ]
     (tmp_path / "in.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
-    cli.main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--model",
-              str(model_folder), "--dtype", "fp32", "--max-memory", "100KB"])  # (256 bytes a token: 390 tokens)
+    cli.main(
+        [
+            "generate",
+            "--input",
+            str(tmp_path / "in.jsonl"),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+            "--model",
+            str(model_folder),
+            "--dtype",
+            "fp32",
+            "--max-memory",
+            "100KB",
+        ]
+    )  # (256 bytes a token: 390 tokens)
     answers = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [answer["id"] for answer in answers if "error" not in answer] == ["short"]
     assert "memory budget of 0.00 GB (--max-memory)" in capsys.readouterr().err

@@ -27,11 +27,13 @@ def requests(model_folder, tmp_path):
     third's prediction is not text (skipped), the fourth has none."""
     model, tokenizer = loading.load_model(model_folder, dtype=torch.float32)
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
-    answer = tokenizer.decode(hf_greedy(model, prompt, NEW)[0, prompt.shape[1]:], skip_special_tokens=True)
-    lines = [{"id": "right", "prompt": PROMPT, "prediction": answer},
-             {"id": "wrong", "prompt": PROMPT, "prediction": {"type": "content", "content": "lazy dog " * 9}},
-             {"id": "bad", "prompt": PROMPT, "prediction": [1, 2, 3]},
-             {"id": "none", "prompt": PROMPT}]
+    answer = tokenizer.decode(hf_greedy(model, prompt, NEW)[0, prompt.shape[1] :], skip_special_tokens=True)
+    lines = [
+        {"id": "right", "prompt": PROMPT, "prediction": answer},
+        {"id": "wrong", "prompt": PROMPT, "prediction": {"type": "content", "content": "lazy dog " * 9}},
+        {"id": "bad", "prompt": PROMPT, "prediction": [1, 2, 3]},
+        {"id": "none", "prompt": PROMPT},
+    ]
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(map(json.dumps, lines)) + "\n")
     (tmp_path / "plain.jsonl").write_text(json.dumps({"id": "plain", "prompt": PROMPT}) + "\n")
@@ -43,8 +45,9 @@ def generate(*argv) -> None:
 
 
 @pytest.mark.parametrize("proposer", ["prompt-lookup", "none"])
-def test_predicted_answers_are_the_models_and_count_the_prediction(model_folder, requests, tmp_path, capsys,
-                                                                    proposer, drafts_cost_nothing) -> None:
+def test_predicted_answers_are_the_models_and_count_the_prediction(
+    model_folder, requests, tmp_path, capsys, proposer, drafts_cost_nothing
+) -> None:
     common = ["--model", model_folder, "--dtype", "fp32", "--max-new-tokens", NEW, "--proposer", proposer]
     generate("--input", requests, "--output", tmp_path / "out.jsonl", *common)
     err = capsys.readouterr().err
@@ -76,15 +79,35 @@ def test_ray_workers_take_predictions(model_folder, requests, tmp_path, capsys) 
     assert distributed["right"]["stats"]["accepted_prediction_tokens"] > 0
 
 
-def test_bench_adds_predicted_rows_where_a_workload_carries_predictions(model_folder, requests, tmp_path,
-                                                                       capsys, drafts_cost_nothing) -> None:
+def test_bench_adds_predicted_rows_where_a_workload_carries_predictions(
+    model_folder, requests, tmp_path, capsys, drafts_cost_nothing
+) -> None:
     workloads = tmp_path / "workloads"
     workloads.mkdir()
     lines = requests.read_text().splitlines()
     (workloads / "edits.jsonl").write_text("\n".join(lines[:2] + lines[3:]) + "\n")  # (not the bad line)
-    cli.main(["bench", "--workloads", str(workloads), "--model", str(model_folder), "--dtype", "fp32", "--limit", "3",
-              "--repeats", "1", "--proposers", "prompt-lookup,none", "--no-oracle", "--max-new-tokens", str(NEW),
-              "--json", str(tmp_path / "rows.json")])
+    cli.main(
+        [
+            "bench",
+            "--workloads",
+            str(workloads),
+            "--model",
+            str(model_folder),
+            "--dtype",
+            "fp32",
+            "--limit",
+            "3",
+            "--repeats",
+            "1",
+            "--proposers",
+            "prompt-lookup,none",
+            "--no-oracle",
+            "--max-new-tokens",
+            str(NEW),
+            "--json",
+            str(tmp_path / "rows.json"),
+        ]
+    )
     out = capsys.readouterr().out
     rows = {row["method"]: row for row in json.loads((tmp_path / "rows.json").read_text())}
     assert {"specula-prompt-lookup+prediction", "specula-none+prediction"} <= set(rows)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,15 @@ def local_ray():
 
 
 def write_requests(path, count: int, too_long: str) -> None:
-    lines = [json.dumps({"id": f"q{i}" if i % 2 else 100 + i,
-                         "prompt": "the quick brown fox jumps over the lazy dog " * (1 + i % 3) + f"number {i}"})
-             for i in range(count)]
+    lines = [
+        json.dumps(
+            {
+                "id": f"q{i}" if i % 2 else 100 + i,
+                "prompt": "the quick brown fox jumps over the lazy dog " * (1 + i % 3) + f"number {i}",
+            }
+        )
+        for i in range(count)
+    ]
     lines.insert(3, "not a request")  # line 4: reported by the driver
     lines.insert(6, json.dumps({"id": "long", "prompt": too_long}))  # line 7: refused by a worker
     path.write_text("\n".join(lines) + "\n")
@@ -99,4 +104,5 @@ def test_ray_on_the_default_model(tmp_path, capsys) -> None:
     generate(*common, "--output", tmp_path / "ray.jsonl", "--ray", "--workers", 2)
     local, distributed = answers(tmp_path / "local.jsonl"), answers(tmp_path / "ray.jsonl")
     assert len(local) == 3 and {key: row["text"] for key, row in distributed.items()} == {
-        key: row["text"] for key, row in local.items()}
+        key: row["text"] for key, row in local.items()
+    }

@@ -14,11 +14,15 @@ from tiny_models import tiny_model, tiny_tokenizer
 import specula
 from specula import cli
 from specula.tools import bench
-from specula.tools import bench
 
 NEW = 12
-SHORT, LONG = "stop here please", ("the quick brown fox jumps over the lazy dog print hello world "
-                                   "def foo(bar, baz): return bar + baz the quick brown fox jumps over")
+SHORT, LONG = (
+    "stop here please",
+    (
+        "the quick brown fox jumps over the lazy dog print hello world "
+        "def foo(bar, baz): return bar + baz the quick brown fox jumps over"
+    ),
+)
 
 
 def reference(model, ids: torch.Tensor, seed: int | None = None, **kwargs) -> list[int]:
@@ -77,20 +81,51 @@ def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) ->
     lines = [
         ({"prompt": SHORT}, {"do_sample": False}, None),
         ({"prompt": LONG}, {"do_sample": False}, None),
-        ({"prompt": LONG, "temperature": 0.9, "top_k": 20, "seed": 11}, {"do_sample": True, "temperature": 0.9,
-                                                                          "top_k": 20}, 11),
+        (
+            {"prompt": LONG, "temperature": 0.9, "top_k": 20, "seed": 11},
+            {"do_sample": True, "temperature": 0.9, "top_k": 20},
+            11,
+        ),
         ({"prompt": LONG, "temperature": 1.0, "top_p": 0.9}, {"do_sample": True, "top_p": 0.9}, 100 + 4),
-        ({"prompt": LONG, "max_tokens": 5, "repetition_penalty": 1.5},
-         {"do_sample": False, "max_new_tokens": 5, "repetition_penalty": 1.5}, None),
+        (
+            {"prompt": LONG, "max_tokens": 5, "repetition_penalty": 1.5},
+            {"do_sample": False, "max_new_tokens": 5, "repetition_penalty": 1.5},
+            None,
+        ),
         ({"prompt": LONG, "min_tokens": 0}, {"do_sample": False, "min_new_tokens": 0}, None),
-        ({"prompt": SHORT, "max_completion_tokens": 3, "top_k": -1, "temperature": 0.5, "seed": 5},
-         {"do_sample": True, "max_new_tokens": 3, "temperature": 0.5, "top_k": 0}, 5),
+        (
+            {"prompt": SHORT, "max_completion_tokens": 3, "top_k": -1, "temperature": 0.5, "seed": 5},
+            {"do_sample": True, "max_new_tokens": 3, "temperature": 0.5, "top_k": 0},
+            5,
+        ),
     ]
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": n, **line}) + "\n" for n, (line, _, _) in
-                                               enumerate(lines)))
-    cli.main([str(arg) for arg in ["generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl",
-                                   "--model", folder, "--dtype", "fp32", "--max-new-tokens", NEW, "--seed", 100,
-                                   "--temperature", 0, "--batch-size", 3]])
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"id": n, **line}) + "\n" for n, (line, _, _) in enumerate(lines))
+    )
+    cli.main(
+        [
+            str(arg)
+            for arg in [
+                "generate",
+                "--input",
+                tmp_path / "in.jsonl",
+                "--output",
+                tmp_path / "out.jsonl",
+                "--model",
+                folder,
+                "--dtype",
+                "fp32",
+                "--max-new-tokens",
+                NEW,
+                "--seed",
+                100,
+                "--temperature",
+                0,
+                "--batch-size",
+                3,
+            ]
+        ]
+    )
     answers = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [answer["id"] for answer in answers] == list(range(len(lines)))
     for (line, settings, seed), answer in zip(lines, answers):
@@ -106,8 +141,10 @@ def test_a_stop_string_ends_the_answer_before_it(eager_to_end, tmp_path) -> None
     """OpenAI's "stop": generation stops at the first stop string, and the answer's text ends just before it."""
     model, tokenizer = eager_to_end
     ids = tokenizer(LONG, return_tensors="pt").input_ids
-    whole = tokenizer.decode(reference(model, ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=0,
-                                       eos_token_id=None), skip_special_tokens=True)
+    whole = tokenizer.decode(
+        reference(model, ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=0, eos_token_id=None),
+        skip_special_tokens=True,
+    )
     start = next(i for i in range(3, len(whole)) if whole.index(whole[i : i + 3]) == i)
     stop = whole[start : start + 3]  # (first found after a token or more)
     folder, eos = tmp_path / "model", model.generation_config.eos_token_id
@@ -117,11 +154,32 @@ def test_a_stop_string_ends_the_answer_before_it(eager_to_end, tmp_path) -> None
     finally:
         model.generation_config.eos_token_id = eos
     tokenizer.save_pretrained(folder)
-    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt": LONG, "stop": stop, "min_tokens": 0}) + "\n"
-                                       + json.dumps({"id": "b", "prompt": LONG, "stop": ["0123456789"], "min_tokens": 0})
-                                       + "\n")
-    cli.main([str(arg) for arg in ["generate", "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl",
-                                   "--model", folder, "--dtype", "fp32", "--max-new-tokens", NEW, "--temperature", 0]])
+    (tmp_path / "in.jsonl").write_text(
+        json.dumps({"id": "a", "prompt": LONG, "stop": stop, "min_tokens": 0})
+        + "\n"
+        + json.dumps({"id": "b", "prompt": LONG, "stop": ["0123456789"], "min_tokens": 0})
+        + "\n"
+    )
+    cli.main(
+        [
+            str(arg)
+            for arg in [
+                "generate",
+                "--input",
+                tmp_path / "in.jsonl",
+                "--output",
+                tmp_path / "out.jsonl",
+                "--model",
+                folder,
+                "--dtype",
+                "fp32",
+                "--max-new-tokens",
+                NEW,
+                "--temperature",
+                0,
+            ]
+        ]
+    )
     a, b = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert a["text"] == whole[: whole.index(stop)] and a["finish_reason"] == "stop"
     assert b["text"] == whole and b["finish_reason"] == "length"

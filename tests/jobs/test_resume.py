@@ -44,8 +44,25 @@ def texts(path: Path) -> dict[str, str]:
 
 
 def command(model_folder, source: Path, output: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "specula.cli", "generate", "--input", str(source), "--output", str(output),
-            "--model", str(model_folder), "--dtype", "fp32", "--max-new-tokens", "48", "--batch-size", "2", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "specula.cli",
+        "generate",
+        "--input",
+        str(source),
+        "--output",
+        str(output),
+        "--model",
+        str(model_folder),
+        "--dtype",
+        "fp32",
+        "--max-new-tokens",
+        "48",
+        "--batch-size",
+        "2",
+        *extra,
+    ]
 
 
 def wait_for_answers(process: subprocess.Popen, output: Path, count: int) -> None:
@@ -105,13 +122,40 @@ def test_ctrl_c_finishes_the_line_and_exits_cleanly(model_folder, uninterrupted,
 def test_resume_skips_answered_ids_in_process(model_folder, tmp_path, capsys) -> None:
     source = requests_file(tmp_path / "in.jsonl", 6)
     output = tmp_path / "out.jsonl"
-    cli.main(["generate", "--input", str(source), "--output", str(output), "--model", str(model_folder),
-              "--dtype", "fp32", "--max-new-tokens", "4"])
+    cli.main(
+        [
+            "generate",
+            "--input",
+            str(source),
+            "--output",
+            str(output),
+            "--model",
+            str(model_folder),
+            "--dtype",
+            "fp32",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
     full = texts(output)
     kept = output.read_text().splitlines()[:2]
     output.write_text("\n".join(kept) + "\n")
-    cli.main(["generate", "--input", str(source), "--output", str(output), "--model", str(model_folder),
-              "--dtype", "fp32", "--max-new-tokens", "4", "--resume"])
+    cli.main(
+        [
+            "generate",
+            "--input",
+            str(source),
+            "--output",
+            str(output),
+            "--model",
+            str(model_folder),
+            "--dtype",
+            "fp32",
+            "--max-new-tokens",
+            "4",
+            "--resume",
+        ]
+    )
     assert texts(output) == full
     assert output.read_text().splitlines()[:2] == kept  # appended, the earlier answers untouched
     assert "4 requests," in capsys.readouterr().err
@@ -135,10 +179,13 @@ def test_answer_file_recovery(tmp_path) -> None:
     assert path.read_text() == '{"id": 1}\nhello\n{"id": 2}\n'
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--resume", "--overwrite"], "give one of them"),
-    (["--resume", "--prompt", "hi"], "--resume works on files"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--resume", "--overwrite"], "give one of them"),
+        (["--resume", "--prompt", "hi"], "--resume works on files"),
+    ],
+)
 def test_resume_argument_errors(argv, message, tmp_path, capsys) -> None:
     source = requests_file(tmp_path / "in.jsonl", 2)
     if "--prompt" not in argv:
@@ -164,8 +211,21 @@ def test_a_repeated_id_is_reported_and_answered_once(model_folder, tmp_path, cap
     lines = ['{"id": 3, "prompt": "a b c"}', '{"prompt": "d e f"}', '{"prompt": "g h i"}', '{"id": 3, "prompt": "x"}']
     source.write_text("\n".join(lines) + "\n")
     output = tmp_path / "out.jsonl"
-    cli.main(["generate", "--input", str(source), "--output", str(output), "--model", str(model_folder),
-              "--dtype", "fp32", "--max-new-tokens", "2"])
+    cli.main(
+        [
+            "generate",
+            "--input",
+            str(source),
+            "--output",
+            str(output),
+            "--model",
+            str(model_folder),
+            "--dtype",
+            "fp32",
+            "--max-new-tokens",
+            "2",
+        ]
+    )
     assert sorted(texts(output)) == ["2", "3"]  # line 3 (known as 3) and line 4 repeat line 1's id
     err = capsys.readouterr().err
     assert "in.jsonl:3: its id 3 is line 1's too" in err and "in.jsonl:4: its id 3 is line 1's too" in err

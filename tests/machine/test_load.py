@@ -67,6 +67,7 @@ def test_a_measurement_made_while_others_took_the_cpus_is_used_but_not_kept(mach
             machine.spend(wall=1.0, own=1.8, others=others)
             made.append(value)
             return value
+
         return run
 
     key = store.key(__import__("torch").device("cpu"), "pass costs", "a model")
@@ -99,7 +100,9 @@ def test_a_program_spinning_on_a_cpu_is_seen() -> None:
     if load.cpu_seconds() is None:
         pytest.skip("no /proc/stat on this system: nothing is known of other programs (every measurement is kept)")
     meter = load.LoadMeter()
-    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"])
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"]
+    )
     spinner.wait(timeout=30)
     time.sleep(0.05)
     assert meter.others() > 0.5

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-
 import pytest
 from architectures import tiny_causal_lm
 from tiny_models import tiny_model
 
 from specula.machine import timing
-from specula.policy import batch_size
 from specula.machine.profile import profile_of
+from specula.policy import batch_size
 from specula.verifier.runner import CachedModel
 
 
-@pytest.mark.parametrize("cost, expected", [
-    (lambda rows: 1.0, 8),  # a pass costs the same whatever its rows (a GPU far from full): the largest
-    (lambda rows: float(rows), 1),  # a pass costs by the row (a full CPU): one at a time
-    (lambda rows: 1.0 if rows <= 4 else rows / 4, 4),  # flat up to 4 rows, then by the row
-    (lambda rows: 1.0 if rows <= 2 else 1.05 * rows / 2, 2),  # 4 rows would gain under 10%
-])
+@pytest.mark.parametrize(
+    "cost, expected",
+    [
+        (lambda rows: 1.0, 8),  # a pass costs the same whatever its rows (a GPU far from full): the largest
+        (lambda rows: float(rows), 1),  # a pass costs by the row (a full CPU): one at a time
+        (lambda rows: 1.0 if rows <= 4 else rows / 4, 4),  # flat up to 4 rows, then by the row
+        (lambda rows: 1.0 if rows <= 2 else 1.05 * rows / 2, 2),  # 4 rows would gain under 10%
+    ],
+)
 def test_the_fastest_batch_size_follows_the_pass_costs(monkeypatch, cost, expected) -> None:
     clock = [0.0]
     monkeypatch.setattr(timing, "CLOCK", lambda: clock[0])

@@ -14,12 +14,12 @@ from tiny_models import VOCAB, tiny_model
 import specula
 from specula import Draft
 from specula.decoding.loop import MAX_DRAFT
+from specula.hf.inputs import left_padded
+from specula.machine import store
 from specula.policy.acceptance import RANKS, RequestAcceptance
 from specula.policy.adaptive import AdaptiveDrafts, FixedDrafts, budgets, choose_lengths
 from specula.policy.costs import KEPT, PassCosts, shared_pass_costs
 from specula.policy.protocol import Pass
-from specula.hf.inputs import left_padded
-from specula.machine import store
 
 PROMPT = [1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]
 
@@ -160,8 +160,9 @@ def test_an_always_wrong_proposer_stops_being_sent() -> None:
     runs = {}
     for new_tokens in (100, 300):
         ref = reference("llama", new_tokens)
-        out = specula.generate(model(), torch.tensor([PROMPT]), AlwaysWrong(ref, 8, VOCAB), max_new_tokens=new_tokens,
-                               eos_token_id=[])
+        out = specula.generate(
+            model(), torch.tensor([PROMPT]), AlwaysWrong(ref, 8, VOCAB), max_new_tokens=new_tokens, eos_token_id=[]
+        )
         assert out.sequences.tolist() == ref.tolist()
         runs[new_tokens] = out.stats
     # Exploration sends at most one draft token per step, and only while the prior still outweighs the evidence
@@ -180,8 +181,9 @@ def test_drafting_resumes_when_the_proposer_becomes_right() -> None:
                 return super().propose(context_ids, max_tokens)
             return Oracle.propose(self, context_ids, max_tokens)
 
-    out = specula.generate(model(), torch.tensor([PROMPT]), WrongThenRight(ref, 8, VOCAB), max_new_tokens=200,
-                           eos_token_id=[])
+    out = specula.generate(
+        model(), torch.tensor([PROMPT]), WrongThenRight(ref, 8, VOCAB), max_new_tokens=200, eos_token_id=[]
+    )
     assert out.sequences.tolist() == ref.tolist()
     assert out.stats.passes < 60 + 140 / 3  # the last 140 tokens took few steps
 
@@ -202,8 +204,16 @@ def test_sampling_decisions_ignore_timings_so_a_seed_reproduces_the_output() -> 
     runs = []
     for _ in range(2):
         torch.manual_seed(3)
-        runs.append(specula.generate(model(), torch.tensor([PROMPT * 2]), specula.PromptLookup(), max_new_tokens=60,
-                                     do_sample=True, temperature=1.5).sequences.tolist())
+        runs.append(
+            specula.generate(
+                model(),
+                torch.tensor([PROMPT * 2]),
+                specula.PromptLookup(),
+                max_new_tokens=60,
+                do_sample=True,
+                temperature=1.5,
+            ).sequences.tolist()
+        )
     assert runs[0] == runs[1]
 
 
@@ -242,14 +252,18 @@ def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) 
         out = specula.generate(target, prompt, Oracle(expected, 8), max_new_tokens=12, eos_token_id=[])
         assert torch.equal(out.sequences, expected)
         runs.append(len(tables))
-        first += [tokens for (tokens, _), samples in tables[0].samples.items()
-                  if any(number == before + 1 for number, _ in samples)]
+        first += [
+            tokens
+            for (tokens, _), samples in tables[0].samples.items()
+            if any(number == before + 1 for number, _ in samples)
+        ]
     assert runs[0] > 0 and all(table is tables[0] for table in tables) and tables[0].samples
     assert first[0] == 1 and first[1] > 1  # the first run explores from a plain pass, the second does not again
     decided = []  # the pass costs each decision weighed (None: every length taken to cost the same)
     weigh = AdaptiveDrafts._costs
-    monkeypatch.setattr(AdaptiveDrafts, "_costs", lambda self, states: decided.append(weigh(self, states)) or
-                        decided[-1])
+    monkeypatch.setattr(
+        AdaptiveDrafts, "_costs", lambda self, states: decided.append(weigh(self, states)) or decided[-1]
+    )
     specula.generate(target, prompt, specula.PromptLookup(), max_new_tokens=4, do_sample=True)
     assert decided and all(costs is tables[0] for costs in decided)  # sampling with drafts not drawn at random
     decided.clear()  # decides by timings too
@@ -274,8 +288,7 @@ def test_a_new_process_starts_from_the_costs_a_run_kept() -> None:
     assert torch.equal(first.sequences, expected) and torch.equal(second.sequences, expected)
 
 
-def batch_table(rows: int, costs: dict[int, float], tree: bool = False, chains: PassCosts | None = None
-                ) -> PassCosts:
+def batch_table(rows: int, costs: dict[int, float], tree: bool = False, chains: PassCosts | None = None) -> PassCosts:
     """Pass costs for ``rows`` rows with ``costs[n]`` seconds for a pass over ``n`` tokens in all (with ``tree``:
     for tree passes, recorded after ``chains``'s)."""
     table = chains or PassCosts(rows, rows * 17 + 1)
@@ -326,8 +339,11 @@ def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch) -> None:
 
     monkeypatch.setattr(loop, "shared_pass_costs", recording)
     generator = torch.Generator().manual_seed(0)
-    rows = [torch.tensor(PROMPT), torch.randint(3, VOCAB, (13,), generator=generator),
-            torch.randint(3, VOCAB, (18,), generator=generator)]
+    rows = [
+        torch.tensor(PROMPT),
+        torch.randint(3, VOCAB, (13,), generator=generator),
+        torch.randint(3, VOCAB, (18,), generator=generator),
+    ]
     first = hf_greedy(target, rows[0][None], 24, eos_token_id=[])
     ids, mask = left_padded(rows, 0)
 
@@ -337,8 +353,7 @@ def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch) -> None:
             draft = reference[start : start + min(self.num_draft, max_tokens)]
             return specula.Draft(draft if np.array_equal(reference[:start], context_ids) else (draft + 1) % VOCAB)
 
-    out = specula.generate(target, ids, FirstRowOnly(first, 6), attention_mask=mask, max_new_tokens=24,
-                           eos_token_id=[])
+    out = specula.generate(target, ids, FirstRowOnly(first, 6), attention_mask=mask, max_new_tokens=24, eos_token_id=[])
     assert out.stats.rows[0].accepted > 6 and max(row.accepted for row in out.stats.rows[1:]) < 4
     measured = [tokens for tokens, _ in tables[3].samples]
     assert len(measured) > 1 and all(tokens % 3 == 0 for tokens in measured)  # every row as wide as the widest
@@ -375,9 +390,11 @@ def test_a_tree_is_sent_only_where_it_beats_its_first_branch() -> None:
     lengths.acceptance["s"] = (trials, accepts)
     tree = Draft([3, 1, 4, 5, 6], source="s", parents=[-1, -1, 0, 1, 2])  # first branch: 3 -> 4 -> 6
     chain_costs = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 3.0}
-    for tree_costs, expected in (({}, [0, 1, 2, 4]),  # not measured yet: as a chain's
-                                 ({5: 1.05}, [0, 1, 2, 4]),  # a little dearer: 2.53 tokens a unit against 2.36
-                                 ({2: 2.0, 3: 2.0, 4: 2.0, 5: 2.0}, [0, 2, 4])):  # twice as dear: the first branch
+    for tree_costs, expected in (
+        ({}, [0, 1, 2, 4]),  # not measured yet: as a chain's
+        ({5: 1.05}, [0, 1, 2, 4]),  # a little dearer: 2.53 tokens a unit against 2.36
+        ({2: 2.0, 3: 2.0, 4: 2.0, 5: 2.0}, [0, 2, 4]),
+    ):  # twice as dear: the first branch
         costs = batch_table(1, tree_costs, tree=True, chains=batch_table(1, chain_costs))
         policy = AdaptiveDrafts(4, timed=True, costs=lambda rows: costs)
         assert policy.trim([lengths], [tree], [None]) == [expected], tree_costs
@@ -389,7 +406,9 @@ def test_trees_that_gain_less_than_their_chances_say_stop_being_sent() -> None:
     trials[0, 1], accepts[0, 1] = 1e6, 0.6e6  # the second first token: 60% when the first is wrong, say the rates
     lengths.acceptance["s"] = (trials, accepts)
     tree = Draft([3, 1, 4, 5, 6], source="s", parents=[-1, -1, 0, 1, 2])  # first branch: 3 -> 4 -> 6
-    costs = batch_table(1, {5: 1.05}, tree=True, chains=batch_table(1, {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 3.0}))
+    costs = batch_table(
+        1, {5: 1.05}, tree=True, chains=batch_table(1, {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 3.0})
+    )
     policy = AdaptiveDrafts(4, timed=True, costs=lambda rows: costs)
     assert policy.trim([lengths], [tree], [None]) == [[0, 1, 2, 4]] and lengths.sibling_factor() == 1.0
     sent = tree.select([0, 1, 2, 4])
@@ -409,20 +428,29 @@ def test_sampling_sends_no_drafts_where_passes_cost_more_than_they_gain() -> Non
         target.get_output_embeddings().weight.mul_(6.0)  # (peaked: drafts of its own samples get accepted)
     prompt = torch.tensor([[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
     torch.manual_seed(0)
-    expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, max_new_tokens=24,
-                               eos_token_id=[], pad_token_id=0, temperature=0.7)
+    expected = target.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        do_sample=True,
+        max_new_tokens=24,
+        eos_token_id=[],
+        pad_token_id=0,
+        temperature=0.7,
+    )
     table = shared_pass_costs(target, (target.device, target.dtype), MAX_DRAFT)
     for tokens in range(1, 10):  # (the passes drafts of 8 make, each timed just now: none stale)
         table.record(tokens, 1.0 if tokens == 1 else 10.0)
     torch.manual_seed(0)
-    out = specula.generate(target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[],
-                           temperature=0.7)
+    out = specula.generate(
+        target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[], temperature=0.7
+    )
     assert out.stats.drafted == 0 and torch.equal(out.sequences, expected)
     store.forget()  # nothing measured yet (nor kept): the passes it times show that the drafts pay
     store.shared().drop(KEPT)
     torch.manual_seed(0)
-    out = specula.generate(target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[],
-                           temperature=0.7)
+    out = specula.generate(
+        target, prompt, Oracle(expected, 8), do_sample=True, max_new_tokens=24, eos_token_id=[], temperature=0.7
+    )
     assert out.stats.accepted > 0 and torch.equal(out.sequences, expected)
 
 

@@ -53,8 +53,9 @@ def test_the_loop_stops_drafts_that_lose_where_timings_decide(monkeypatch) -> No
     monkeypatch.setattr(CachedModel, "forward_rows", timed)
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(AdaptiveDrafts, "budgets", lambda self, states, room: [4] * len(states))
-    monkeypatch.setattr(AdaptiveDrafts, "trim", lambda self, states, drafts, seconds: [list(range(len(d)))
-                                                                                       for d in drafts])
+    monkeypatch.setattr(
+        AdaptiveDrafts, "trim", lambda self, states, drafts, seconds: [list(range(len(d))) for d in drafts]
+    )
     out = specula.generate(target, prompt, AlwaysWrong(expected, 4, VOCAB), max_new_tokens=120, eos_token_id=[])
     assert out.sequences.tolist() == expected.tolist()
     plain = out.stats.passes - out.stats.drafted // 4 - 1  # (passes after the prefill that sent no draft)

@@ -4,19 +4,19 @@ than plain where passes are dear), not the clock (the same output on every run).
 from __future__ import annotations
 
 import numpy as np
-import torch
 import pytest
+import torch
 from bf16_cases import NEW_TOKENS, model, prompt
 from helpers import Oracle
 
 import specula
-from specula.policy import kept_costs
-from specula.policy.acceptance import RequestAcceptance
 from specula import Draft
-from specula.policy.adaptive import AdaptiveDrafts, choose_lengths
-from specula.policy.protocol import Pass
 from specula.decoding import estimate
 from specula.machine import store, timing
+from specula.policy import kept_costs
+from specula.policy.acceptance import RequestAcceptance
+from specula.policy.adaptive import AdaptiveDrafts, choose_lengths
+from specula.policy.protocol import Pass
 from specula.verifier.runner import CachedModel
 
 
@@ -31,28 +31,38 @@ def kept(fresh_store, monkeypatch, tmp_path):
 
 def test_dear_passes_send_no_drafts_and_cheap_ones_do(kept) -> None:
     table, measured = kept
-    reference = model("llama").generate(prompt(), attention_mask=prompt() * 0 + 1, do_sample=False,
-                                        max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    reference = model("llama").generate(
+        prompt(), attention_mask=prompt() * 0 + 1, do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=[]
+    )
     table[0] = [1.0] + [10.0] * (len(kept_costs.WIDTHS) - 1)  # every pass over several tokens costs 10 steps
-    dear = specula.generate(model("llama"), prompt(), Oracle(reference, 8), max_new_tokens=NEW_TOKENS,
-                            eos_token_id=[], exact=False)
+    dear = specula.generate(
+        model("llama"), prompt(), Oracle(reference, 8), max_new_tokens=NEW_TOKENS, eos_token_id=[], exact=False
+    )
     assert dear.stats.drafted == 0 and len(measured) == 1
     store.forget()
     table[0] = [1.0] * len(kept_costs.WIDTHS)  # as cheap as one token (another machine, another file)
     store.shared().known.clear()
-    cheap = specula.generate(model("llama"), prompt(), Oracle(reference, 8), max_new_tokens=NEW_TOKENS,
-                             eos_token_id=[], exact=False)
+    cheap = specula.generate(
+        model("llama"), prompt(), Oracle(reference, 8), max_new_tokens=NEW_TOKENS, eos_token_id=[], exact=False
+    )
     assert cheap.stats.accepted > NEW_TOKENS // 2 and len(measured) == 2
 
 
 def test_the_table_is_kept_so_every_run_decides_alike(kept) -> None:
     table, measured = kept
     table[0] = [1.0, 1.3, 1.6, 2.0, 2.8, 4.0, 7.0]
-    runs = [specula.generate(model("qwen2"), prompt(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS,
-                             eos_token_id=[], exact=False) for _ in range(2)]
+    runs = [
+        specula.generate(
+            model("qwen2"), prompt(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS, eos_token_id=[], exact=False
+        )
+        for _ in range(2)
+    ]
     store.forget()  # as a new process: from the file
-    runs.append(specula.generate(model("qwen2"), prompt(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS,
-                                 eos_token_id=[], exact=False))
+    runs.append(
+        specula.generate(
+            model("qwen2"), prompt(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS, eos_token_id=[], exact=False
+        )
+    )
     assert len(measured) == 1
     assert runs[0].sequences.tolist() == runs[1].sequences.tolist() == runs[2].sequences.tolist()
     assert [run.stats.drafted for run in runs] == [runs[0].stats.drafted] * 3
@@ -88,18 +98,31 @@ def test_no_draft_is_longer_than_the_widest_pass_kept(kept) -> None:
 
 def test_batches_send_drafts_where_their_kept_wide_passes_are_cheap_and_none_where_dear(kept) -> None:
     """Ordinary bf16 batches size their drafts from kept tables of passes of as many rows (three rows between the
-    two-row and the four-row tables): where a pass over several tokens a row costs ten one-token passes, none are sent; where it
+    two-row and the four-row tables): where a pass over several tokens a row costs ten one-token passes, none are sent;
+    where it
     costs what one does, the rows send what they have."""
     table, measured = kept
     model_ = model("llama")
     prompts = [prompt()[0, :length] for length in (300, 200, 120)]
-    references = [model_.generate(p[None], attention_mask=torch.ones_like(p[None]), do_sample=False,
-                                  max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0) for p in prompts]
+    references = [
+        model_.generate(
+            p[None],
+            attention_mask=torch.ones_like(p[None]),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            eos_token_id=[],
+            pad_token_id=0,
+        )
+        for p in prompts
+    ]
 
     def drafted() -> int:
         decoder = specula.Decoder(model_, Oracle(references, 8), slots=3, exact=False)
-        rows = [row for row, _ in decoder.run([specula.Job(p.numpy(), NEW_TOKENS, key=k) for k, p in enumerate(prompts)])
-                if row.finished]
+        rows = [
+            row
+            for row, _ in decoder.run([specula.Job(p.numpy(), NEW_TOKENS, key=k) for k, p in enumerate(prompts)])
+            if row.finished
+        ]
         assert len(rows) == 3
         return sum(row.stats.drafted for row in rows)
 
@@ -139,8 +162,14 @@ def test_the_speedup_over_plain_decoding_is_priced_by_plain_passes_timed_in_the_
     table[0] = [1 + (width - 1) / 8 for width in kept_costs.WIDTHS]
     monkeypatch.setattr(estimate, "PLAIN_FIRST", 2)  # (a short request)
     model_ = model("llama")
-    reference = model_.generate(prompt(), attention_mask=torch.ones_like(prompt()), do_sample=False,
-                                max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0)
+    reference = model_.generate(
+        prompt(),
+        attention_mask=torch.ones_like(prompt()),
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=[],
+        pad_token_id=0,
+    )
     decoder = specula.Decoder(model_, Oracle(reference, 8), exact=False).prepare()
     steps = []  # (tokens the pass computed, its seconds)
     learn = decoder.policy.learn
@@ -192,8 +221,9 @@ def _decide(machine, costs: kept_costs.KeptCosts, passes: int = 300, noise: floa
         draw = draws.random(33) < 0.9
         right = int(np.argmin(draw)) if not draw.all() else 33  # (leading right tokens of the draft)
         accepted = min(right, len(sent))
-        new = proposed.tokens[:accepted].tolist() + [int(proposed.tokens[accepted]) if accepted < min(right, budget)
-                                                     else 10_000]
+        new = proposed.tokens[:accepted].tolist() + [
+            int(proposed.tokens[accepted]) if accepted < min(right, budget) else 10_000
+        ]
         seconds = machine(len(sent) + 1) * (1 + noise * clock.uniform(-1, 1))
         policy.learn(Pass([state], [proposed], [sent], [new], len(sent) + 1, seconds))
         sent_lengths.append(len(sent))

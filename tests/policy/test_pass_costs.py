@@ -29,17 +29,20 @@ def busy(tokens: int, step: int) -> float:
 
 def phases(*spans: tuple[int, object]):
     """A machine that behaves as ``spans[0][1]`` for ``spans[0][0]`` steps, then as the next, and so on."""
+
     def machine(tokens: int, step: int) -> float:
         for length, phase in spans:
             if step < length:
                 return phase(tokens, step)
             step -= length
         return spans[-1][1](tokens, step)
+
     return machine
 
 
-def drive(machine, steps: int, acceptance: float = 0.9, seed: int = 0, costs: PassCosts | None = None
-          ) -> tuple[list[int], list[float], list[int]]:
+def drive(
+    machine, steps: int, acceptance: float = 0.9, seed: int = 0, costs: PassCosts | None = None
+) -> tuple[list[int], list[float], list[int]]:
     """One request decoded for ``steps`` steps by the adaptive policy, its passes timed by ``machine(tokens, step)``
     (a fake clock) into ``costs`` (default: new ones), each draft token right with chance ``acceptance`` after the
     ones before it. Returns the draft tokens sent, the seconds and the tokens made, per step."""
@@ -84,6 +87,7 @@ def test_a_machine_busy_from_the_start_drafts_once_it_is_quiet() -> None:
 def test_stalls_and_bursts_do_not_switch_drafts_off(length: int) -> None:
     """Every pass of a stall (one pass) or a burst (12 in a row) takes 40x: drafting goes on, or resumes within a
     bounded number of steps."""
+
     def stalling(tokens: int, step: int) -> float:
         return quiet(tokens, step) * (40.0 if 200 <= step < 200 + length else 1.0)
 

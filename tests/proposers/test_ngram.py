@@ -255,8 +255,7 @@ def test_drives_generate_identically(name: str) -> None:
     assert out.sequences.tolist() == hf_greedy(_model(name), prompt, 60).tolist()
     assert out.stats.accepted > 0
     # Kept across requests, the predictor has learnt the first output: a second run drafts it from the start.
-    again = specula.generate(_model(name), prompt, predictor, max_new_tokens=60, eos_token_id=[],
-                             adaptive_draft=False)
+    again = specula.generate(_model(name), prompt, predictor, max_new_tokens=60, eos_token_id=[], adaptive_draft=False)
     assert again.sequences.tolist() == out.sequences.tolist()
     assert again.stats.accepted >= out.stats.accepted
 

@@ -12,10 +12,10 @@ from helpers import hf_greedy
 from tiny_models import VOCAB, tiny_model
 
 import specula
-from specula.proposers import prediction as prediction_module
 from specula.core.draft import Draft
-from specula.proposers.prediction import Prediction, with_prediction
+from specula.proposers import prediction as prediction_module
 from specula.proposers.kernels import prediction_lookup
+from specula.proposers.prediction import Prediction, with_prediction
 
 NEW = 60
 PROMPT = torch.tensor([[1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8]])
@@ -29,7 +29,7 @@ def model():
 @pytest.fixture(scope="module")
 def output(model) -> list[int]:
     """model.generate's greedy output: what every prediction below is made from."""
-    out = hf_greedy(model, PROMPT, NEW, eos_token_id=[])[0, PROMPT.shape[1]:].tolist()
+    out = hf_greedy(model, PROMPT, NEW, eos_token_id=[])[0, PROMPT.shape[1] :].tolist()
     assert len(set(out)) > 20  # (text that varies, so that matches place the output)
     return out
 
@@ -45,8 +45,9 @@ def moved(output: list[int]) -> list[int]:
 
 
 def run(model, prediction, proposer=None, **kwargs):
-    return specula.generate(model, PROMPT, proposer, max_new_tokens=NEW, eos_token_id=[], prediction=prediction,
-                            **kwargs)
+    return specula.generate(
+        model, PROMPT, proposer, max_new_tokens=NEW, eos_token_id=[], prediction=prediction, **kwargs
+    )
 
 
 @pytest.mark.parametrize("kind", ["right", "wrong", "edited", "moved"])
@@ -55,7 +56,7 @@ def test_output_is_model_generate_whatever_the_prediction(model, output, kind) -
     prediction = {"right": output, "wrong": wrong, "edited": edited(output), "moved": moved(output)}[kind]
     for proposer in (None, specula.PromptLookup()):
         out = run(model, prediction, proposer)
-        assert out.sequences[0, PROMPT.shape[1]:].tolist() == output
+        assert out.sequences[0, PROMPT.shape[1] :].tolist() == output
         stats = out.stats
         assert stats.accepted_prediction_tokens + stats.rejected_prediction_tokens <= stats.drafted
     if kind == "right":  # (every draft sent: what the cost model sends depends on the clock)
@@ -73,9 +74,9 @@ def test_drafts_wider_than_the_calibrated_passes_are_model_generate_in_bf16(exac
     (every linear layer then computed row-exactly in chunks): greedy bf16 output is model.generate's (row-exact:
     bit for bit; ordinary: the same here, where no logits are near a tie)."""
     model = tiny_model("qwen2").to(torch.bfloat16)
-    expected = hf_greedy(model, PROMPT, NEW, eos_token_id=[])[0, PROMPT.shape[1]:].tolist()
+    expected = hf_greedy(model, PROMPT, NEW, eos_token_id=[])[0, PROMPT.shape[1] :].tolist()
     out = run(model, expected, adaptive_draft=False, exact=exact)
-    assert out.sequences[0, PROMPT.shape[1]:].tolist() == expected
+    assert out.sequences[0, PROMPT.shape[1] :].tolist() == expected
     assert out.stats.passes == 2 and out.stats.exactness.exact is exact
 
 
@@ -100,8 +101,15 @@ def test_the_output_rejoins_the_prediction_after_an_edit(model, output) -> None:
 def test_batches_and_rows_without_a_prediction(model, output) -> None:
     prompts = torch.cat([PROMPT, PROMPT.flip(1)])
     expected = hf_greedy(model, prompts, NEW, eos_token_id=[])
-    out = specula.generate(model, prompts, specula.PromptLookup(), max_new_tokens=NEW, eos_token_id=[],
-                           prediction=[edited(output), None], adaptive_draft=False)
+    out = specula.generate(
+        model,
+        prompts,
+        specula.PromptLookup(),
+        max_new_tokens=NEW,
+        eos_token_id=[],
+        prediction=[edited(output), None],
+        adaptive_draft=False,
+    )
     assert out.sequences.tolist() == expected.tolist()
     first, second = out.stats.rows
     assert first.accepted_prediction_tokens > 30 and second.accepted_prediction_tokens == 0
@@ -110,18 +118,43 @@ def test_batches_and_rows_without_a_prediction(model, output) -> None:
 
 def test_seeded_sampling_draws_model_generate_tokens(model, output) -> None:
     def sampled(**kwargs):
-        return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=True, temperature=0.7,
-                              max_new_tokens=NEW, eos_token_id=[], pad_token_id=0,
-                              generator=torch.Generator().manual_seed(5), **kwargs)
+        return model.generate(
+            PROMPT,
+            attention_mask=torch.ones_like(PROMPT),
+            do_sample=True,
+            temperature=0.7,
+            max_new_tokens=NEW,
+            eos_token_id=[],
+            pad_token_id=0,
+            generator=torch.Generator().manual_seed(5),
+            **kwargs,
+        )
 
-    expected = specula.generate(model, PROMPT, None, max_new_tokens=NEW, eos_token_id=[], do_sample=True,
-                                temperature=0.7, generator=torch.Generator().manual_seed(5)).sequences
-    got = specula.generate(model, PROMPT, None, max_new_tokens=NEW, eos_token_id=[], do_sample=True,
-                           temperature=0.7, generator=torch.Generator().manual_seed(5),
-                           prediction=expected[0, PROMPT.shape[1]:]).sequences
+    expected = specula.generate(
+        model,
+        PROMPT,
+        None,
+        max_new_tokens=NEW,
+        eos_token_id=[],
+        do_sample=True,
+        temperature=0.7,
+        generator=torch.Generator().manual_seed(5),
+    ).sequences
+    got = specula.generate(
+        model,
+        PROMPT,
+        None,
+        max_new_tokens=NEW,
+        eos_token_id=[],
+        do_sample=True,
+        temperature=0.7,
+        generator=torch.Generator().manual_seed(5),
+        prediction=expected[0, PROMPT.shape[1] :],
+    ).sequences
     assert got.tolist() == expected.tolist()
-    via_hf = sampled(custom_generate=specula.custom_generate, proposer=None, prediction=output,
-                     return_dict_in_generate=True)
+    via_hf = sampled(
+        custom_generate=specula.custom_generate, proposer=None, prediction=output, return_dict_in_generate=True
+    )
     assert via_hf.sequences.tolist() == expected.tolist()
 
 
@@ -131,20 +164,28 @@ def test_text_predictions_and_openai_shape(model, output) -> None:
             return {"input_ids": [int(word) for word in text.split()]}
 
     text = " ".join(map(str, output))
-    for prediction in (text, {"type": "content", "content": text},
-                       {"type": "content", "content": [{"type": "text", "text": text}]}):
+    for prediction in (
+        text,
+        {"type": "content", "content": text},
+        {"type": "content", "content": [{"type": "text", "text": text}]},
+    ):
         stats = run(model, prediction, tokenizer=Tokens(), adaptive_draft=False).stats
-        assert stats.passes == 2 and stats.accepted_prediction_tokens == NEW - 2 and not stats.rejected_prediction_tokens
+        assert (
+            stats.passes == 2 and stats.accepted_prediction_tokens == NEW - 2 and not stats.rejected_prediction_tokens
+        )
 
 
-@pytest.mark.parametrize("prediction, message", [
-    ("some text", "pass tokenizer="),
-    ([1, 2, VOCAB + 5], "outside the model's vocabulary"),
-    ([[1, 2], [3, 4]], "2 predictions for a batch of 1"),
-    ([0.5, 1.5], "text or a 1-D sequence of token ids"),
-    ({"content": "x"}, "OpenAI's"),
-    (list(range(1, 90)) * 10, "more than the model's context"),
-])
+@pytest.mark.parametrize(
+    "prediction, message",
+    [
+        ("some text", "pass tokenizer="),
+        ([1, 2, VOCAB + 5], "outside the model's vocabulary"),
+        ([[1, 2], [3, 4]], "2 predictions for a batch of 1"),
+        ([0.5, 1.5], "text or a 1-D sequence of token ids"),
+        ({"content": "x"}, "OpenAI's"),
+        (list(range(1, 90)) * 10, "more than the model's context"),
+    ],
+)
 def test_bad_predictions_are_refused_before_the_model_runs(model, prediction, message, monkeypatch) -> None:
     monkeypatch.setattr(model, "forward", lambda *args, **kwargs: pytest.fail("the model ran"))
     with pytest.raises(ValueError, match=message):
@@ -154,7 +195,7 @@ def test_bad_predictions_are_refused_before_the_model_runs(model, prediction, me
 def test_an_empty_prediction_is_ignored_with_a_warning(model, output) -> None:
     with pytest.warns(UserWarning, match="empty"):
         out = run(model, [])
-    assert out.sequences[0, PROMPT.shape[1]:].tolist() == output and out.stats.drafted == 0
+    assert out.sequences[0, PROMPT.shape[1] :].tolist() == output and out.stats.drafted == 0
 
 
 def test_a_batch_needs_one_prediction_per_row(model) -> None:

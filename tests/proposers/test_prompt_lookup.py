@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 from helpers import hf_greedy
-from tiny_models import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import tiny_model
 
 import specula
 from specula.proposers.kernels import lookup_candidates, prompt_lookup
@@ -58,7 +58,9 @@ def test_longest_ngram_beats_recency() -> None:
     max_draft=st.integers(1, 12),
     count=st.integers(1, 6),
 )
-def test_kernels_match_the_references(tokens: list[int], min_ngram: int, extra: int, max_draft: int, count: int) -> None:
+def test_kernels_match_the_references(
+    tokens: list[int], min_ngram: int, extra: int, max_draft: int, count: int
+) -> None:
     max_ngram, array = min_ngram + extra, np.array(tokens, dtype=np.int64)
     got = prompt_lookup(array, min_ngram, max_ngram, max_draft)[0].tolist()
     assert got == reference_lookup(tokens, min_ngram, max_ngram, max_draft)
@@ -87,8 +89,9 @@ def test_the_loop_drafts_a_long_copy_past_ten_tokens() -> None:
     model = tiny_model("llama")
     prompt = torch.tensor([[1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8] * 2])
     expected = hf_greedy(model, prompt, 40, eos_token_id=[])
-    out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=40, eos_token_id=[],
-                           adaptive_draft=False)
+    out = specula.generate(
+        model, prompt, specula.PromptLookup(), max_new_tokens=40, eos_token_id=[], adaptive_draft=False
+    )
     assert out.sequences.tolist() == expected.tolist()
     assert any(out.stats.accepted_per_position[10:])
 
@@ -126,7 +129,13 @@ def test_a_tree_merges_the_continuations_of_several_occurrences() -> None:
     # rank: 3 | 5 | 1, 4, 6 | 5, 6 | 1
     assert tree.tokens.tolist() == [3, 5, 1, 4, 6, 5, 6, 1]
     assert tree.parents == (-1, 0, 1, 0, -1, 3, 4, 6) and tree.source == 2
-    assert specula.PromptLookup(num_draft=3, branches=3).propose(context, 2).tokens.tolist() == [3, 5, 4, 6, 6]  # two deep
+    assert specula.PromptLookup(num_draft=3, branches=3).propose(context, 2).tokens.tolist() == [
+        3,
+        5,
+        4,
+        6,
+        6,
+    ]  # two deep
     assert specula.PromptLookup(branches=3).proposes_trees and not specula.PromptLookup().proposes_trees
 
 

@@ -25,13 +25,20 @@ def model() -> torch.nn.Module:
 def prompts() -> list[np.ndarray]:
     generator = np.random.default_rng(4)
     words = generator.integers(3, VOCAB, 6)
-    return [np.concatenate([words, words, words[:3]]), generator.integers(3, VOCAB, 9), np.concatenate([words] * 3),
-            generator.integers(3, VOCAB, 14), np.concatenate([words[::-1], words[::-1]])]
+    return [
+        np.concatenate([words, words, words[:3]]),
+        generator.integers(3, VOCAB, 9),
+        np.concatenate([words] * 3),
+        generator.integers(3, VOCAB, 14),
+        np.concatenate([words[::-1], words[::-1]]),
+    ]
 
 
 def expected() -> list[list[int]]:
-    return [hf_greedy(model(), torch.from_numpy(p)[None], NEW_TOKENS, eos_token_id=[])[0, len(p) :].tolist()
-            for p in prompts()]
+    return [
+        hf_greedy(model(), torch.from_numpy(p)[None], NEW_TOKENS, eos_token_id=[])[0, len(p) :].tolist()
+        for p in prompts()
+    ]
 
 
 def decode(proposer: specula.Proposer, slots: int = 2) -> list[list[int]]:
@@ -112,15 +119,17 @@ def test_a_failing_request_is_named_by_the_adapter() -> None:
         adapted.propose_requests(["b"], [np.array([1, 2, 3])], [2])
 
 
-@pytest.mark.parametrize("make", [lambda: specula.NGramPredictor(), lambda: specula.SmallModelDrafter(
-    tiny_model("llama", 1), num_draft=3)], ids=["ngram", "small-model"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: specula.NGramPredictor(), lambda: specula.SmallModelDrafter(tiny_model("llama", 1), num_draft=3)],
+    ids=["ngram", "small-model"],
+)
 def test_request_proposers_keep_each_request_apart_and_forget_it_when_it_ends(make) -> None:
     proposer = make()
     assert decode(proposer) == expected()
     kept = proposer._recent if isinstance(proposer, specula.NGramPredictor) else proposer.requests
     assert kept == {}
-    run = specula.Decoder(model(), proposer, slots=2).run(
-        specula.Job(p, NEW_TOKENS) for p in prompts())
+    run = specula.Decoder(model(), proposer, slots=2).run(specula.Job(p, NEW_TOKENS) for p in prompts())
     next(run), next(run), next(run)
     assert len(kept) == 2
     run.close()  # a run given up leaves no request behind

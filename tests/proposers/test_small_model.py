@@ -38,8 +38,9 @@ def noisy_copy(target: torch.nn.Module, noise: float) -> torch.nn.Module:
 def test_the_target_drafting_for_itself_is_identical_and_accepted(name: str) -> None:
     prompt = torch.tensor([PROMPT * 2])  # longer than gemma3's sliding window
     drafter = specula.SmallModelDrafter(tiny_model(name), num_draft=4, min_confidence=0)
-    out = specula.generate(model(name), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[],
-                           adaptive_draft=False)
+    out = specula.generate(
+        model(name), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[], adaptive_draft=False
+    )
     assert out.sequences.tolist() == hf_greedy(model(name), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
     assert out.stats.acceptance_rate > 0.95
     assert out.stats.tokens_per_pass > 3
@@ -49,7 +50,11 @@ def test_the_target_drafting_for_itself_is_identical_and_accepted(name: str) -> 
 def test_an_unrelated_drafter_changes_nothing(target: str, draft: str) -> None:
     prompt = torch.tensor([PROMPT])
     out = specula.generate(
-        model(target), prompt, specula.SmallModelDrafter(model(draft, 1)), max_new_tokens=NEW_TOKENS, eos_token_id=[],
+        model(target),
+        prompt,
+        specula.SmallModelDrafter(model(draft, 1)),
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=[],
         adaptive_draft=False,
     )
     assert out.sequences.tolist() == hf_greedy(model(target), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
@@ -65,14 +70,21 @@ class CheckedDrafter(specula.SmallModelDrafter):
         self.checked = 0
 
     def propose_requests(self, requests, contexts, max_tokens):
-        [draft], [context_ids], [state] = super().propose_requests(requests, contexts, max_tokens), contexts, [
-            self.requests[request] for request in requests]
+        [draft], [context_ids], [state] = (
+            super().propose_requests(requests, contexts, max_tokens),
+            contexts,
+            [self.requests[request] for request in requests],
+        )
         # The cache now holds the context and all draft tokens but the last.
         assert state.cache.cached_tokens == state.cache.cache.get_seq_length() == len(context_ids) + len(draft) - 1
         assert state.cached_ids == [*context_ids.tolist(), *draft.tokens.tolist()[:-1]]
         context = torch.tensor([context_ids.tolist()])
         scratch = self.model.generate(
-            context, attention_mask=torch.ones_like(context), do_sample=False, max_new_tokens=len(draft), pad_token_id=0,
+            context,
+            attention_mask=torch.ones_like(context),
+            do_sample=False,
+            max_new_tokens=len(draft),
+            pad_token_id=0,
             eos_token_id=[],  # (the drafter drafts past EOS; the loop stops there)
         )
         assert draft.tokens.tolist() == scratch[0, context.shape[1] :].tolist()
@@ -83,8 +95,9 @@ class CheckedDrafter(specula.SmallModelDrafter):
 def test_the_drafters_cache_follows_partial_acceptance() -> None:
     prompt = torch.tensor([PROMPT])
     drafter = CheckedDrafter(noisy_copy(model("llama"), 0.2), num_draft=3, min_confidence=0)
-    out = specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[],
-                           adaptive_draft=False)
+    out = specula.generate(
+        model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[], adaptive_draft=False
+    )
     assert out.sequences.tolist() == hf_greedy(model("llama"), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
     # A proposal after every step but the last, except with one token left to make (no room for a draft).
     assert 0.2 < out.stats.acceptance_rate < 0.9 and drafter.checked >= out.stats.passes - 2
@@ -117,8 +130,9 @@ def test_draft_length_adapts_to_acceptance() -> None:
 def test_a_drafter_in_another_dtype() -> None:
     prompt = torch.tensor([PROMPT])
     drafter = specula.SmallModelDrafter(tiny_model("llama").to(torch.bfloat16))
-    out = specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[],
-                           adaptive_draft=False)
+    out = specula.generate(
+        model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[], adaptive_draft=False
+    )
     assert out.sequences.tolist() == hf_greedy(model("llama"), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
     assert out.stats.accepted > 0
 
@@ -143,7 +157,9 @@ def test_a_different_vocabulary_is_refused_naming_both() -> None:
         specula.generate(model("llama"), torch.tensor([PROMPT]), drafter, max_new_tokens=4)
     words = [f"w{i}" for i in range(VOCAB)]
     with pytest.raises(ValueError, match=r"drafter's tokenizer .*96 tokens.* and the target's .*96 tokens.*different"):
-        specula.SmallModelDrafter(model("llama"), tokenizer=word_tokenizer(words), target_tokenizer=word_tokenizer(words[::-1]))
+        specula.SmallModelDrafter(
+            model("llama"), tokenizer=word_tokenizer(words), target_tokenizer=word_tokenizer(words[::-1])
+        )
 
 
 def test_padding_rows_beyond_the_tokenizer_are_allowed_and_never_drafted() -> None:
@@ -160,13 +176,12 @@ def test_padding_rows_beyond_the_tokenizer_are_allowed_and_never_drafted() -> No
 
     drafter = Recording(tiny_with_vocab(128), tokenizer=word_tokenizer([f"w{i}" for i in range(90)]))
     prompt = torch.tensor([PROMPT])
-    out = specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[],
-                           adaptive_draft=False)
+    out = specula.generate(
+        model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=[], adaptive_draft=False
+    )
     assert out.sequences.tolist() == hf_greedy(model("llama"), prompt, NEW_TOKENS, eos_token_id=[]).tolist()
     specula.generate(model("llama"), prompt, drafter, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.5)
     assert drafts and max(drafts) < 90
-
-
 
 
 def test_sampled_drafts_keep_the_targets_distribution() -> None:
@@ -189,8 +204,14 @@ class CheckedRows(specula.SmallModelDrafter):
             if not len(draft):
                 continue
             context = torch.tensor([context_ids.tolist()])
-            scratch = self.model.generate(context, attention_mask=torch.ones_like(context), do_sample=False,
-                                          max_new_tokens=len(draft), pad_token_id=0, eos_token_id=[])
+            scratch = self.model.generate(
+                context,
+                attention_mask=torch.ones_like(context),
+                do_sample=False,
+                max_new_tokens=len(draft),
+                pad_token_id=0,
+                eos_token_id=[],
+            )
             assert draft.tokens.tolist() == scratch[0, context.shape[1] :].tolist()
         CheckedRows.checked += 1
         return drafts
@@ -200,7 +221,12 @@ class CheckedRows(specula.SmallModelDrafter):
 def test_a_batch_drafts_all_its_rows_in_shared_passes(name: str) -> None:
     """Rows of different lengths (past gemma3's window) draft in batched passes of the draft model, each row's draft
     its own, and decode model.generate's tokens for each row; drafting row by row takes several times the passes."""
-    rows = [torch.tensor(PROMPT), torch.tensor(PROMPT[3:] + PROMPT), torch.tensor(PROMPT[:9]), torch.tensor(PROMPT[::-1])]
+    rows = [
+        torch.tensor(PROMPT),
+        torch.tensor(PROMPT[3:] + PROMPT),
+        torch.tensor(PROMPT[:9]),
+        torch.tensor(PROMPT[::-1]),
+    ]
     expected = [hf_greedy(model(name), row[None], NEW_TOKENS, eos_token_id=[])[0, len(row) :].tolist() for row in rows]
     width = max(map(len, rows))
     ids, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
@@ -214,8 +240,15 @@ def test_a_batch_drafts_all_its_rows_in_shared_passes(name: str) -> None:
         drafter = kind(draft_model, num_draft=3, min_confidence=0)
         drafter.batch.batchable = batched
         passes.clear()
-        out = specula.generate(model(name), ids, drafter, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                               eos_token_id=[], adaptive_draft=False)
+        out = specula.generate(
+            model(name),
+            ids,
+            drafter,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            eos_token_id=[],
+            adaptive_draft=False,
+        )
         got = [row[width : width + stats.new_tokens] for row, stats in zip(out.sequences.tolist(), out.stats.rows)]
         assert got == expected
         assert out.stats.accepted > 0

@@ -53,7 +53,7 @@ def test_a_failure_is_told_and_the_next_request_gets_a_fresh_loop() -> None:
     handle, told = submit(engine, PROMPT)
     assert handle.done.wait(60)
     row, error = told["end"]
-    expected = hf_greedy(model, torch.from_numpy(PROMPT)[None], NEW, eos_token_id=[])[0, len(PROMPT):].tolist()
+    expected = hf_greedy(model, torch.from_numpy(PROMPT)[None], NEW, eos_token_id=[])[0, len(PROMPT) :].tolist()
     assert error is None and row.output.tolist() == told["tokens"] == expected
     assert len(loops) == 2 and engine.answered == 1 and engine.in_flight == 0
     engine.close(60)
@@ -99,7 +99,28 @@ def test_concurrent_requests_share_compiled_passes_inside_the_row_buckets(monkey
     submitted = [submit(engine, prompt) for prompt in prompts]
     engine.close(120)
     for prompt, (handle, told) in zip(prompts, submitted):
-        expected = hf_greedy(model, torch.from_numpy(prompt)[None], NEW, eos_token_id=[])[0, len(prompt):].tolist()
+        expected = hf_greedy(model, torch.from_numpy(prompt)[None], NEW, eos_token_id=[])[0, len(prompt) :].tolist()
         assert handle.done.is_set() and told["end"][1] is None and told["tokens"] == expected
         assert told["end"][0].stats.compiled
     torch._dynamo.reset()
+
+
+def test_an_idle_engine_gives_its_cache_back() -> None:
+    """Once every request ended and none waits, the loop's cache shrinks to one row (of the room it was first asked
+    for) before the engine waits for more (mutant: the rows of the last batch kept until the next request comes)."""
+    model, loops = tiny_model("llama"), []
+
+    def make_decoder():
+        loops.append(specula.Decoder(model, specula.PromptLookup(), slots=4))
+        return loops[-1]
+
+    engine = Engine(make_decoder)
+    long = np.tile(PROMPT, 40)  # (400 tokens)
+    handles = [submit(engine, np.roll(long, shift))[0] for shift in range(3)]
+    assert all(handle.done.wait(60) for handle in handles)
+    layer = loops[0]._target.cache.layers[0]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(layer._key_buffer) > 1:
+        time.sleep(0.05)
+    assert len(layer._key_buffer) == 1 and layer.capacity == loops[0]._target.capacity
+    engine.close(60)

@@ -40,9 +40,26 @@ def start_server(folder, *options: str) -> tuple[subprocess.Popen, str]:
     """A ``specula serve`` process on a free loopback port, once its health route answers."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "specula.cli", "serve", "--model", str(folder), "--dtype", "fp32", "--port", str(port),
-         "--max-new-tokens", str(MAX_TOKENS), *options],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "specula.cli",
+            "serve",
+            "--model",
+            str(folder),
+            "--dtype",
+            "fp32",
+            "--port",
+            str(port),
+            "--max-new-tokens",
+            str(MAX_TOKENS),
+            *options,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START
     while time.monotonic() < deadline and process.poll() is None:
@@ -93,9 +110,10 @@ def reference(model_folder):
         ids = encode(tokenizer, request)
         if seed is not None:
             torch.manual_seed(seed)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                             do_sample=seed is not None, **kwargs)
-        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=seed is not None, **kwargs
+        )
+        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
     return generate
 
@@ -129,16 +147,23 @@ def test_chat_and_text_completions_are_model_generate(client, name, reference) -
 
 
 def test_a_seeded_request_draws_model_generates_tokens(client, name, reference) -> None:
-    drawn = [client.chat.completions.create(model=name, messages=chat(PROMPTS[2]), temperature=0.9,
-                                            seed=seed).choices[0].message.content for seed in (7, 7, 8)]
+    drawn = [
+        client.chat.completions.create(model=name, messages=chat(PROMPTS[2]), temperature=0.9, seed=seed)
+        .choices[0]
+        .message.content
+        for seed in (7, 7, 8)
+    ]
     assert drawn[0] == drawn[1] == reference({"messages": chat(PROMPTS[2])}, seed=7, temperature=0.9)
     assert drawn[2] == reference({"messages": chat(PROMPTS[2])}, seed=8, temperature=0.9) != drawn[0]
 
 
 def test_streamed_chunks_join_to_the_answer(client, name) -> None:
     whole = client.chat.completions.create(model=name, messages=chat(PROMPTS[3]), temperature=0)
-    chunks = list(client.chat.completions.create(model=name, messages=chat(PROMPTS[3]), temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=name, messages=chat(PROMPTS[3]), temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
     text = "".join(choice.delta.content or "" for chunk in chunks for choice in chunk.choices)
     assert text == whole.choices[0].message.content
@@ -150,16 +175,23 @@ def test_streamed_chunks_join_to_the_answer(client, name) -> None:
     stop = plain.choices[0].text[6:9]  # a stop string in the middle of the answer: streamed up to it, not past
     streamed = list(client.completions.create(model=name, prompt=PROMPTS[3], temperature=0, stream=True, stop=stop))
     cut = client.completions.create(model=name, prompt=PROMPTS[3], temperature=0, stop=stop)
-    assert "".join(chunk.choices[0].text for chunk in streamed) == cut.choices[0].text == \
-        plain.choices[0].text[: plain.choices[0].text.find(stop)]
+    assert (
+        "".join(chunk.choices[0].text for chunk in streamed)
+        == cut.choices[0].text
+        == plain.choices[0].text[: plain.choices[0].text.find(stop)]
+    )
     assert streamed[-1].choices[0].finish_reason == cut.choices[0].finish_reason == "stop"
 
 
 def test_a_prediction_is_verified_and_counted(client, name) -> None:
     expected = client.chat.completions.create(model=name, messages=chat(PROMPTS[0]), temperature=0, max_tokens=48)
     predicted = client.chat.completions.create(
-        model=name, messages=chat(PROMPTS[0]), temperature=0, max_tokens=48,
-        prediction={"type": "content", "content": expected.choices[0].message.content})
+        model=name,
+        messages=chat(PROMPTS[0]),
+        temperature=0,
+        max_tokens=48,
+        prediction={"type": "content", "content": expected.choices[0].message.content},
+    )
     assert predicted.choices[0].message.content == expected.choices[0].message.content
     details = predicted.usage.completion_tokens_details
     assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens == 0
@@ -169,27 +201,31 @@ def test_concurrent_clients_each_get_their_own_answer(client, name, reference) -
     prompts = [f"{PROMPTS[n % 4]} {n}" for n in range(16)]
 
     def ask(prompt: str) -> str:
-        return client.chat.completions.create(model=name, messages=chat(prompt), temperature=0
-                                              ).choices[0].message.content
+        return (
+            client.chat.completions.create(model=name, messages=chat(prompt), temperature=0).choices[0].message.content
+        )
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(ask, prompts, timeout=300))
     assert answers == [reference({"messages": chat(prompt)}) for prompt in prompts]
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": chat("hi"), "n": 2}, "n"),
-    ({"messages": chat("hi"), "logprobs": True}, "logprobs"),
-    ({"messages": chat("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ({"messages": chat("hi"), "max_token": 5}, "max_token"),
-    ({"messages": chat("hi"), "temperature": -1}, "temperature"),
-    ({"messages": chat("hi"), "prediction": {"type": "file", "content": "x"}}, "prediction"),
-    ({"messages": chat("hi"), "model": "gpt-4o"}, "model"),
-    ({"messages": chat("hi"), "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"messages": chat("word " * 600)}, "messages"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": chat("hi"), "n": 2}, "n"),
+        ({"messages": chat("hi"), "logprobs": True}, "logprobs"),
+        ({"messages": chat("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+        ({"messages": chat("hi"), "max_token": 5}, "max_token"),
+        ({"messages": chat("hi"), "temperature": -1}, "temperature"),
+        ({"messages": chat("hi"), "prediction": {"type": "file", "content": "x"}}, "prediction"),
+        ({"messages": chat("hi"), "model": "gpt-4o"}, "model"),
+        ({"messages": chat("hi"), "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": chat("word " * 600)}, "messages"),
+    ],
+)
 def test_a_bad_request_is_a_400_naming_the_field_and_the_server_goes_on(server, body, param) -> None:
     status, answer = post(server, "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and answer["error"]["param"] == param and answer["error"]["message"], answer
@@ -215,8 +251,9 @@ def test_a_client_that_goes_away_frees_its_row(server) -> None:
     assert answer.readline().startswith(b"data: ")  # (it is decoding)
     answer.close()  # the client goes away
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (health(server)["cancelled"] > before["cancelled"]
-                                               and health(server)["in_flight"] == 0):
+    while time.monotonic() < deadline and not (
+        health(server)["cancelled"] > before["cancelled"] and health(server)["in_flight"] == 0
+    ):
         time.sleep(0.2)
     now = health(server)
     assert now["cancelled"] == before["cancelled"] + 1 and now["in_flight"] == 0
@@ -230,7 +267,9 @@ def test_an_api_key_and_a_memory_budget_when_set_and_sigterm_stops_the_server(mo
         with pytest.raises(openai.AuthenticationError):
             refused.completions.create(model=model_folder.name, prompt="hi", max_tokens=2)
         allowed = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0, timeout=60)
-        assert allowed.completions.create(model=model_folder.name, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        assert (
+            allowed.completions.create(model=model_folder.name, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        )
         assert health(url)["status"] == "ok"  # (the health route needs no key)
         memory = health(url)["memory"]  # (the tiny model: 256 bytes of keys and values a token)
         assert memory["budget_bytes"] == 100_000 and memory["tokens"] == 390 and memory["resident_bytes"] > 0

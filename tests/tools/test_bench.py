@@ -19,14 +19,18 @@ def test_hf_rows_say_which_cache_generate_used_and_whether_it_compiled(monkeypat
         assert len(tokens) == 6
     # on a CPU generate compiles nothing by itself (only on accelerators, or where a compile_config asks for all)
     assert (plain.setup, lookup.setup, static.setup) == (
-        "DynamicCache, not compiled", "DynamicCache, not compiled", "StaticCache, not compiled")
+        "DynamicCache, not compiled",
+        "DynamicCache, not compiled",
+        "StaticCache, not compiled",
+    )
     assert not hasattr(model, "_compiled_call") and "_valid_auto_compile_criteria" not in vars(model)
 
     # where generate decides to compile, the row says so (its decision is recorded, not guessed)
     compiling = hf_method(tiny_causal_lm("llama"))
     decisions = []
-    monkeypatch.setattr(GenerationMixin, "_valid_auto_compile_criteria",
-                        lambda self, *args: decisions.append(True) or True)
+    monkeypatch.setattr(
+        GenerationMixin, "_valid_auto_compile_criteria", lambda self, *args: decisions.append(True) or True
+    )
     monkeypatch.setattr(PreTrainedModel, "get_compiled_call", lambda self, config: self.__call__)
     compiling(prompt, 2)
     assert decisions and compiling.setup == "DynamicCache, compiled"

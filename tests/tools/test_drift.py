@@ -9,13 +9,14 @@ from bf16_cases import NEW_TOKENS, model, prompt, reference
 from helpers import Oracle
 
 from specula import cli
-from specula.verifier.cache_names import cache_in
 from specula.tools.drift import drift
+from specula.verifier.cache_names import cache_in
 
 
 def plant(target: torch.nn.Module, position: int, margin: float, in_passes_only: bool = False):
     """A forward hook that makes the runner-up token at ``position`` (a sequence index) win by ``margin`` in
     verification passes (several logits rows) and lose by ``margin`` in one-token steps."""
+
     def hook(module, args, kwargs, output):
         logits = output.logits[0]
         end = cache_in(kwargs).get_seq_length()
@@ -27,6 +28,7 @@ def plant(target: torch.nn.Module, position: int, margin: float, in_passes_only:
                 logits[row, second] = logits[row, first] + margin
             elif not in_passes_only:
                 logits[row, second] = logits[row, first] - margin
+
     return target.register_forward_hook(hook, with_kwargs=True)
 
 
@@ -39,8 +41,15 @@ def test_a_planted_near_tie_is_found_and_called_a_near_tie() -> None:
     start = prompt().shape[1]
     handle = plant(model("llama"), start + 5, margin=0.01)
     try:
-        report = drift(model("llama"), prompt(), Oracle(reference("llama"), 7), NEW_TOKENS, eos_token_id=[], exact=True,
-                       adaptive_draft=False)
+        report = drift(
+            model("llama"),
+            prompt(),
+            Oracle(reference("llama"), 7),
+            NEW_TOKENS,
+            eos_token_id=[],
+            exact=True,
+            adaptive_draft=False,
+        )
     finally:
         handle.remove()
     assert not report.identical and report.position == 5
@@ -53,8 +62,15 @@ def test_a_planted_large_divergence_is_not_a_near_tie() -> None:
     start = prompt().shape[1]
     handle = plant(model("llama"), start + 9, margin=5.0, in_passes_only=True)
     try:
-        report = drift(model("llama"), prompt(), Oracle(reference("llama"), 7), NEW_TOKENS, eos_token_id=[], exact=True,
-                       adaptive_draft=False)
+        report = drift(
+            model("llama"),
+            prompt(),
+            Oracle(reference("llama"), 7),
+            NEW_TOKENS,
+            eos_token_id=[],
+            exact=True,
+            adaptive_draft=False,
+        )
     finally:
         handle.remove()
     assert not report.identical and report.position == 9
@@ -65,15 +81,30 @@ def test_a_planted_large_divergence_is_not_a_near_tie() -> None:
 def test_drift_and_probe_commands(tmp_path, capsys) -> None:
     folder = tmp_path / "model"
     model("llama").save_pretrained(folder)
-    from transformers import PreTrainedTokenizerFast
     from tiny_models import tiny_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer: PreTrainedTokenizerFast = tiny_tokenizer()
     tokenizer.save_pretrained(folder)
     requests = tmp_path / "requests.jsonl"
     requests.write_text('{"id": "x", "prompt": "the quick brown fox jumps over the lazy dog the quick brown"}\n')
     out = tmp_path / "drift.json"
-    cli.main(["drift", "--input", str(requests), "--model", str(folder), "--dtype", "bf16", "--exact",
-              "--max-new-tokens", "24", "--json", str(out)])
+    cli.main(
+        [
+            "drift",
+            "--input",
+            str(requests),
+            "--model",
+            str(folder),
+            "--dtype",
+            "bf16",
+            "--exact",
+            "--max-new-tokens",
+            "24",
+            "--json",
+            str(out),
+        ]
+    )
     assert "1 of 1 identical to model.generate" in capsys.readouterr().out
     assert json.loads(out.read_text())[0]["id"] == "x"
     assert json.loads(out.read_text())[0]["drafted"] > 0  # every draft sent, so that the check verified some

@@ -51,7 +51,9 @@ print(json.dumps(caught + [f"{w.category.__name__}: {w.message}" for w in warned
 
 def test_no_deprecation_warning_from_the_cache_renames() -> None:
     tests = str(Path(__file__).resolve().parents[1])
-    result = subprocess.run([sys.executable, "-c", _RUN_EVERY_PATH.replace("TESTS", repr(tests))], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", _RUN_EVERY_PATH.replace("TESTS", repr(tests))], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     messages = json.loads(result.stdout.strip().splitlines()[-1])
     renames = [m for m in messages if any(name in m for name in ("past_key_values", "cache_params", "`cache`"))]
@@ -84,5 +86,11 @@ def test_a_filled_cache_is_refused() -> None:
         cache = DynamicCache(config=model.config)
         model(prompt, **{name: cache}, use_cache=True)
         with pytest.raises(ValueError, match="cannot continue a filled cache"):
-            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, **{name: cache},
-                           custom_generate=specula.custom_generate, proposer=specula.PromptLookup())
+            model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=4,
+                **{name: cache},
+                custom_generate=specula.custom_generate,
+                proposer=specula.PromptLookup(),
+            )

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import ARCHITECTURES, VOCAB, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from specula.verifier import runner
 from specula.verifier.cache_layers import PreallocatedLayer
 from specula.verifier.runner import CachedModel
-from tiny_models import ARCHITECTURES, VOCAB, tiny_model
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)

@@ -6,18 +6,17 @@ from __future__ import annotations
 import json
 import time
 
-import numpy as np
 import pytest
 import torch
 import transformers
+from helpers import TickingClock
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import specula
-from specula.verifier.row_exact import attention, grouping, linear
-from specula.machine import store, timing
-from helpers import TickingClock
-from specula.policy.costs import shared_pass_costs
 from specula.decoding.loop import MAX_DRAFT
+from specula.machine import store, timing
+from specula.policy.costs import shared_pass_costs
+from specula.verifier.row_exact import attention, grouping, linear
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -32,6 +31,7 @@ def _kernel(block_sums: bool):
     weighted sum over keys, taken key after key, or (``block_sums``) as MKL's bf16 gemm does on a 2-core EPYC:
     full blocks of 4 keys first, each summed on its own, then the ``K % 4`` last keys one by one, so that padding a
     query's keys past a multiple of 4 (zero weights) changes the order its last keys are added in."""
+
     def kernel(query, key, value, attn_mask=None, dropout_p=0.0, scale=None, enable_gqa=False, is_causal=False):
         key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], 1).double() for t in (key, value))
         scores = query.double() @ key.transpose(-1, -2) * (scale or DIM**-0.5)
@@ -51,13 +51,15 @@ def _kernel(block_sums: bool):
         for j in range(keys - keys % step, keys):
             total = total + terms[:, :, :, j]
         return (total.double() / weights.double().sum(-1, keepdim=True)).to(query.dtype)  # [B, heads, q, dim]
+
     return kernel
 
 
 def _exact_widths(monkeypatch, block_sums: bool) -> list[int]:
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _kernel(block_sums))
-    return grouping._exact_widths(_Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16,
-                                  torch.device("cpu"), {})
+    return grouping._exact_widths(
+        _Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16, torch.device("cpu"), {}
+    )
 
 
 def test_grouping_is_exact_only_where_the_kernels_order_allows(monkeypatch) -> None:
@@ -70,6 +72,7 @@ def test_grouping_is_exact_only_where_the_kernels_order_allows(monkeypatch) -> N
 def test_gaussian_data_alone_would_miss_the_block_order(monkeypatch) -> None:
     """The mutant: without the rows built to show a changed order, the blocked kernel passes for every width, which
     is how groups of 16 came to be used on the EPYC and changed an output after 706 keys."""
+
     def without_cancellation(heads, kv_heads, dim, dtype, device, width, rows, generator):
         q, k, v, ends, targets = cancelling(heads, kv_heads, dim, dtype, device, width, rows, generator)
         return q, k, torch.randn(v.shape, generator=generator).to(dtype), ends, targets
@@ -100,8 +103,9 @@ def _calibrate_with_costs(monkeypatch, block_sums: bool, costs: dict[int, float]
 
     monkeypatch.setattr(timing, "CLOCK", clock)
     monkeypatch.setattr(grouping, "_grouped_sdpa", timed)
-    return grouping._calibrate_attention(_Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16,
-                                         torch.device("cpu"), {})
+    return grouping._calibrate_attention(
+        _Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16, torch.device("cpu"), {}
+    )
 
 
 def test_the_cheapest_exact_grouping_is_chosen_and_an_inexact_fast_one_never(monkeypatch) -> None:
@@ -125,15 +129,19 @@ def test_linear_layers_take_the_cheaper_exact_strategy(monkeypatch) -> None:
     monkeypatch.setattr(timing, "CLOCK", clock)
     monkeypatch.setattr(linear, "exact_rows", lambda layer, compute=None: 1 if compute is None else 33)
     for by_columns_cost, expected in ((1.0, True), (100.0, False)):
+
         def by_columns(weight_t, bias, x, cost=by_columns_cost):
             clock.now += cost
             return x @ weight_t
+
         monkeypatch.setattr(linear, "_by_columns", by_columns)
         found = linear._calibrate(layer)
         assert found["by_columns"] is expected and (found["rows"], found["columns"]) == (1, 33)
 
 
-def test_calibrations_are_kept_and_made_again_when_what_they_depend_on_changes(fresh_store, monkeypatch, tmp_path) -> None:
+def test_calibrations_are_kept_and_made_again_when_what_they_depend_on_changes(
+    fresh_store, monkeypatch, tmp_path
+) -> None:
     made = []
     key = store.key(torch.device("cpu"), "attention", 4, 2, 16, torch.bfloat16, None)
     assert store.shared().get(key, lambda: made.append(1) or {"width": 4}) == {"width": 4}
@@ -170,8 +178,16 @@ def test_a_pass_that_calibrates_is_not_taken_for_what_passes_cost(fresh_store, m
     monkeypatch.setattr(attention, "_calibrate_attention", slow)
     monkeypatch.setattr(time, "perf_counter", clock)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     prompt = torch.arange(3, 35).repeat(4)[None]
     out = specula.generate(model, prompt, specula.PromptLookup(), max_new_tokens=24, eos_token_id=[], exact=True)
@@ -187,6 +203,7 @@ def test_calibrating_draws_none_of_torchs_global_random_numbers() -> None:
     layer = torch.nn.Linear(1536, 64, bias=False).to(torch.bfloat16)  # (making it draws: before)
     state = torch.get_rng_state()
     linear._calibrate(layer)
-    grouping._calibrate_attention(_Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16,
-                                  torch.device("cpu"), {})
+    grouping._calibrate_attention(
+        _Module(), sdpa_attention_forward, HEADS, KV_HEADS, DIM, torch.bfloat16, torch.device("cpu"), {}
+    )
     assert torch.equal(torch.get_rng_state(), state)

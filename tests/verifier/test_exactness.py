@@ -52,8 +52,9 @@ def test_asked_for_is_what_is_done_whatever_it_costs(exact_costs) -> None:
     costs[0] = 1.0
     assert not exactness.choose(model("llama"), False).exact
     assert not measured  # (nothing measured when asked)
-    out = specula.generate(model("llama"), prompt(), specula.PromptLookup(), max_new_tokens=4, eos_token_id=[],
-                           exact=True)
+    out = specula.generate(
+        model("llama"), prompt(), specula.PromptLookup(), max_new_tokens=4, eos_token_id=[], exact=True
+    )
     assert out.stats.exactness.exact and out.stats.exactness.reason == "asked"
 
 
@@ -90,8 +91,19 @@ def test_a_request_decodes_the_same_on_every_run_in_one_process_and_in_two(tmp_p
     interpreter, the same tokens."""
     runs = {}
     for exact in (True, False):
-        runs[exact] = [specula.generate(model("qwen2"), prompt(), specula.PromptLookup(), max_new_tokens=NEW_TOKENS,
-                                        eos_token_id=[], exact=exact).sequences[0].tolist() for _ in range(2)]
+        runs[exact] = [
+            specula.generate(
+                model("qwen2"),
+                prompt(),
+                specula.PromptLookup(),
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=[],
+                exact=exact,
+            )
+            .sequences[0]
+            .tolist()
+            for _ in range(2)
+        ]
         assert runs[exact][0] == runs[exact][1]
     script = textwrap.dedent("""
         import json, sys

@@ -27,8 +27,9 @@ def calls(monkeypatch, request):
     seen = []
     inner = gqa_module._grouped
     monkeypatch.setattr(gqa_module, "_way", lambda *args: request.param)
-    monkeypatch.setattr(gqa_module, "_grouped",
-                        lambda way, q, *rest: seen.append(tuple(q.shape)) or inner(way, q, *rest))
+    monkeypatch.setattr(
+        gqa_module, "_grouped", lambda way, q, *rest: seen.append(tuple(q.shape)) or inner(way, q, *rest)
+    )
     return seen
 
 
@@ -56,8 +57,11 @@ def test_a_batch_of_trees_the_same_as_with_repeated_heads(calls) -> None:
         runner.unrepeated = unrepeated
         runner.start_row(0, PROMPT[0, :20])
         runner.start_row(1, PROMPT[0, 3:14])
-        logits.append(torch.cat(runner.forward_rows([PROMPT[0, 20:26], PROMPT[0, 14:18]], [6, 4],
-                                                    trees=[[-1, 0, 0, 1, 2, 4], None])))
+        logits.append(
+            torch.cat(
+                runner.forward_rows([PROMPT[0, 20:26], PROMPT[0, 14:18]], [6, 4], trees=[[-1, 0, 0, 1, 2, 4], None])
+            )
+        )
     assert calls and all(shape[:3] == (2, model.config.num_attention_heads, 6) for shape in calls)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-6, atol=1e-6)
 
@@ -65,15 +69,23 @@ def test_a_batch_of_trees_the_same_as_with_repeated_heads(calls) -> None:
 def test_ordinary_passes_over_several_tokens_only(calls) -> None:
     model = copy.deepcopy(tiny_model("llama"))
     expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
-    out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[],
-                           adaptive_draft=False, exact=False)
+    out = specula.generate(
+        model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[], adaptive_draft=False, exact=False
+    )
     assert out.sequences.tolist() == expected.tolist() and out.stats.accepted > 12
     layers = model.config.num_hidden_layers
     assert calls and len(calls) % layers == 0 and all(1 < shape[2] <= 7 for shape in calls)  # never the prefill
     seen = len(calls)
     specula.generate(model, PROMPT, None, max_new_tokens=8, eos_token_id=[])  # plain: one-token steps
-    specula.generate(model.to(torch.bfloat16), PROMPT, Oracle(expected, 6), max_new_tokens=8, eos_token_id=[],
-                     adaptive_draft=False, exact=True)
+    specula.generate(
+        model.to(torch.bfloat16),
+        PROMPT,
+        Oracle(expected, 6),
+        max_new_tokens=8,
+        eos_token_id=[],
+        adaptive_draft=False,
+        exact=True,
+    )
     assert len(calls) == seen
 
 
@@ -104,6 +116,7 @@ def test_left_to_transformers_where_not_faster(fresh_store, monkeypatch, tmp_pat
 
 def test_the_model_attention_is_restored() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
     with unrepeated_kv_heads():
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before
@@ -121,6 +134,12 @@ def test_one_token_steps_of_ordinary_decoding_only(calls) -> None:
     assert len(calls) == 11 * layers and all(shape[:3] == (1, model.config.num_attention_heads, 1) for shape in calls)
     calls.clear()
     for exact in (None, True):
-        specula.generate(model, PROMPT, None if exact is None else Oracle(expected, 0), max_new_tokens=12,
-                         eos_token_id=[], exact=exact)
+        specula.generate(
+            model,
+            PROMPT,
+            None if exact is None else Oracle(expected, 0),
+            max_new_tokens=12,
+            eos_token_id=[],
+            exact=exact,
+        )
     assert calls == []

@@ -19,11 +19,18 @@ def test_queries_that_see_fewer_keys_than_the_indexer_picks_are_verified_exactly
     model = tiny_causal_lm(model_type)
     for prompt in ([5], [40, 41, 40]):
         prompt = torch.tensor([prompt])
-        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=20,
-                                  eos_token_id=[], pad_token_id=0)
+        expected = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            max_new_tokens=20,
+            eos_token_id=[],
+            pad_token_id=0,
+        )
         for proposer in (Oracle(expected, 3), PartlyRight(expected, 3)):
-            out = specula.generate(model, prompt, proposer, max_new_tokens=20, adaptive_draft=False, eos_token_id=[],
-                                   pad_token_id=0)
+            out = specula.generate(
+                model, prompt, proposer, max_new_tokens=20, adaptive_draft=False, eos_token_id=[], pad_token_id=0
+            )
             assert out.sequences.tolist() == expected.tolist()
             assert out.stats.accepted > 0
 

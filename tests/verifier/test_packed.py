@@ -11,8 +11,8 @@ from helpers import Oracle, hf_greedy
 from tiny_models import tiny_model
 
 import specula
-from specula.verifier import packed as packed_module
 from specula.machine.profile import profile_of
+from specula.verifier import packed as packed_module
 
 PROMPT = torch.tensor([[1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8] * 2])
 
@@ -39,8 +39,7 @@ def test_packed_weights_serve_ordinary_passes_only(always_packed) -> None:
     plain decoding's steps nor exact decoding's passes."""
     model = copy.deepcopy(tiny_model("llama"))
     expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
-    out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[],
-                           adaptive_draft=False)
+    out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[], adaptive_draft=False)
     assert out.sequences.tolist() == expected.tolist()
     assert always_packed and max(always_packed) <= 7 and out.stats.accepted > 12  # never the prefill's 32
     steps = specula.generate(model, PROMPT, Oracle(expected, 0), max_new_tokens=8, eos_token_id=[])
@@ -60,14 +59,12 @@ def test_a_weight_changed_in_place_or_replaced_is_packed_again(always_packed) ->
         for layer in model.model.layers:
             layer.mlp.down_proj.weight.mul_(-1.5)
     expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
-    out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[],
-                           adaptive_draft=False)
+    out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[], adaptive_draft=False)
     assert out.sequences.tolist() == expected.tolist() and out.stats.accepted > 12
     for layer in model.model.layers:  # another weight tensor (as loading a state dict with assign=True gives)
         layer.mlp.up_proj.weight = torch.nn.Parameter(layer.mlp.up_proj.weight.detach() * -2)
     expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
-    out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[],
-                           adaptive_draft=False)
+    out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[], adaptive_draft=False)
     assert out.sequences.tolist() == expected.tolist() and out.stats.accepted > 12
 
 

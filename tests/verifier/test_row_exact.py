@@ -7,22 +7,24 @@ import copy
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import transformers
-from bf16_cases import VOCAB, CONFIGS, NEW_TOKENS, WIDE, model, prompt, reference
-from helpers import TickingClock, TreeOracle, AlwaysWrong, Oracle, exact_generate, hf_greedy
+from bf16_cases import CONFIGS, NEW_TOKENS, VOCAB, WIDE, model, prompt, reference
+from helpers import AlwaysWrong, Oracle, TickingClock, TreeOracle, exact_generate, hf_greedy
 
-import numpy as np
 import specula
-from specula.machine import store
 import specula.verifier.row_exact as row_exact_module
+from specula.decoding.loop import MAX_DRAFT
+from specula.machine import store
 from specula.policy.costs import shared_pass_costs
 from specula.tools.probe import probe
-from specula.decoding.loop import MAX_DRAFT
 from specula.verifier.calibration import spread
-from specula.verifier.row_exact import head as head_module, linear as linear_module
+from specula.verifier.row_exact import head as head_module
+from specula.verifier.row_exact import linear as linear_module
 from specula.verifier.row_exact.attention import RowAttention, _PassAttention
+
 
 def forget_row_exact() -> None:
     """Row-exact kernels are built again for every model (after a test patched how they are built)."""
@@ -31,15 +33,18 @@ def forget_row_exact() -> None:
 
 def speculate(name: str, proposer, dtype: torch.dtype = torch.bfloat16, **kwargs) -> specula.GenerateOutput:
     """Row-exact unless ``exact=False`` is given (whether the default would choose it depends on the machine)."""
-    return exact_generate(model(name, dtype), prompt(), proposer, max_new_tokens=NEW_TOKENS, eos_token_id=[],
-                          **kwargs)
+    return exact_generate(model(name, dtype), prompt(), proposer, max_new_tokens=NEW_TOKENS, eos_token_id=[], **kwargs)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("adaptive_draft", [True, False])
 def test_bf16_identical_to_model_generate(name: str, adaptive_draft: bool) -> None:
     ref = reference(name).tolist()
-    for proposer in (specula.PromptLookup(), Oracle(reference(name), WIDE - 1), AlwaysWrong(reference(name), WIDE - 1, VOCAB)):
+    for proposer in (
+        specula.PromptLookup(),
+        Oracle(reference(name), WIDE - 1),
+        AlwaysWrong(reference(name), WIDE - 1, VOCAB),
+    ):
         out = speculate(name, proposer, adaptive_draft=adaptive_draft)
         assert out.sequences.tolist() == ref, type(proposer).__name__
         if type(proposer) is Oracle and not adaptive_draft:  # (the cost model may find drafts do not pay here)
@@ -109,8 +114,17 @@ def test_weights_changed_in_place_are_copied_again() -> None:
     """Column-major copies follow the weights: after an in-place change, output is the changed model's."""
     changed = copy.deepcopy(model("llama"))
     ref = hf_greedy(changed, prompt(), NEW_TOKENS, eos_token_id=[])
-    speculate_with = lambda m: exact_generate(m, prompt(), Oracle(ref, WIDE - 1), max_new_tokens=NEW_TOKENS,  # noqa: E731
-                                                eos_token_id=[], adaptive_draft=False)
+
+    def speculate_with(m):
+        return exact_generate(
+            m,
+            prompt(),
+            Oracle(ref, WIDE - 1),
+            max_new_tokens=NEW_TOKENS,
+            eos_token_id=[],
+            adaptive_draft=False,
+        )
+
     assert speculate_with(changed).sequences.tolist() == ref.tolist()
     with torch.no_grad():
         for layer in changed.model.layers:
@@ -137,8 +151,9 @@ def test_bf16_rows_of_a_batch_do_not_depend_on_their_batch_mates(name: str) -> N
     expected = [hf_greedy(model(name), p[None], NEW_TOKENS, eos_token_id=[])[0, len(p) :].tolist() for p in prompts]
     for members in ([0], [0, 1], [2, 0, 3], [3, 2, 1, 0]):
         ids, mask = _batch([prompts[i] for i in members])
-        out = exact_generate(model(name), ids, specula.PromptLookup(), attention_mask=mask,
-                               max_new_tokens=NEW_TOKENS, eos_token_id=[])
+        out = exact_generate(
+            model(name), ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=[]
+        )
         got = [row[ids.shape[1] :] for row in out.sequences.tolist()]
         assert got == [expected[i] for i in members], members
 
@@ -156,8 +171,15 @@ def test_bf16_trees_give_model_generates_tokens(name: str) -> None:
         ids, mask = _batch([prompts[i] for i in members])
         trees = [TreeOracle(references, shape, VOCAB, depth=6) for shape in ("second", "late")]
         for proposer in (*trees, specula.PromptLookup(branches=4)):
-            out = exact_generate(model(name), ids, proposer, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                                   eos_token_id=[], adaptive_draft=False)
+            out = exact_generate(
+                model(name),
+                ids,
+                proposer,
+                attention_mask=mask,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=[],
+                adaptive_draft=False,
+            )
             got = [row[ids.shape[1] :] for row in out.sequences.tolist()]
             assert got == [expected[i] for i in members], (members, proposer)
             if isinstance(proposer, TreeOracle):  # (the trees were verified)
@@ -182,9 +204,17 @@ def _tied_head_model() -> torch.nn.Module:
     """A bf16 Llama whose head gives tokens 2k and 2k + 1 (k < 64) the same row: where one of them is the argmax,
     the other ties with it (model.generate takes 2k), and the head rounds by rows (_rounds_by_rows)."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
-                                      pad_token_id=0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         model.lm_head.weight[1:128:2] = model.lm_head.weight[0:128:2]
@@ -199,13 +229,22 @@ def test_the_lm_head_is_computed_again_only_where_the_argmax_could_change(monkey
     head's logits. The mutant that certifies every row leaves model.generate at the first tie."""
     model = _tied_head_model()
     linear_calibration = linear_module._linear_calibration
-    monkeypatch.setattr(linear_module, "_linear_calibration", lambda layer: (
-        {"rows": 1, "by_columns": False, "exact_ms": 1.0, "ordinary_ms": 1.0} if layer is model.lm_head
-        else linear_calibration(layer)))
+    monkeypatch.setattr(
+        linear_module,
+        "_linear_calibration",
+        lambda layer: (
+            {"rows": 1, "by_columns": False, "exact_ms": 1.0, "ordinary_ms": 1.0}
+            if layer is model.lm_head
+            else linear_calibration(layer)
+        ),
+    )
     passes = []
     logits = head_module._HeadPass.logits
-    monkeypatch.setattr(head_module._HeadPass, "logits",
-                        lambda self, out: (result := logits(self, out), passes.append((self.shortcut, self.recomputed, out.shape[1])))[0])
+    monkeypatch.setattr(
+        head_module._HeadPass,
+        "logits",
+        lambda self, out: (logits(self, out), passes.append((self.shortcut, self.recomputed, out.shape[1])))[0],
+    )
     generator = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 256, (1, 12), generator=generator).repeat(1, 6)
     ref = hf_greedy(model, prompt, 40, eos_token_id=[])
@@ -215,7 +254,9 @@ def test_the_lm_head_is_computed_again_only_where_the_argmax_could_change(monkey
     assert out.sequences.tolist() == ref.tolist()
     shortcut = [(recomputed, rows) for used, recomputed, rows in passes if used]
     assert shortcut and sum(r for r, _ in shortcut) > 0 and sum(rows - r for r, rows in shortcut) > 0
-    monkeypatch.setattr(head_module._Head, "certain", lambda self, logits, hidden: torch.ones(len(logits), dtype=torch.bool))
+    monkeypatch.setattr(
+        head_module._Head, "certain", lambda self, logits, hidden: torch.ones(len(logits), dtype=torch.bool)
+    )
     forget_row_exact()
     mutant = exact_generate(model, prompt, Oracle(ref, 8), max_new_tokens=40, eos_token_id=[], adaptive_draft=False)
     assert mutant.sequences.tolist() != ref.tolist()
@@ -229,9 +270,15 @@ def test_no_timed_pass_computes_the_head_norms(monkeypatch) -> None:
     takes 1000 s longer on a fake clock, and no pass cost the cost model keeps may include it."""
     model = _tied_head_model()
     linear_calibration = linear_module._linear_calibration
-    monkeypatch.setattr(linear_module, "_linear_calibration", lambda layer: (
-        {"rows": 1, "by_columns": False, "exact_ms": 1.0, "ordinary_ms": 1.0} if layer is model.lm_head
-        else linear_calibration(layer)))
+    monkeypatch.setattr(
+        linear_module,
+        "_linear_calibration",
+        lambda layer: (
+            {"rows": 1, "by_columns": False, "exact_ms": 1.0, "ordinary_ms": 1.0}
+            if layer is model.lm_head
+            else linear_calibration(layer)
+        ),
+    )
     norms = head_module._Head.norms
 
     clock = TickingClock()
@@ -269,8 +316,10 @@ def test_the_lm_head_bound_holds_between_a_real_multi_row_product_and_one_row_on
     bound = 2 * head.gamma * h * norms + head._ulp(torch.maximum(together.abs(), alone.abs()))
     assert ((together - alone).abs() <= bound).all()
     if torch.equal(together, alone):
-        pytest.skip(f"this machine's {dtype} kernels compute the 33-row product bit for bit as one-row products "
-                    "(e.g. bf16 emulated in fp32 on a CPU without AVX512_BF16): the bound held, but bounds no difference")
+        pytest.skip(
+            f"this machine's {dtype} kernels compute the 33-row product bit for bit as one-row products "
+            "(e.g. bf16 emulated in fp32 on a CPU without AVX512_BF16): the bound held, but bounds no difference"
+        )
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
@@ -280,8 +329,14 @@ def test_bf16_seeded_sampling_draws_model_generates_tokens(name: str) -> None:
     settings_ = dict(do_sample=True, temperature=0.3, top_k=40)
     net = model(name, torch.bfloat16)  # (made before seeding: making it seeds torch)
     torch.manual_seed(5)
-    ref = net.generate(prompt(), attention_mask=torch.ones_like(prompt()), max_new_tokens=NEW_TOKENS,
-                       eos_token_id=[], pad_token_id=0, **settings_)
+    ref = net.generate(
+        prompt(),
+        attention_mask=torch.ones_like(prompt()),
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=[],
+        pad_token_id=0,
+        **settings_,
+    )
     for proposer in (specula.PromptLookup(), Oracle(ref, WIDE - 1)):
         for adaptive in (True, False):
             torch.manual_seed(5)

@@ -44,13 +44,15 @@ def test_a_model_with_row_mixing_layers_is_refused_before_decoding(monkeypatch) 
     # the check off: drafts verified in passes over several tokens leave model.generate's output
     monkeypatch.setattr(support, "_SPLIT_DEPENDENT_LAYERS", {})
     expected = hf_greedy(model, PROMPT, 16, eos_token_id=[])
-    out = specula.generate(model, PROMPT, specula.PromptLookup(), max_new_tokens=16, eos_token_id=[],
-                           adaptive_draft=False)
+    out = specula.generate(
+        model, PROMPT, specula.PromptLookup(), max_new_tokens=16, eos_token_id=[], adaptive_draft=False
+    )
     assert out.stats.accepted > 0 and out.sequences.tolist() != expected.tolist()
 
 
 def test_plain_decoding_of_one_request_runs_its_one_token_steps() -> None:
     model = mixing_model()
     expected = hf_greedy(model, PROMPT, 8, eos_token_id=[])
-    assert specula.generate(model, PROMPT, None, max_new_tokens=8, eos_token_id=[]).sequences.tolist() == \
-        expected.tolist()
+    assert (
+        specula.generate(model, PROMPT, None, max_new_tokens=8, eos_token_id=[]).sequences.tolist() == expected.tolist()
+    )

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.utils
+from helpers import Oracle, hf_greedy
+from tiny_models import VOCAB, tiny_model
 
 import specula
-from helpers import Oracle, hf_greedy
 from specula.hf.inputs import left_padded
 from specula.verifier import static
 from specula.verifier.runner import CachedModel
 from specula.verifier.support import UnsupportedModelError
-from tiny_models import VOCAB, tiny_model
 
 
 def graphs() -> int:
@@ -48,8 +48,7 @@ def test_inductor_passes_decode_as_model_generate():
     assert torch.equal(out.sequences, reference)
     assert out.stats.tokens_per_pass > 3 and static._PASSES[model].shapes == {(1, 4, 256)}
     before = graphs()
-    again = specula.generate(model, prompt, Oracle(reference, 3), max_new_tokens=41, compile=True,
-                             adaptive_draft=False)
+    again = specula.generate(model, prompt, Oracle(reference, 3), max_new_tokens=41, compile=True, adaptive_draft=False)
     assert torch.equal(again.sequences, reference) and graphs() == before
 
 
@@ -120,8 +119,9 @@ def test_models_with_recurrent_state_are_refused_clearly():
     with pytest.raises(UnsupportedModelError, match="compiled passes.*compile=False"):
         CachedModel(model, None, None, rollback=True, row_exact=True, compiled=static.ALWAYS)
     with pytest.raises(ValueError, match="cannot be combined with exact=True"):
-        specula.generate(model, prompts(10)[0][None], specula.PromptLookup(), max_new_tokens=4, compile=True,
-                         exact=True)
+        specula.generate(
+            model, prompts(10)[0][None], specula.PromptLookup(), max_new_tokens=4, compile=True, exact=True
+        )
 
 
 class FakeGPU:
@@ -141,12 +141,16 @@ class FakeGPU:
         self.now = max(self.now, self.launched + self.device)
 
 
-@pytest.mark.parametrize("host, device, compiled", [
-    (0.021, 0.004, True),  # a 135M model on an H100 (BENCHMARKS.md): launching is most of a pass
-    (0.005, 0.060, False),  # a large model: the device is the bottleneck
-])
+@pytest.mark.parametrize(
+    "host, device, compiled",
+    [
+        (0.021, 0.004, True),  # a 135M model on an H100 (BENCHMARKS.md): launching is most of a pass
+        (0.005, 0.060, False),  # a large model: the device is the bottleneck
+    ],
+)
 def test_passes_compile_by_default_where_the_host_launching_kernels_is_most_of_a_pass(
-        fresh_store, monkeypatch, host, device, compiled):
+    fresh_store, monkeypatch, host, device, compiled
+):
     model = tiny_model("llama")
     gpu = FakeGPU(host, device)
     monkeypatch.setattr(static, "CLOCK", gpu.clock)
@@ -192,8 +196,7 @@ def test_by_default_each_bucket_runs_compiled_where_that_measured_cheaper(traced
     monkeypatch.setattr(CachedModel, "_forward_eager", lambda *a, **k: ran.append("eager") or eager_pass(*a, **k))
     model = tiny_model("llama")
     for _ in range(2):
-        target = CachedModel(model, None, None, rollback=True, capacity=60, compiled=static.WHERE_CHEAPER,
-                             max_width=8)
+        target = CachedModel(model, None, None, rollback=True, capacity=60, compiled=static.WHERE_CHEAPER, max_width=8)
         target.start_row(0, prompts(20)[0])
         for tokens in (8, 1, 6, 1):
             width = 8 if tokens > 1 else 1
@@ -216,8 +219,9 @@ def test_kept_pass_costs_are_measured_through_compiled_passes_where_the_run_comp
     tables = [key for key in static.store.shared().known if '"pass costs"' in key]
     assert len(tables) == 2
     shapes = static._PASSES[model].shapes
-    assert {(1, static.bucket_of(width, static.buckets_up_to(kept_costs.MAX_WIDTH))) for width in kept_costs.WIDTHS} \
-        == {shape[:2] for shape in shapes}
+    assert {
+        (1, static.bucket_of(width, static.buckets_up_to(kept_costs.MAX_WIDTH))) for width in kept_costs.WIDTHS
+    } == {shape[:2] for shape in shapes}
 
 
 def test_a_model_that_ran_compiled_passes_is_freed_with_its_last_reference(traced):

@@ -52,16 +52,32 @@ def test_only_ordinary_fp32_passes_over_several_tokens_change_the_thread_count(m
     if torch.get_num_threads() < 2:
         pytest.skip("one thread: nothing to choose")
     fp32 = model("llama", torch.float32)
-    expected = fp32.generate(prompt(), attention_mask=torch.ones_like(prompt()), do_sample=False,
-                             max_new_tokens=NEW_TOKENS, eos_token_id=[])
-    out = specula.generate(fp32, prompt(), Oracle(expected, 8), max_new_tokens=NEW_TOKENS, eos_token_id=[],
-                           adaptive_draft=False)
+    expected = fp32.generate(
+        prompt(), attention_mask=torch.ones_like(prompt()), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=[]
+    )
+    out = specula.generate(
+        fp32, prompt(), Oracle(expected, 8), max_new_tokens=NEW_TOKENS, eos_token_id=[], adaptive_draft=False
+    )
     assert out.sequences.tolist() == expected.tolist()
     assert seen and all(tokens > 1 for _, tokens in seen) and len(seen) < out.stats.passes  # (not the prefill)
     seen.clear()
-    specula.generate(model("llama"), prompt(), Oracle(expected, 8), max_new_tokens=8, eos_token_id=[], exact=True,
-                     adaptive_draft=False)
-    specula.generate(model("llama"), prompt(), Oracle(expected, 8), max_new_tokens=8, eos_token_id=[], exact=False,
-                     adaptive_draft=False)
+    specula.generate(
+        model("llama"),
+        prompt(),
+        Oracle(expected, 8),
+        max_new_tokens=8,
+        eos_token_id=[],
+        exact=True,
+        adaptive_draft=False,
+    )
+    specula.generate(
+        model("llama"),
+        prompt(),
+        Oracle(expected, 8),
+        max_new_tokens=8,
+        eos_token_id=[],
+        exact=False,
+        adaptive_draft=False,
+    )
     assert not seen  # bf16: row-exact, or ordinary whose rounding must not follow the clock
     assert threads_module.thread_choice(fp32) is threads_module.thread_choice(fp32)  # kept with the model

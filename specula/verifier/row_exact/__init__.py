@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ...machine import store
-from ..calibration import CALIBRATION_ROWS
 from ...machine.profile import profile_of
+from ..calibration import CALIBRATION_ROWS
 from .attention import SUPPORTED_ATTENTION, RowAttention
 from .head import _Head, _HeadPass
 from .linear import _ExactLinear, exact_linears, exact_rows, installed
@@ -61,8 +61,9 @@ class RowExact:
         self.attention = RowAttention(self.implementation, linear_ms)
 
     @contextlib.contextmanager
-    def applied(self, cache, ends: list[list[int]] | None = None, paths: list | None = None,
-                argmax_only: bool = False) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    def applied(
+        self, cache, ends: list[list[int]] | None = None, paths: list | None = None, argmax_only: bool = False
+    ) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
         """Within the block, every multi-token pass of the model over ``cache`` (whose layers say which attention
         layers keep a sliding window) is row-exact. For a batch whose rows keep their own lengths, ``ends[b][i]``
         is how many keys of row ``b`` its query ``i`` sees (its keys start at slot 0: no padding). ``paths[b]``,

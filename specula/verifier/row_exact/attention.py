@@ -96,13 +96,17 @@ class RowAttention:
                 f"{exact / ordinary:.1f}x an ordinary one (its attention kernel gives a query its one-token bits only "
                 "when computed alone), so drafts gain less; the cost model sends only those that still pay. "
                 "exact=False (--no-exact) verifies the ordinary way: faster, but greedy output may then "
-                "leave model.generate's after a near-tie.", stacklevel=2)
+                "leave model.generate's after a near-tie.",
+                stacklevel=2,
+            )
 
 
 def _attending(cache) -> int:
     """How many of ``cache``'s layers attend: all but those holding recurrent state alone (Mamba, gated delta nets)."""
-    return sum(not isinstance(layer, LinearAttentionCacheLayerMixin) or isinstance(layer, CacheLayerMixin)
-               for layer in cache.layers)
+    return sum(
+        not isinstance(layer, LinearAttentionCacheLayerMixin) or isinstance(layer, CacheLayerMixin)
+        for layer in cache.layers
+    )
 
 
 class _PassAttention:
@@ -110,14 +114,20 @@ class _PassAttention:
     module's own attention function, computes a one-token step at its position (``ends`` and ``paths`` as
     :meth:`specula.verifier.row_exact.RowExact.applied` takes them)."""
 
-    def __init__(self, attention: RowAttention, inner_of: Callable, cache, ends: list[list[int]] | None,
-                 paths: list | None) -> None:
+    def __init__(
+        self, attention: RowAttention, inner_of: Callable, cache, ends: list[list[int]] | None, paths: list | None
+    ) -> None:
         self.attention, self.inner_of, self.cache, self.ends, self.paths = attention, inner_of, cache, ends, paths
         self.plans: dict[tuple, list[tuple]] = {}  # the pass's query groups: made once, the same in every layer
         # a tree's queries whose ancestors are not the tokens before them: computed by _tree_row alone
         n = len(ends[0]) if ends else 0
-        self.off_path = frozenset(b * n + i for b, row in enumerate(paths or []) if row is not None
-                                  for i, path in enumerate(row) if path is not None)
+        self.off_path = frozenset(
+            b * n + i
+            for b, row in enumerate(paths or [])
+            if row is not None
+            for i, path in enumerate(row)
+            if path is not None
+        )
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         # query: [batch, heads, rows, dim]; key, value: [batch, kv_heads, keys, dim]; the last row is the newest
@@ -135,8 +145,9 @@ class _PassAttention:
             return None
         return getattr(self.cache.layers[index], "sliding_window", None)
 
-    def _plan(self, ends: list[list[int]], width: int, device: torch.device,
-              skip: frozenset = frozenset()) -> list[tuple]:
+    def _plan(
+        self, ends: list[list[int]], width: int, device: torch.device, skip: frozenset = frozenset()
+    ) -> list[tuple]:
         """:func:`.grouping._group_plan`, made once in a pass."""
         key = (width, tuple(map(tuple, ends)), skip)
         if key not in self.plans:
@@ -152,8 +163,9 @@ class _PassAttention:
             self.attention._note_cost(_attending(self.cache))
             if width > 1:
                 ends_one = [[end for _, end, _ in calls]]
-                return _grouped_sdpa(module, query, key, value, ends_one, width, plan=self._plan(ends_one, width, query.device),
-                                     **kwargs)
+                return _grouped_sdpa(
+                    module, query, key, value, ends_one, width, plan=self._plan(ends_one, width, query.device), **kwargs
+                )
         outputs = [
             inner(module, query[:, :, i : i + 1], key[:, :, start:end], value[:, :, start:end], mask, **kwargs)[0]
             for i, (start, end, mask) in enumerate(calls)
@@ -167,23 +179,51 @@ class _PassAttention:
         width = 1 if window is not None else self.attention._group_width(module, query, key, kwargs, inner)
         self.attention._note_cost(_attending(self.cache))
         if width > 1:
-            out = _grouped_sdpa(module, query, key, value, self.ends, width,
-                                plan=self._plan(self.ends, width, query.device, self.off_path), **kwargs)[0]
+            out = _grouped_sdpa(
+                module,
+                query,
+                key,
+                value,
+                self.ends,
+                width,
+                plan=self._plan(self.ends, width, query.device, self.off_path),
+                **kwargs,
+            )[0]
         else:
             outputs = []  # each [1, 1, heads, dim]
             for b, row in enumerate(self.ends):
                 for i, end in enumerate(row):
                     start, mask = self._one_token_call(window, end, attention_mask[b : b + 1, :, i : i + 1])
-                    outputs.append(inner(module, query[b : b + 1, :, i : i + 1], key[b : b + 1, :, start:end],
-                                         value[b : b + 1, :, start:end], mask, **kwargs)[0])
+                    outputs.append(
+                        inner(
+                            module,
+                            query[b : b + 1, :, i : i + 1],
+                            key[b : b + 1, :, start:end],
+                            value[b : b + 1, :, start:end],
+                            mask,
+                            **kwargs,
+                        )[0]
+                    )
             out = torch.cat(outputs, dim=1).reshape(len(self.ends), len(self.ends[0]), *outputs[0].shape[2:])
         for b, row_paths in enumerate(self.paths or []):
             if row_paths is not None:
                 self._tree_row(out, b, module, inner, query, key, value, attention_mask, window, width, kwargs)
         return out
 
-    def _tree_row(self, out, b: int, module, inner: Callable, query, key, value, attention_mask, window: int | None,
-                  width: int, kwargs: dict) -> None:
+    def _tree_row(
+        self,
+        out,
+        b: int,
+        module,
+        inner: Callable,
+        query,
+        key,
+        value,
+        attention_mask,
+        window: int | None,
+        width: int,
+        kwargs: dict,
+    ) -> None:
         """Recompute in ``out`` (``[B, n, heads, dim]``) the queries of batch row ``b`` (a tree) whose ancestors
         are not the block tokens before them (``paths[i]``: the block indices of query ``i``'s ancestors and
         itself; ``None`` where they are): as a one-token step at its place computes it, over the row's cache
@@ -204,16 +244,30 @@ class _PassAttention:
             k, v = key[b : b + 1, :, :keys], value[b : b + 1, :, :keys]  # [1, kv_heads, keys, dim]
             member_ends = [cached + len(paths[i]) for i in members]
             if width > 1:
-                out[b, members] = _grouped_sdpa(module, query[b : b + 1, :, members], k, v, [member_ends], width,
-                                                plan=self._plan([member_ends], width, key.device), **kwargs)[0][0]
+                out[b, members] = _grouped_sdpa(
+                    module,
+                    query[b : b + 1, :, members],
+                    k,
+                    v,
+                    [member_ends],
+                    width,
+                    plan=self._plan([member_ends], width, key.device),
+                    **kwargs,
+                )[0][0]
             else:
                 for i, end in zip(members, member_ends):
                     # its one-token step sees all of these keys (a bool mask: True; eager's additive one: 0)
                     fill = torch.ones if attention_mask.dtype == torch.bool else torch.zeros
                     visible = fill((1, 1, 1, end), dtype=attention_mask.dtype, device=attention_mask.device)
                     start, mask = self._one_token_call(window, end, visible)
-                    out[b, i] = inner(module, query[b : b + 1, :, i : i + 1], k[..., start:end, :],
-                                      v[..., start:end, :], mask, **kwargs)[0][0, 0]
+                    out[b, i] = inner(
+                        module,
+                        query[b : b + 1, :, i : i + 1],
+                        k[..., start:end, :],
+                        v[..., start:end, :],
+                        mask,
+                        **kwargs,
+                    )[0][0, 0]
             done.update(members)
         for t, block in zip((key, value), saved):
             t[b, :, cached : cached + len(paths)] = block
@@ -223,7 +277,9 @@ class _PassAttention:
         position attends with."""
         calls = []
         for i, end in enumerate(range(keys - rows + 1, keys + 1)):
-            start, mask = self._one_token_call(window, end, None if attention_mask is None else attention_mask[:, :, i : i + 1])
+            start, mask = self._one_token_call(
+                window, end, None if attention_mask is None else attention_mask[:, :, i : i + 1]
+            )
             calls.append((start, end, mask))
         return calls
 

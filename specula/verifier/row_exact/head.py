@@ -45,8 +45,11 @@ class _Head:
         device, dtype = layer.weight.device, layer.weight.dtype
         if device.type == "cuda":
             matmul = torch.backends.cuda.matmul
-            if (matmul.allow_bf16_reduced_precision_reduction if dtype == torch.bfloat16
-                    else matmul.allow_fp16_reduced_precision_reduction):
+            if (
+                matmul.allow_bf16_reduced_precision_reduction
+                if dtype == torch.bfloat16
+                else matmul.allow_fp16_reduced_precision_reduction
+            ):
                 return None
         elif device.type != "cpu":
             return None
@@ -96,7 +99,9 @@ class _HeadPass:
         self.recomputed = 0  # rows whose argmax the bound could not certify
         self._hook = None
         if shortcut or head.returned is None:
-            self._hook = head.layer.register_forward_hook(lambda module, args, out: self.seen.update(hidden=args[0], out=out))
+            self._hook = head.layer.register_forward_hook(
+                lambda module, args, out: self.seen.update(hidden=args[0], out=out)
+            )
 
     def logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The pass's ``logits`` ``[..., vocab]``, fixed where the ordinary head may have changed an argmax."""
@@ -108,7 +113,10 @@ class _HeadPass:
             return logits
         if not returned:
             raise RuntimeError("the LM head's output is no longer the model's logits; cannot certify its argmax")
-        flat, hidden = logits.reshape(-1, logits.shape[-1]), self.seen["hidden"].reshape(-1, self.seen["hidden"].shape[-1])
+        flat, hidden = (
+            logits.reshape(-1, logits.shape[-1]),
+            self.seen["hidden"].reshape(-1, self.seen["hidden"].shape[-1]),
+        )
         doubtful = torch.nonzero(~self.head.certain(flat, hidden)).flatten()
         self.recomputed = len(doubtful)
         if self.recomputed:

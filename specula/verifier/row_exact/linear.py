@@ -98,8 +98,15 @@ def _linear_calibration(layer: torch.nn.Module) -> dict:
     """:func:`_calibrate` for ``layer``'s weight shape on this machine, made once and kept
     (:mod:`specula.machine.store`)."""
     weight = layer.weight
-    key = store.key(weight.device, "linear", type(layer).__name__, tuple(weight.shape), weight.stride(),
-                          weight.dtype, layer.bias is not None)
+    key = store.key(
+        weight.device,
+        "linear",
+        type(layer).__name__,
+        tuple(weight.shape),
+        weight.stride(),
+        weight.dtype,
+        layer.bias is not None,
+    )
     return store.shared().get(key, lambda: _calibrate(layer))
 
 
@@ -141,8 +148,13 @@ def exact_linears(model: torch.nn.Module) -> tuple[list[_ExactLinear], list[_Exa
     plans = []  # (layer, its calibration) of those a multi-row pass rounds otherwise
     plain = []  # the others
     for module in layers:
-        shape = (module.weight.shape, module.weight.stride(), module.weight.dtype, module.weight.device,
-                 module.bias is not None)
+        shape = (
+            module.weight.shape,
+            module.weight.stride(),
+            module.weight.dtype,
+            module.weight.device,
+            module.bias is not None,
+        )
         if shape not in by_shape:
             by_shape[shape] = _linear_calibration(module)
         if by_shape[shape]["rows"] < CALIBRATION_ROWS:
