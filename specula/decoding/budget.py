@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..verifier.support import kv_bytes_per_token
+if TYPE_CHECKING:  # (the command line reads sizes before torch is imported)
+    import torch
 
 UNITS = {
     "": 1,
@@ -64,6 +64,8 @@ class CacheBudget:
 
     @classmethod
     def of(cls, model: torch.nn.Module, limit: int) -> CacheBudget:
+        from ..verifier.support import kv_bytes_per_token
+
         return cls(limit, kv_bytes_per_token(model))
 
     def fits(self, rows: int, tokens: int) -> bool:

@@ -378,8 +378,6 @@ class Decoder:
 
     def _fill(self, rows: list[Row | None], jobs: Iterator[Job]) -> Iterator[tuple[Row, list[int]]]:
         """Start requests in the free slots; one may end with its first token (the next one then takes the slot)."""
-        if rows and not any(rows):  # (every request ended: the cache gives its memory back before more are awaited)
-            rows[:] = self._shrink(rows)
         for index in range(self.slots):
             while (index >= len(rows) or rows[index] is None) and (job := self._admitted(rows, index, jobs)):
                 row, kept = self._start(index, job)
@@ -390,6 +388,12 @@ class Decoder:
                     self._finish(row)
             if index >= len(rows):
                 return
+
+    def release(self) -> None:
+        """No request is in flight (a server waits for the next): the cache gives its memory back, down to one row of
+        the room it was first asked for. Called from within :meth:`run`'s wait for a job, by the job stream."""
+        if self._target is not None and self._target.ragged:
+            self._target.select_rows([])
 
     def _admitted(self, rows: list[Row | None], index: int, jobs: Iterator[Job]) -> Job | None:
         """The next job, for slot ``index``, where the budget holds the batch's cache with it (:mod:`.budget`; else it

@@ -45,6 +45,7 @@ class Engine:
         self._next: Decoder | None = make_decoder()  # the loop the next requests run in (None: make a fresh one)
         self._waiting: queue.Queue = queue.Queue()  # handles submitted, not yet in the loop
         self._running: dict[int, Handle] = {}  # by id of the job: those the loop holds (its thread alone changes it)
+        self._decoder: Decoder | None = None  # the loop running now
         self.submitted = self.answered = self.cancelled = self.failed = self.tokens = 0
         self._thread = threading.Thread(target=self._drive, name="specula-engine", daemon=True)
         self._thread.start()
@@ -74,8 +75,9 @@ class Engine:
     def _stream(self) -> Iterator[Job | None]:
         """The loop's live stream of jobs: blocks while the loop holds no row, else ``None`` when none is waiting."""
         while True:
-            if not self._running and self._waiting.empty():
-                give_back_freed()  # (idle: what the last requests' passes freed goes back to the system)
+            if not self._running and self._waiting.empty() and self._decoder is not None:
+                self._decoder.release()  # (idle: the cache, and what the last passes freed, go back to the system)
+                give_back_freed()
             try:
                 handle = self._waiting.get(block=not self._running)
             except queue.Empty:
@@ -92,6 +94,7 @@ class Engine:
     def _drive(self) -> None:
         while True:
             decoder, self._next = self._next or self.make_decoder(), None
+            self._decoder = decoder
             try:
                 for row in finished_rows(decoder, self._stream(), self._tokens):
                     self._end(self._running.pop(id(row.job)), row, None)

@@ -257,7 +257,8 @@ class CachedModel:
     def _fit(self) -> None:
         """Buffers at most twice as long as the rows in use need (or as the capacity asked for): what a long request
         took is given back once it left its slot."""
-        end = max(int(self.starts[: self.batch].max()) if self.batch else 0, self.capacity)
+        used = self.cached_tokens if not self.ragged else int(self.starts[: self.batch].max()) if self.batch else 0
+        end = max(used, self.capacity)
         for layer in self.cache.layers:
             if isinstance(layer, PreallocatedLayer):
                 layer.fit(end)
