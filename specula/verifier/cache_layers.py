@@ -3,8 +3,12 @@ with both linear and full attention."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+from ..machine.memory import give_back_freed
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -55,11 +59,23 @@ class PreallocatedLayer(DynamicLayer):
         held = len(self._key_buffer)
         if count > held:
             rows = max(count, min(self.slots, 2 * held, self.ceiling[0] if self.ceiling else self.slots))
-            for name in ("_key_buffer", "_value_buffer"):
-                grown = self._empty_like(getattr(self, name), self.capacity, rows)
-                grown[:held] = getattr(self, name)
-                setattr(self, name, grown)
-            self._expose()
+
+            def grown(buffer: torch.Tensor) -> torch.Tensor:
+                bigger = self._empty_like(buffer, self.capacity, rows)
+                bigger[:held] = buffer
+                return bigger
+
+            self._replace(grown)
+
+    def _replace(self, new: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Both buffers become ``new(buffer)``, and what the old ones held goes back to the system at once: freed
+        only, the C heap would keep it (buffers under glibc's mmap threshold), and every growth of a batch's cache
+        would leave the resident set at the old size plus the new one."""
+        for name in ("_key_buffer", "_value_buffer"):
+            setattr(self, name, new(getattr(self, name)))
+        self._expose()
+        if self._key_buffer.device.type == "cpu":
+            give_back_freed()
 
     def _expose(self) -> None:
         self.keys = self._key_buffer[: self.rows, :, : self.length]
@@ -69,10 +85,13 @@ class PreallocatedLayer(DynamicLayer):
         """Make room for ``end`` tokens per row (doubling)."""
         if end > self.capacity:
             self.capacity = max(end, min(2 * self.capacity, self.ceiling[1] if self.ceiling else 2 * self.capacity))
-            for name in ("_key_buffer", "_value_buffer"):
-                grown = self._empty_like(getattr(self, name), self.capacity)
-                grown[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
-                setattr(self, name, grown)
+
+            def grown(buffer: torch.Tensor) -> torch.Tensor:
+                longer = self._empty_like(buffer, self.capacity)
+                longer[:, :, : self.length] = buffer[:, :, : self.length]
+                return longer
+
+            self._replace(grown)
 
     def fit(self, end: int) -> None:
         """Give back the room past ``end`` tokens a row, and the rows past those in use, where the buffers hold over
@@ -87,9 +106,7 @@ class PreallocatedLayer(DynamicLayer):
             tokens, kept = max(end, min(tokens, self.ceiling[1])), max(rows, min(kept, self.ceiling[0]))
         if (tokens, kept) != (self.capacity, held):
             self.capacity = tokens
-            for name in ("_key_buffer", "_value_buffer"):
-                setattr(self, name, getattr(self, name)[:kept, :, :tokens].clone())
-            self._expose()
+            self._replace(lambda buffer: buffer[:kept, :, :tokens].clone())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, heads, n, dim]; each row's block goes at its own start in a batch

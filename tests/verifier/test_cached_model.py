@@ -8,6 +8,7 @@ from tiny_models import ARCHITECTURES, VOCAB, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specula.machine.memory import resident_bytes
 from specula.verifier import runner
 from specula.verifier.cache_layers import PreallocatedLayer
 from specula.verifier.runner import CachedModel
@@ -104,3 +105,26 @@ def test_a_budgets_ceiling_bounds_growth_and_trims_at_once() -> None:
     layer.ceiling = (2, 50)
     layer.fit(70)
     assert layer.capacity == 70
+
+
+@pytest.mark.skipif(resident_bytes() is None, reason="reads the resident set from /proc/self/statm (Linux)")
+def test_a_grown_cache_holds_its_new_buffers_not_the_old_ones_too() -> None:
+    """Ten layers of a batch's cache double their rows' room, each buffer of 24 MB becoming 48 MB: the resident set
+    grows by the new buffers less the old ones, not by the new ones (C's heap keeping what the old ones freed:
+    mutant, no trim, twice that). A freed 24 MB block first sets glibc's mmap threshold over the old buffers' size,
+    as a server's passes do, so that they come from the heap; small blocks that stay between them (a server's other
+    tensors) keep the heap from shrinking by itself."""
+    freed = torch.ones(6 << 20)
+    del freed
+    layers, block, between = [PreallocatedLayer(capacity=6144) for _ in range(10)], torch.ones(1, 4, 6144, 64), []
+    for layer in layers:
+        for row in range(4):
+            layer.put_row(row, block, block, slots=4, end=6144)
+        between.append(torch.ones(1024))
+    old = sum(layer._key_buffer.nbytes + layer._value_buffer.nbytes for layer in layers)
+    before = resident_bytes()
+    for layer in layers:
+        layer._grow(6145)
+    new = sum(layer._key_buffer.nbytes + layer._value_buffer.nbytes for layer in layers)
+    assert new == 2 * old
+    assert resident_bytes() - before < (new - old) * 1.1
