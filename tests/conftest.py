@@ -17,6 +17,20 @@ from tiny_models import CHAT_TEMPLATE, tiny_model, tiny_tokenizer  # noqa: E402
 from specula.machine import load, store  # noqa: E402
 from specula.policy.costs import KEPT  # noqa: E402
 
+# run in parallel (the README's `-n auto`, pytest-xdist): each worker takes its share of the cores, not all of them
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Tests that start a local Ray instance run on one worker, one after another (``--dist loadgroup``): two
+    instances at once would share the machine's cores and memory."""
+    for item in items:
+        if "ray" in item.name.split("[")[0].split("_") or item.path.name == "test_ray.py":
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
 
 @pytest.fixture(autouse=True)
 def _no_pass_costs_kept_by_earlier_tests():

@@ -40,7 +40,18 @@ def test_the_cheaper_count_is_chosen_both_ways_at_a_bounded_cost() -> None:
     assert choice.passes[(1, 4)] == 30 * EVERY + 1  # ... but passes of 8 to 15 tokens share one
 
 
-def test_only_ordinary_fp32_passes_over_several_tokens_change_the_thread_count(monkeypatch) -> None:
+@pytest.fixture
+def two_threads_at_least():
+    """torch with two threads at least: one (a parallel test worker's share of two cores) leaves nothing to choose."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_only_ordinary_fp32_passes_over_several_tokens_change_the_thread_count(
+    monkeypatch, two_threads_at_least
+) -> None:
     seen = []
     pick = ThreadChoice.pick
 
@@ -49,8 +60,6 @@ def test_only_ordinary_fp32_passes_over_several_tokens_change_the_thread_count(m
         return pick(self, shape)
 
     monkeypatch.setattr(ThreadChoice, "pick", recording)
-    if torch.get_num_threads() < 2:
-        pytest.skip("one thread: nothing to choose")
     fp32 = model("llama", torch.float32)
     expected = fp32.generate(
         prompt(), attention_mask=torch.ones_like(prompt()), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=[]
