@@ -25,17 +25,7 @@ from ..jobs.answerer import Answerer, Settings, batch_size, cache_budget, named
 from ..jobs.answers import AnswerFile, InputOrder, StopOnInterrupt, Tally, report_skipped
 from ..jobs.requests import BadRequest, Request, answer_key, encode, model_name, read_requests, unique_requests
 from ..proposers.kernels import warm_up
-from ..tools.bench import (
-    BenchInterrupted,
-    format_table,
-    hf_batch_method,
-    hf_method,
-    oracle_method,
-    run_batch_bench,
-    run_bench,
-    specula_batch_method,
-    specula_method,
-)
+from ..tools.bench import BenchInterrupted, format_table, one_at_a_time, run_batch_sizes, run_bench
 from ..tools.drift import drift
 from ..tools.probe import probe
 from ..verifier import row_exact as row_exact_module
@@ -74,11 +64,6 @@ def _load(args: argparse.Namespace):
 def _brings_predictions(path: Path) -> bool:
     """Whether a request of the file brings a prediction (passes then verify drafts from it, whatever the proposer)."""
     return any(isinstance(request, Request) and request.prediction is not None for _, request in read_requests(path))
-
-
-def _prompt_padding_id(tokenizer) -> int | None:
-    """The id batched prompts are left-padded with: the tokenizer's pad token, else its EOS token."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -267,7 +252,17 @@ def cmd_bench(args: argparse.Namespace) -> None:
     rows: list = []
     try:
         rows += run_bench(
-            _bench_methods(args, model, tokenizer, device, sampling, baseline),
+            one_at_a_time(
+                model,
+                tokenizer,
+                args.proposers.split(","),
+                sampling,
+                baseline,
+                predicted=any(row.prediction is not None for rows in workloads.values() for row in rows),
+                also_ordinary=args.also_ordinary,
+                oracle=not args.no_oracle,
+                compile=args.compile,
+            ),
             tokenizer,
             workloads,
             args.max_new_tokens,
@@ -278,8 +273,19 @@ def cmd_bench(args: argparse.Namespace) -> None:
             seed=(args.seed or 0) if sampled else None,  # (each prompt's runs seeded alike)
         )
         progress.close()
-        rows += _batch_rows(
-            args, model, tokenizer, device, sampling, baseline, workloads, rows, None if sampled else reference
+        rows += run_batch_sizes(
+            model,
+            tokenizer,
+            args.proposers.split(","),
+            sampling,
+            baseline,
+            workloads,
+            args.max_new_tokens,
+            args.batch_sizes,
+            {row.workload: row.tokens_per_s for row in rows if row.method == baseline},
+            None if sampled else reference,
+            args.repeats,
+            compile=args.compile,
         )
     except BenchInterrupted as stop:  # Ctrl-C: what was measured is kept, shown and written
         progress.close()
@@ -305,71 +311,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
             file=sys.stderr,
         )
         raise SystemExit(130)
-
-
-def _method_name(spec: str) -> str:
-    """A proposer's row in the bench table: ``specula-NAME[:ARG]``, a draft model's ``specula-draft``."""
-    return "specula-" + ("draft" if spec.startswith("draft:") else spec)
-
-
-def _bench_methods(args: argparse.Namespace, model, tokenizer, device: str, sampling: dict, baseline: str) -> dict:
-    """The methods bench runs one prompt at a time: model.generate, its prompt lookup (not for models with recurrent
-    state, which HF's assisted generation refuses), each proposer (where workload lines carry predictions, also with
-    them; with --also-ordinary, with ordinary verification), and (greedy) the oracle."""
-    methods = {baseline: hf_method(model, **sampling)}
-    if not getattr(model, "_is_stateful", False):
-        methods["hf-prompt-lookup"] = hf_method(model, prompt_lookup_num_tokens=10, **sampling)
-    specs = args.proposers.split(",")
-    predicted = any(row.prediction is not None for rows in args.workload_rows.values() for row in rows)
-    for spec in specs:
-        methods[_method_name(spec)] = specula_method(
-            model, proposer_factory(spec, tokenizer, model.dtype, device), compile=args.compile, **sampling
-        )
-        if predicted:  # (workload lines that carry a prediction: also with it)
-            methods[_method_name(spec) + "+prediction"] = specula_method(
-                model,
-                proposer_factory(spec, tokenizer, model.dtype, device),
-                predicted_with=tokenizer,
-                compile=args.compile,
-                **sampling,
-            )
-        if args.also_ordinary:
-            methods[_method_name(spec) + "-ordinary"] = specula_method(
-                model, proposer_factory(spec, tokenizer, model.dtype, device), exact=False, **sampling
-            )
-    if not sampling["do_sample"] and not args.no_oracle:  # replays specula's own output with the first proposer
-        methods["oracle"] = oracle_method(model, methods[_method_name(specs[0])], **sampling)
-    return methods
-
-
-def _batch_rows(
-    args: argparse.Namespace,
-    model,
-    tokenizer,
-    device: str,
-    sampling: dict,
-    baseline: str,
-    workloads: dict,
-    rows: list,
-    reference: dict | None,
-) -> list:
-    """Throughput rows of each --batch-sizes size: model.generate on left-padded batches, each proposer with
-    continuous batching (``reference``: the outputs one at a time, to check identity against; None when sampled)."""
-    rates = {row.workload: row.tokens_per_s for row in rows if row.method == baseline}
-    pad, batch_rows = _prompt_padding_id(tokenizer), []
-    for size in args.batch_sizes:
-        batched = {f"{baseline}-b{size}": hf_batch_method(model, pad, **sampling)}
-        for spec in args.proposers.split(","):
-            batched[f"{_method_name(spec)}-b{size}"] = specula_batch_method(
-                model, proposer_factory(spec, tokenizer, model.dtype, device), compile=args.compile, **sampling
-            )
-        try:
-            batch_rows += run_batch_bench(
-                batched, tokenizer, workloads, args.max_new_tokens, size, rates, reference, args.repeats
-            )
-        except BenchInterrupted as stop:  # (with the rows of the sizes before)
-            raise BenchInterrupted(batch_rows + stop.rows) from None
-    return batch_rows
 
 
 def cmd_drift(args: argparse.Namespace) -> None:

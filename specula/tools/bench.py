@@ -15,6 +15,7 @@ from ..decoding.driver import decode_all
 from ..decoding.loop import Decoder
 from ..hf.generate import generate, prepare_jobs
 from ..hf.inputs import left_padded
+from ..hf.registry import proposer_factory
 from ..jobs.requests import encode
 from ..proposers.base import Proposer
 from ..verifier.cache_names import cache_in
@@ -446,6 +447,78 @@ def _batch_rows(
             **({counter: getattr(stats, counter) for counter in TREE_COUNTERS} if stats is not None else {}),
             verification=str(stats.exactness) if stats is not None and stats.exactness is not None else None,
         )
+
+
+HF_PROMPT_LOOKUP_TOKENS = 10  # hf-prompt-lookup's prompt_lookup_num_tokens (HF's documented example value)
+
+
+def method_name(spec: str) -> str:
+    """A proposer's row in the bench table: ``specula-NAME[:ARG]``, a draft model's ``specula-draft``."""
+    return "specula-" + ("draft" if spec.startswith("draft:") else spec)
+
+
+def one_at_a_time(
+    model: torch.nn.Module,
+    tokenizer,
+    proposers: list[str],
+    sampling: dict,
+    baseline: str,
+    predicted: bool = False,
+    also_ordinary: bool = False,
+    oracle: bool = True,
+    compile: bool | None = None,
+) -> dict[str, Method]:
+    """The methods bench runs one prompt at a time: ``model.generate`` (as ``baseline``), its prompt lookup (not for
+    models with recurrent state, which HF's assisted generation refuses), each of ``proposers`` (``predicted``: the
+    workload lines carry predictions, so also with them; ``also_ordinary``: also with ordinary verification), and
+    (greedy, ``oracle``) the oracle, which replays the first proposer's output."""
+    methods = {baseline: hf_method(model, **sampling)}
+    if not getattr(model, "_is_stateful", False):
+        methods["hf-prompt-lookup"] = hf_method(model, prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS, **sampling)
+    for spec in proposers:
+        factory = proposer_factory(spec, tokenizer, model.dtype, model.device)
+        methods[method_name(spec)] = specula_method(model, factory, compile=compile, **sampling)
+        if predicted:
+            methods[method_name(spec) + "+prediction"] = specula_method(
+                model, factory, predicted_with=tokenizer, compile=compile, **sampling
+            )
+        if also_ordinary:
+            methods[method_name(spec) + "-ordinary"] = specula_method(model, factory, exact=False, **sampling)
+    if not sampling.get("do_sample") and oracle:
+        methods["oracle"] = oracle_method(model, methods[method_name(proposers[0])], **sampling)
+    return methods
+
+
+def run_batch_sizes(
+    model: torch.nn.Module,
+    tokenizer,
+    proposers: list[str],
+    sampling: dict,
+    baseline: str,
+    workloads: dict[str, list[dict]],
+    max_new_tokens: int,
+    sizes: list[int],
+    baseline_rates: dict[str, float],
+    reference: dict | None = None,
+    repeats: int = 3,
+    compile: bool | None = None,
+) -> list[BenchRow]:
+    """:func:`run_batch_bench` for each batch size of ``sizes``: ``model.generate`` on left-padded batches (prompts
+    padded with the tokenizer's pad token, else its EOS token), each of ``proposers`` with continuous batching."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows: list[BenchRow] = []
+    for size in sizes:
+        methods = {f"{baseline}-b{size}": hf_batch_method(model, pad, **sampling)}
+        for spec in proposers:
+            factory = proposer_factory(spec, tokenizer, model.dtype, model.device)
+            methods[f"{method_name(spec)}-b{size}"] = specula_batch_method(model, factory, compile=compile, **sampling)
+        try:
+            rows += run_batch_bench(
+                methods, tokenizer, workloads, max_new_tokens, size, baseline_rates, reference, repeats
+            )
+        except BenchInterrupted as stop:  # (with the rows of the sizes before)
+            raise BenchInterrupted(rows + stop.rows) from None
+    return rows
 
 
 def format_table(rows: list[BenchRow]) -> str:
