@@ -51,7 +51,7 @@ def generate(
 ) -> GenerateOutput:
     """Decode with ``model``, sped up by speculation, without changing what it generates.
 
-    Each step asks ``proposer`` for draft tokens, verifies ``[last token, d1..dK]`` in one forward pass of the
+    Each pass asks ``proposer`` for draft tokens, verifies ``[last token, d1..dK]`` in one forward pass of the
     target, keeps the draft prefix the target accepts plus one token of the target's own, and rolls the KV cache
     back past the rejected drafts. Greedy output is token for token ``model.generate``'s; sampled output has exactly
     its distribution (speculative sampling, see :mod:`specula.core.acceptance`). ``proposer=None`` decodes one token per
@@ -81,8 +81,8 @@ def generate(
             before it, after the ones the generation config asks for.
         stopping_criteria: extra HF stopping criteria (e.g. ``StopStringCriteria``), checked after every new token.
         streamer: an HF streamer (``TextStreamer``, ``TextIteratorStreamer`` ...): gets the prompt, then the new
-            tokens of every step as soon as they are accepted.
-        adaptive_draft: choose each step's draft length from measured step costs and running acceptance, and stop
+            tokens of every pass as soon as they are accepted.
+        adaptive_draft: choose each pass's draft length from measured pass costs and running acceptance, and stop
             sending drafts that do not pay (:mod:`specula.policy.adaptive`); ``False`` verifies every draft as proposed.
         exact: ``True`` computes every position of a verification pass bit for bit as a one-token step computes it
             (row-exact, :mod:`specula.verifier.row_exact`), so that greedy output is ``model.generate``'s bit for bit

@@ -15,7 +15,7 @@ RANKS = 4  # sibling ranks learnt apart (a tree's first child, second, third, an
 
 
 class RequestAcceptance:
-    """Per-step choice of how many draft tokens to verify, from measured step costs and running acceptance.
+    """Per-pass choice of how many draft tokens to verify, from measured pass costs and running acceptance.
 
     Args:
         max_draft: the longest draft ever sent.

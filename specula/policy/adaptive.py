@@ -12,7 +12,7 @@ measured while decoding, never assumed:
 
 Costs are learnt by sending, so sending is what exploration risks: a length is sent only once a pass over about
 half as many tokens has been timed (``k <= 2n - 1`` draft tokens after a pass over ``n`` tokens; the first pass after
-the prefill is a plain plain pass, while the proposer's draft is checked for free against the token it
+the prefill is a plain pass, while the proposer's draft is checked for free against the token it
 produces). What a pass costs is a fact of the model and the machine, not of the text, so the measured costs are
 remembered
 per target model (and its device and dtype) and later generations start from them
@@ -26,7 +26,7 @@ With ``P_i`` the chance that the first ``i`` draft tokens are all accepted, send
 ``E(k) = 1 + P_1 + .. + P_k`` tokens for ``cost(k + 1)`` seconds plus the drafting time; each pass sends the ``k``
 that maximises tokens per second (Leviathan et al. 2023, Theorem 3.8, with measured costs and per-position
 acceptance instead of a constant ratio and rate). ``k = 0`` sends nothing: when drafts do not pay, decoding runs
-as plain plain passs and only pays for asking the proposer, which is itself rationed (at most ~3% of a
+as plain passes and only pays for asking the proposer, which is itself rationed (at most ~3% of a
 plain pass) when the proposer is expensive. Worked example, costs ``[1.0, 1.6, 1.9, 1.4, 1.2]`` seconds for
 ``n = 1..5`` and ``P = [0.5, 0.3, 0.2, 0.1]``: ``E/cost`` is ``1.0, 0.94, 0.95, 1.43, 1.75`` for ``k = 0..4``, so
 all 4 tokens are sent, although any shorter draft would have been slower than sending none.

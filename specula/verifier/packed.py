@@ -2,15 +2,14 @@
 
 A pass over a few tokens reads the same weights as a one-token step, so on a CPU, where decoding is bound by
 reading weights, it should cost little more. ``nn.Linear`` computes it with the BLAS kernel for a transposed
-operand, which for a few rows is far from that: on a 2-core AVX2 EPYC (fp32) SmolLM2-135M's LM head takes 11 ms
-for one row and 45 ms for 8. oneDNN's linear with the weight reordered once into its own blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``) takes 10 ms for 8. :class:`PackedLinears` computes the linear layers
-of a verification pass so, where that is faster on this machine for that weight's shape (timed once, kept with the
-row-exact calibrations: :mod:`specula.machine.store`); prefills stay the model's own. One-token steps
-round otherwise packed, so only ordinary decoding's (``CachedModel(cheap_steps=True)``) take packed weights, for
-the shapes where one row is faster packed here too (in bf16 on the EPYC with AVX512_BF16, SmolLM2's LM head 1.8 ms
-against 3.5 ms, Qwen2.5-Coder-1.5B's MLP a quarter of its time; on the AVX2 EPYC in fp32 oneDNN re-lays out the
-weight at every one-row call, far dearer: there they stay the model's own).
+operand, which for a few rows can cost several one-row products; oneDNN's linear with the weight reordered once
+into its own blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) costs about one (the figures by machine:
+docs/hardware.md). :class:`PackedLinears` computes the linear layers of a verification pass so, where that is faster
+on this machine for that weight's shape (timed once, kept with the row-exact calibrations:
+:mod:`specula.machine.store`); prefills stay the model's own. One-token steps round otherwise packed, so only
+ordinary decoding's (``CachedModel(cheap_steps=True)``) take packed weights, for the shapes where one row is faster
+packed on the machine at hand too (where oneDNN re-lays out the weight at every one-row call, they stay the
+model's own).
 
 The packed copies cost memory (as much as the weights they copy): layers are packed only while the copies take at
 most an eighth of the free memory. Where oneDNN cannot pack a dtype (bf16 without AVX512-BW or AVX-NE-CONVERT),
