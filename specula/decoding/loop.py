@@ -442,7 +442,7 @@ class Decoder:
     def _verify(self, rows: list[Row], proposed: list[Draft], sent: list[Draft]) -> list[list[int]]:
         """One pass over each row's last token and sent draft: the tokens each row keeps (the accepted drafts and the
         target's own), the KV cache rolled back past the rest, the policy told."""
-        started, calibrations = time.perf_counter(), store.shared().made
+        started = time.perf_counter()
         device = self._target.device
         blocks = [
             torch.cat([torch.from_numpy(row.sequence.ids[-1:]), draft.tokens]).to(device)
@@ -463,7 +463,7 @@ class Decoder:
         )
         # (recurrent state fed again after a rejected draft: a second pass, part of what the pass cost)
         seconds = (time.perf_counter() if self._target.feeds_again else verified) - started
-        if store.shared().made != calibrations or self._target.compiling:  # (it calibrated or compiled kernels)
+        if not self._target.timed:  # (it calibrated or compiled kernels)
             seconds = None
         width = max(map(len, blocks))  # (every row is computed this wide)
         self.policy.learn(Pass([row.drafting for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds))

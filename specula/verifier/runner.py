@@ -18,6 +18,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from ..machine import store
 from ..machine.timing import lower_median, time_pass
 from .cache_layers import PreallocatedHybridLayer, PreallocatedLayer
 from .gqa import unrepeated_kv_heads
@@ -155,6 +156,7 @@ class CachedModel:
         self.rows_state: RecurrentRows | None = None  # a batch's recurrent states
         self.batch = 0 if self.ragged else 1  # rows in use
         self._block_lengths: list[int] = []
+        self._made = 0  # measurements the store had made before the last pass (see timed)
         if self.ragged:
             self._begin_rows(model, parameters, capacity)
         if compiled:
@@ -353,7 +355,7 @@ class CachedModel:
         positions of its block (``[num_logits[b], vocab]``). ``trees[b]``, where given, makes row ``b``'s block a
         tree: ``trees[b][i]`` is the block index of token ``i``'s parent (``-1`` for the first), and each token sees
         the row's cache and its own ancestors only, at the position of its depth. Batch size 1 is :meth:`forward`."""
-        self._block_lengths = [len(block) for block in blocks]
+        self._block_lengths, self._made = [len(block) for block in blocks], store.shared().made
         if not self.ragged:
             return [self.forward(blocks[0], num_logits[0], argmax_only)]
         if self.compiled is not None and self._compiled_pays(blocks, num_logits, trees):
@@ -545,6 +547,13 @@ class CachedModel:
     def compiling(self) -> bool:
         """Whether the last pass compiled its shape's code (so that its time is no measure of what a pass costs)."""
         return self.compiled is not None and self.compiled.compiling
+
+    @property
+    def timed(self) -> bool:
+        """Whether the last pass (:meth:`forward_rows`, and its :meth:`keep_rows` so far) ran as passes of its shape
+        run, so that its time measures what one costs: not where it calibrated kernels (made a measurement for the
+        store: row-exact groupings, packed weights, attention) or compiled its shape's code."""
+        return store.shared().made == self._made and not self.compiling
 
     @property
     def feeds_again(self) -> bool:
