@@ -56,10 +56,10 @@ def _proposed(
     started = time.perf_counter()
     try:
         got = proposer.propose_requests(
-            [rows[r].request for r in asked], [rows[r].sequence.ids for r in asked], [budgets[r] for r in asked]
+            [rows[r].request_id for r in asked], [rows[r].sequence.ids for r in asked], [budgets[r] for r in asked]
         )
     except RequestFailed as error:
-        key = next((row.job.key for row in rows if row.request == error.request), error.request)
+        key = next((row.job.key for row in rows if row.request_id == error.request), error.request)
         raise RuntimeError(f"{proposer!r}.propose() failed for request {key!r} of the batch: {error}") from error
     seconds = (time.perf_counter() - started) / len(asked)
     if not isinstance(got, list) or len(got) != len(asked):
@@ -133,7 +133,7 @@ def advance(row: "Row", proposer: RequestProposer | None, new_tokens: list[int],
     what the row's output kept; return those."""
     kept = row.advance(new_tokens, sent)
     if proposer is not None:
-        proposer.observe_request(row.request, kept, min(len(new_tokens) - 1, len(kept)))
+        proposer.observe_request(row.request_id, kept, min(len(new_tokens) - 1, len(kept)))
     return kept
 
 
@@ -161,7 +161,7 @@ class Row:
 
     def __init__(self, job: Job, drafting: object) -> None:
         self.job, self.drafting, self.sampling = job, drafting, job.sampling
-        self.request = next(_REQUEST_IDS)
+        self.request_id = next(_REQUEST_IDS)
         self.sequence = Sequence(job.prompt, job.max_new_tokens, job.eos_token_ids, job.stopping_criteria)
         self.stats = SpecStats(prompt_tokens=len(job.prompt))
         self.prediction = None if job.prediction is None else Prediction(job.prediction)
@@ -220,8 +220,8 @@ class Decoder:
         self.model, self.slots, self.compile, self.budget = model, slots, compile, budget
         self._waiting: Job | None = None  # (taken from the stream, waiting for the budget's room: first in line)
         self.proposer = None if proposer is None else for_requests(proposer)
-        self.drafts = proposer is not None or predictions  # (predictions: jobs may bring them)
-        self.verifies = self.drafts or slots > 1  # (else every pass is a plain one)
+        self.may_draft = proposer is not None or predictions  # (predictions: jobs may bring them)
+        self.wide_passes = self.may_draft or slots > 1  # passes over several tokens or rows (else every one plain)
         self.adaptive_draft, self.exact = adaptive_draft, exact
         self._draws = getattr(proposer, "samples_drafts", False)  # (under sampling: drafts drawn at random)
         self.vocab = vocab_size(model)
@@ -245,7 +245,7 @@ class Decoder:
         is not taken for what passes cost.)"""
         if self.policy is not None:
             return self
-        model, slots, verifies = self.model, self.slots, self.verifies
+        model, slots, verifies = self.model, self.slots, self.wide_passes
         self.exactness = (
             Exactness(False, reason="compiled passes verify the ordinary way")
             if self.compile and self.exact is None and verifies
@@ -301,7 +301,7 @@ class Decoder:
             self.model,
             positions,
             mask,
-            rollback=self.drafts,
+            rollback=self.may_draft,
             capacity=capacity,
             row_exact=self.row_exact,
             slots=self.slots,
@@ -325,7 +325,7 @@ class Decoder:
         row = Row(job, self.policy.start(drawn=self._draws and not job.sampling.greedy))
         row.stats.exactness = self.exactness
         if self.proposer is not None:
-            self.proposer.start_request(row.request, row.sequence.ids, row.sampling)
+            self.proposer.start_request(row.request_id, row.sequence.ids, row.sampling)
         capacity = room(job) - job.max_new_tokens + min(job.max_new_tokens, FIRST_ROOM)
         if self._target is None or (self.slots == 1 and (self._target.compiled is None or job.padded is not None)):
             self._target = self._cached_model(job, capacity)  # (compiled passes keep their cache and its shapes)
@@ -334,8 +334,10 @@ class Decoder:
         feed = job.prompt if job.padded is None else job.padded[0]  # (padded: alone, as model.generate feeds it)
         logits = self._target.start_row(index, torch.from_numpy(feed).to(self._target.device))
         self.passes += 1
-        none = Draft.empty()
-        kept = advance(row, self.proposer, accept_draft(logits, none, row.sampling, self._tokens(row, none)), none)
+        nothing = Draft.empty()
+        kept = advance(
+            row, self.proposer, accept_draft(logits, nothing, row.sampling, self._tokens(row, nothing)), nothing
+        )
         self.prefill_seconds += time.perf_counter() - started
         return row, kept
 
@@ -436,7 +438,7 @@ class Decoder:
             self.vocab,
             self.slots > 1,
             self._target.takes_trees,
-            asks=self.drafts and not due and not resting,
+            asks=self.may_draft and not due and not resting,
         )
 
     def _verify(self, rows: list[Row], proposed: list[Draft], sent: list[Draft]) -> list[list[int]]:
@@ -486,9 +488,9 @@ class Decoder:
                 self._finish(row)
 
     def _finish(self, row: Row) -> None:
-        self.estimate.finished(row.request, len(row.output) - 1)
+        self.estimate.finished(row.request_id, len(row.output) - 1)
         if self.proposer is not None:
-            self.proposer.stop_request(row.request)
+            self.proposer.stop_request(row.request_id)
 
 
 def room(job: Job) -> int:

@@ -61,9 +61,11 @@ def _choice(
     costs: PassCosts | None,
     tree: bool = False,
     width: int | None = None,
+    probe: bool = False,
 ) -> tuple[list[int], float, int | None]:
     """:func:`choose_lengths`, the expected tokens per second (per unit of cost) of that choice, and the width
-    :meth:`PassCosts.probe` chose instead of the best (``width=-1``: ask it; ``None``: it did not) or was given.
+    chosen instead of the best: ``width`` where given, else with ``probe`` the stale width
+    :meth:`PassCosts.probe` asks to measure again (``None``: the best was chosen).
 
     The ``R`` rows of a pass are computed equally wide, ``m + 1`` tokens with ``m`` the longest draft sent (shorter
     blocks are padded), so a pass costs what ``R * (m + 1)`` tokens cost, and yields ``R + sum of the sent tokens'
@@ -85,10 +87,10 @@ def _choice(
     rates = expected / (seconds + sum(row.draft_seconds for row in rows))
     best = int(np.argmax(rates))  # the first maximum: ties go to fewer tokens
     probed = None
-    if width == -1:  # (untimed, every cost is the same: nothing to measure again)
-        probed = None if costs is None or (probe := costs.probe(best, expected, rates)) == best else probe
-    elif width is not None:
+    if width is not None:
         probed = min(width, longest)
+    elif probe and costs is not None:  # (untimed, every cost is the same: nothing to measure again)
+        probed = None if (stale := costs.probe(best, expected, rates)) == best else stale
     chosen = best if probed is None else probed
     return [min(chosen, len(c)) for c in usable], float(rates[chosen]), probed
 
@@ -105,7 +107,7 @@ def budgets(
         np.max([row.chances(source) for source in row.acceptance or [None]], axis=0)[: max(left, 0)]
         for row, left in zip(rows, remaining)
     ]
-    best, _, probed = _choice(rows, hopes, costs, width=-1 if probe else None)
+    best, _, probed = _choice(rows, hopes, costs, probe=probe)
     share = 1.0 if costs is None else costs.seconds()[0] / len(rows)
     return [row.ask(k, left, share) for row, k, left in zip(rows, best, remaining)], probed
 

@@ -80,7 +80,7 @@ def walk(
     draft along ``output``, then its next token. The prefill is the first pass, as in the loop."""
     requests = for_requests(proposer)
     row = Row(Job(np.asarray(prompt, dtype=np.int64), len(output)), policy.start())
-    requests.start_request(row.request, row.sequence.ids, row.sampling)
+    requests.start_request(row.request_id, row.sequence.ids, row.sampling)
     advance(row, requests, output[:1], Draft.empty())
     vocab = max(prompt + output) + 1
     passes, drafted, seconds = 1, 0, float(costs[0])
@@ -92,5 +92,5 @@ def walk(
         policy.learn(Pass([row.drafting], proposed, sent, [new], len(sent[0]) + 1, cost))
         advance(row, requests, new, sent[0])
         passes, drafted, seconds = passes + 1, drafted + len(sent[0]), seconds + cost
-    requests.stop_request(row.request)
+    requests.stop_request(row.request_id)
     return passes, drafted, seconds
