@@ -28,9 +28,9 @@ import torch
 
 from ..machine import store
 from ..machine.load import LoadMeter
-from ..machine.timing import lower_median, time_pass
+from ..machine.timing import lower_median
 from ..verifier.exactness import model_key
-from ..verifier.support import UnsupportedModelError, fit_context, model_device, vocab_size
+from ..verifier.timed import width_costs
 from .costs import PassCosts, nearest_plain
 
 CONTEXT = 256  # tokens of cache the timed passes of one row follow
@@ -150,48 +150,7 @@ def _kept_table(model: torch.nn.Module, rows: int, compiled: str | None = None) 
     return store.shared().get(key, lambda: _measure(model, rows, compiled))
 
 
-@torch.inference_mode()
 def _measure(model: torch.nn.Module, rows: int = 1, compiled: str | None = None) -> list[float] | None:
     """The cost of a pass of ``rows`` rows over each of :func:`widths` tokens a row, over a one-token pass's,
-    ordinary verification."""
-    from ..verifier.runner import CachedModel
-
-    device = model_device(model)
-    timed = widths(rows)
-    passes = (ROUNDS + 1) * len(timed)  # (each keeps its first token, as the loop's passes do)
-    context = fit_context(model, _context(rows), passes + max(timed))
-    ids = torch.randint(
-        3, vocab_size(model), (context + passes + max(timed),), generator=torch.Generator().manual_seed(0)
-    ).to(device)
-    seconds: dict[int, list[float]] = {width: [] for width in timed}
-    try:
-        target = CachedModel(
-            model,
-            None,
-            None,
-            rollback=True,
-            capacity=len(ids) + 1,
-            slots=rows,
-            cheap_steps=True,
-            compiled=compiled,
-            max_width=MAX_WIDTH,
-        )
-        target.start_row(0, ids[:context])
-        for row in range(1, rows):  # (every row the same tokens: copied, not computed again, where the cache can)
-            if target.rows_state is None:
-                target.copy_prefix(0, row, context)
-            else:
-                target.start_row(row, ids[:context])
-        at = context  # (every row's cached tokens)
-        for _ in range(ROUNDS + 1):  # (the first round warms up)
-            for width in timed:
-                block = [ids[at : at + width]] * rows
-                seconds[width].append(
-                    time_pass(lambda: target.forward_rows(block, [width] * rows, argmax_only=True), device)
-                )
-                target.keep_rows([1] * rows)
-                at += 1
-    except UnsupportedModelError:  # (a model the loop refuses, or whose state cannot be rolled back so)
-        return None
-    ratios = [[s / one for s, one in zip(seconds[width][1:], seconds[1][1:])] for width in timed]
-    return [round(lower_median(r), 3) for r in ratios]
+    ordinary verification (:func:`~specula.verifier.timed.width_costs`)."""
+    return width_costs(model, rows, widths(rows), _context(rows), ROUNDS, compiled, MAX_WIDTH)

@@ -328,7 +328,8 @@ def test_untimed_passes_send_drafts_by_acceptance_alone() -> None:
     assert [len(pick) for pick in policy.trim(states, drafts, [0.0, 0.0])] == [4, 2]
 
 
-def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch) -> None:
+def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch, drafts_cost_nothing) -> None:
+    """(Passes cost alike, on a fake clock: the first row's drafts are sent whatever the machine's load.)"""
     target = tiny_model("llama", seed=5)
     tables = {}
     loop = importlib.import_module("specula.decoding.loop")
