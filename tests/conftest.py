@@ -26,10 +26,13 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 def pytest_collection_modifyitems(items) -> None:
     """Tests that start a local Ray instance run on one worker, one after another (``--dist loadgroup``): two
-    instances at once would share the machine's cores and memory."""
+    instances at once would share the machine's cores and memory; so do the tests of the Qwen2.5-Coder pair (a
+    worker holding both models takes most of a 24 GB machine: two would not fit)."""
     for item in items:
         if "ray" in item.name.split("[")[0].split("_") or item.path.name == "test_ray.py":
             item.add_marker(pytest.mark.xdist_group("ray"))
+        elif item.path.name == "test_qwen_pair.py":
+            item.add_marker(pytest.mark.xdist_group("qwen pair"))
 
 
 @pytest.fixture(autouse=True)
