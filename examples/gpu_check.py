@@ -34,7 +34,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import specula  # noqa: E402
-from specula.verifier.runner import CachedModel  # noqa: E402
+from specula.verifier.runner import RaggedRows  # noqa: E402
 
 SHAPES = {
     "tiny": lambda: transformers.LlamaConfig(
@@ -254,14 +254,11 @@ def passes(args, report, shape: str) -> None:
         if out_of_time(args, f"passes/{shape}/{rows}-rows", report):
             return
         for compiled in args.modes:
-            target = CachedModel(
+            target = RaggedRows(
                 model,
-                None,
-                None,
                 rollback=True,
                 capacity=CONTEXT + 64,
                 slots=rows,
-                ragged=True,
                 compiled="always" if compiled else None,
                 max_width=max(args.widths),
             )

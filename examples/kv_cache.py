@@ -18,15 +18,15 @@ import torch
 from transformers import DynamicCache
 
 from specula.hf.loading import load_model
-from specula.verifier.runner import CachedModel
+from specula.verifier.runner import OneSequence
 
 
 @torch.inference_mode()
 def step_costs(model: torch.nn.Module, context: int, rounds: int, steps: int = 10) -> dict[str, float]:
     """Median milliseconds of a one-token step after ``context`` tokens, per cache."""
     prompt = torch.randint(0, model.config.vocab_size, (context,))
-    caches = {"preallocated": CachedModel(model, None, None, rollback=True, capacity=context + rounds * steps)}
-    caches["DynamicCache"] = CachedModel(model, None, None, rollback=True)
+    caches = {"preallocated": OneSequence(model, rollback=True, capacity=context + rounds * steps)}
+    caches["DynamicCache"] = OneSequence(model, rollback=True)
     caches["DynamicCache"].cache = DynamicCache(config=model.config)
     for cached in caches.values():
         cached.forward(prompt, num_logits=1)

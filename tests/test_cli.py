@@ -707,20 +707,19 @@ def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_
     the others go on (continuous batching); the bad lines are reported."""
     starts, widths = [], []
     start_row, forward_rows = (
-        specula.verifier.runner.CachedModel.start_row,
+        specula.verifier.runner.RaggedRows.start_row,  # (a batch's rows; --batch-size 1 holds each request alone)
         specula.verifier.runner.CachedModel.forward_rows,
     )
 
     def recording_start(self, index, token_ids):
-        if self.ragged:  # (a batch's rows; --batch-size 1 holds each request alone)
-            starts.append((index, self.batch))  # (the slot it takes, rows in the batch then)
+        starts.append((index, self.batch))  # (the slot it takes, rows in the batch then)
         return start_row(self, index, token_ids)
 
     def recording_forward(self, blocks, num_logits, trees=None, argmax_only=False):
         widths.append(len(blocks))
         return forward_rows(self, blocks, num_logits, trees, argmax_only)
 
-    monkeypatch.setattr(specula.verifier.runner.CachedModel, "start_row", recording_start)
+    monkeypatch.setattr(specula.verifier.runner.RaggedRows, "start_row", recording_start)
     monkeypatch.setattr(specula.verifier.runner.CachedModel, "forward_rows", recording_forward)
     lines = REQUESTS + [
         '{"id": "long", "prompt": "' + "alpha beta gamma delta " * 6 + '"}',

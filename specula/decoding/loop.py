@@ -29,7 +29,7 @@ from ..proposers.prediction import Prediction, with_prediction
 from ..verifier.exactness import Exactness, choose
 from ..verifier.packed import packed_for
 from ..verifier.row_exact import is_half_precision, row_exact_for
-from ..verifier.runner import CachedModel
+from ..verifier.runner import CachedModel, cached_model
 from ..verifier.static import compiles
 from ..verifier.support import UnsupportedModelError, model_device, vocab_size
 from .budget import CacheBudget
@@ -297,10 +297,10 @@ class Decoder:
         if job.padded is not None:
             positions, mask = job.padded[1:]
         make = functools.partial(
-            CachedModel,
+            cached_model,
             self.model,
-            positions,
-            mask,
+            positions=positions,
+            attention_mask=mask,
             rollback=self.may_draft,
             capacity=capacity,
             row_exact=self.row_exact,
@@ -313,7 +313,7 @@ class Decoder:
         trees = self._trees or (job.prediction is not None and self.proposer is not None)
         if self.slots == 1 and trees and job.padded is None:
             try:
-                return make(ragged=True)
+                return make(trees=True)
             except UnsupportedModelError as error:
                 if self._trees:
                     warnings.warn(f"{error} So {self.proposer!r}'s trees are cut to their first branch.", stacklevel=5)
@@ -394,7 +394,7 @@ class Decoder:
     def release(self) -> None:
         """No request is in flight (a server waits for the next): the cache gives its memory back, down to one row of
         the room it was first asked for. Called from within :meth:`run`'s wait for a job, by the job stream."""
-        if self._target is not None and self._target.ragged:
+        if self._target is not None:
             self._target.select_rows([])
 
     def _admitted(self, rows: list[Row | None], index: int, jobs: Iterator[Job]) -> Job | None:

@@ -10,7 +10,7 @@ import torch
 
 from ..core.draft import Draft, check_int
 from ..core.sampling import Sampling
-from ..verifier.runner import CachedModel
+from ..verifier.runner import CachedModel, OneSequence, RaggedRows
 from ..verifier.support import UnsupportedModelError, model_device, vocab_size
 from .base import RequestProposer
 
@@ -211,7 +211,9 @@ class SmallModelDrafter(RequestProposer):
             if tokens is not None:
                 blocks[state.row(cache)] = tokens
         logits = cache.forward_rows(blocks, [1] * len(blocks))
-        if cache.ragged:  # (a cache held alone rolls back at the next catch-up: sliding-window layers keep what a
+        if isinstance(
+            cache, RaggedRows
+        ):  # (a cache held alone rolls back at the next catch-up: sliding-window layers keep what a
             cache.keep_rows([0 if block is idle else len(block) for block in blocks])  # rollback needs until then)
         return [None if tokens is None else logits[state.row(cache)] for state, tokens in zip(states, fed)]
 
@@ -247,7 +249,7 @@ class _Request:
     def own_cache(self, model: torch.nn.Module) -> CachedModel:
         """Its cache for drafting alone (made on first use)."""
         if self.cache is None:
-            self.cache = CachedModel(model, positions=None, attention_mask=None, rollback=True)
+            self.cache = OneSequence(model, rollback=True)
         return self.cache
 
     def row(self, cache: CachedModel) -> int:
@@ -275,7 +277,7 @@ class _Rows:
         if self.cache is None or sum(state.slot is None for state in states) > len(self.free):
             running = list(running)
             try:
-                self.cache = CachedModel(model, None, None, rollback=True, capacity=256, slots=2 * len(running))
+                self.cache = RaggedRows(model, rollback=True, capacity=256, slots=2 * len(running))
             except UnsupportedModelError:
                 self.batchable = False
                 return None

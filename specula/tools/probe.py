@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..verifier.runner import CachedModel
+from ..verifier.runner import OneSequence
 
 
 @dataclass
@@ -108,14 +108,14 @@ def probe(model: torch.nn.Module, input_ids: torch.Tensor, width: int = 8, exact
         raise ValueError(f"width must be at least 2 and less than the prompt's {len(ids)} tokens, got {width}.")
     prompt, tail = ids[:-width], ids[-width:]
 
-    steps_target = CachedModel(model, None, None, rollback=False, capacity=len(ids))
+    steps_target = OneSequence(model, rollback=False, capacity=len(ids))
     steps_target.forward(prompt, 1)
     recorder = _Recorder(model)
     try:
         logits_steps = torch.cat([steps_target.forward(tail[j : j + 1], 1) for j in range(width)])
         step_calls = recorder.calls
         recorder.calls = []
-        pass_target = CachedModel(model, None, None, rollback=True, capacity=len(ids), row_exact=exact)
+        pass_target = OneSequence(model, rollback=True, capacity=len(ids), row_exact=exact)
         recorder.remove()
         pass_target.forward(prompt, 1)
         recorder = _Recorder(model)

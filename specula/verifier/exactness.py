@@ -90,7 +90,7 @@ def measured_cost(model: torch.nn.Module) -> float | None:
 
 @torch.inference_mode()
 def _measure(model: torch.nn.Module) -> float | None:
-    from .runner import CachedModel
+    from .runner import CachedModel, OneSequence
 
     device = model_device(model)
     context = fit_context(model, CONTEXT, REPEATS + 1 + TIMED_ROWS)
@@ -108,10 +108,7 @@ def _measure(model: torch.nn.Module) -> float | None:
         return elapsed
 
     try:
-        targets = [
-            CachedModel(model, None, None, rollback=True, capacity=len(ids) + 1, row_exact=exact)
-            for exact in (False, True)
-        ]
+        targets = [OneSequence(model, rollback=True, capacity=len(ids) + 1, row_exact=exact) for exact in (False, True)]
         for target in targets:
             target.start_row(0, ids[:context])
         with warnings.catch_warnings():

@@ -4,7 +4,7 @@ A KV cache is rolled back by forgetting its last entries; a recurrent layer keep
 updated, and transformers' cache layers for them (``LinearAttentionCacheLayerMixin``) cannot crop it. So before a
 verification pass the states of those layers are kept (:func:`snapshot`: one state per layer, small next to a KV
 cache), and when drafts were rejected the pass is undone (:func:`restore`) and the accepted tokens fed again
-(:meth:`specula.verifier.runner.CachedModel.rollback`): the state is then the state after the last accepted token,
+(:meth:`specula.verifier.runner.OneSequence.rollback`): the state is then the state after the last accepted token,
 computed from the same tokens as the pass computed it. Or the pass computes the recurrent layers one token at a
 time and keeps the state after each (:class:`Stepwise`): no second pass, and each token computed as a one-token step
 computes it.

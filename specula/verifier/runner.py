@@ -3,6 +3,7 @@ and a small drafter's own model."""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator
@@ -67,52 +68,41 @@ def _as_they_are() -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
     yield lambda logits: logits
 
 
-class CachedModel:
-    """A HF causal LM with its own rollback-able KV cache, fed one block of new tokens at a time.
+class CachedModel(abc.ABC):
+    """A HF causal LM with its own rollback-able KV cache, fed one block of new tokens a row at a time: the one
+    interface of the loop's target and of a draft model, whatever the cache's shape. Two shapes implement it:
+    :class:`OneSequence`, one request held alone as ``model.generate`` holds it, and :class:`RaggedRows`, a batch whose
+    rows keep their own lengths (also one row whose blocks are trees of drafts, or passes compiled at static shapes).
 
     The cache is transformers' ``DynamicCache`` built from the model's config, exactly as ``model.generate`` builds
     it, with past recording switched on: sliding-window layers (Gemma-3, Mistral ...) then keep the states a rollback
-    needs until :meth:`rollback` trims them back to the window, so speculation works past the window too. Its plain
+    needs until the rollback trims them back to the window, so speculation works past the window too. Its plain
     full-attention layers are replaced by :class:`PreallocatedLayer` (other layer kinds are kept as they are).
 
     Args:
         model: the target model.
-        positions: ``[1, capacity]`` position id of every sequence slot (prompt slots follow its attention mask);
-            ``None`` lets the model number the tokens 0, 1, 2, ...
-        attention_mask: ``[1, capacity]`` mask of every slot, or ``None`` when the prompt has no padding.
-        capacity: how many tokens the cache is expected to hold (prompt + new tokens); it grows past it if needed.
         rollback: whether the caller will roll the cache back; a model whose cache cannot be rolled back is then
             refused after the prefill instead of silently producing wrong tokens.
+        capacity: how many tokens a row is expected to hold (prompt + new tokens); it grows past it if needed.
         row_exact: compute every position of a pass over several tokens after a filled cache bit for bit as a
             one-token step computes it (:class:`specula.verifier.row_exact.RowExact`).
-        slots: how many requests it holds at once. With more than one, each request's prompt is prefilled alone
-            (:meth:`start_row`) and every row keeps its own length; ``positions`` and ``attention_mask`` are unused.
-        ragged: hold the rows so (own masks and position ids), also with one slot: what verifying a tree of drafts
-            takes. Default: with more than one slot.
         cheap_steps: one-token steps after a filled cache are computed the cheapest way on this machine, as
             ordinary passes are (attention: :mod:`specula.verifier.gqa`, weights: :mod:`specula.verifier.packed`),
             not as ``model.generate``'s: for ordinary verification, whose output need not have its bits.
-        compiled: passes after a prompt's prefill have static shapes (rows and tokens a row padded to ``max_width``'s
-            and ``slots``' buckets, attention over the whole cache) and run compiled (:mod:`specula.verifier.static`):
-            ``"always"``, or ``"where cheaper"`` (in each bucket where a compiled pass measured cheaper than an eager
-            one; kept); ordinary verification, held as rows (``ragged``). Models whose cache layers are not all
-            attention (recurrent state) are refused with :class:`UnsupportedModelError`.
-        max_width: the most tokens a row of a compiled pass holds (its last token and the longest draft).
     """
+
+    slots = 1  # requests held at once
+    batch = 1  # rows in use
+    takes_trees = False  # whether a row's block may be a tree of drafts
 
     def __init__(
         self,
         model: torch.nn.Module,
-        positions: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
+        *,
         rollback: bool,
         capacity: int = 256,
         row_exact: bool = False,
-        slots: int = 1,
-        ragged: bool | None = None,
         cheap_steps: bool = False,
-        compiled: str | None = None,
-        max_width: int = 65,
     ) -> None:
         check_standard_cache(model)
         self.model, self.capacity, self.can_roll_back = model, capacity, rollback
@@ -132,16 +122,11 @@ class CachedModel:
         self.indexers = PerQueryIndexers(model) if rollback and PerQueryIndexers.needed(self.cache) else None
         if rollback:
             check_split_independent(model, self.cache, self.indexers)
-        parameters = inspect.signature(model.forward).parameters
-        self.cache_argument = cache_argument(model, parameters)
+        self.forward_parameters = inspect.signature(model.forward).parameters
+        self.cache_argument = cache_argument(model, self.forward_parameters)
         self.device = model_device(model)
-        self.positions = positions if "position_ids" in parameters else None
-        self.attention_mask = attention_mask
-        self.accepts_logits_to_keep = "logits_to_keep" in parameters
-        self.cached_tokens = 0
-        self._undo: tuple[Snapshot, torch.Tensor] | None = (
-            None  # recurrent: the states before the last pass, its tokens
-        )
+        self.accepts_logits_to_keep = "logits_to_keep" in self.forward_parameters
+        self.cached_tokens = 0  # (a batch: its longest row's)
         self.row_exact = row_exact_for(model) if row_exact else None
         self.packed = None if row_exact else packed_for(model)  # (verification passes with prepacked weights)
         # ordinary passes with the thread count measured faster: in fp32 only (in bf16/fp16 their rounding, which
@@ -149,18 +134,9 @@ class CachedModel:
         self.threads = None if row_exact or is_half_precision(model) else thread_choice(model)
         self.unrepeated = model.config._attn_implementation == "sdpa" and self.device.type == "cpu"
         self.cheap_steps = cheap_steps and self.device.type == "cpu" and not row_exact
-        self.slots = slots
-        self.ragged = compiled or (slots > 1 if ragged is None else ragged)  # rows keep their own lengths
         self.compiled: CompiledPasses | None = None
-        self.takes_trees = self.ragged  # (recurrent layers: stepped, each token from its parent's state)
-        self.rows_state: RecurrentRows | None = None  # a batch's recurrent states
-        self.batch = 0 if self.ragged else 1  # rows in use
         self._block_lengths: list[int] = []
         self._made = 0  # measurements the store had made before the last pass (see timed)
-        if self.ragged:
-            self._begin_rows(model, parameters, capacity)
-        if compiled:
-            self._begin_static(capacity, max_width, compiled)
 
     def _new_cache(self) -> DynamicCache:
         """An empty cache as ``model.generate`` builds it, its full-attention layers preallocated, recording the past
@@ -174,79 +150,50 @@ class CachedModel:
             stop_recording(cache)  # (recurrent layers: put back whole, see rollback)
         return cache
 
-    def _begin_rows(self, model: torch.nn.Module, parameters, capacity: int) -> None:
-        """Set up a batch: every row keeps its own length (``starts``), and the verifier passes the model its own
-        4D attention mask and position ids, so that rows accepting different numbers of tokens stay exact.
-        Sliding-window layers keep every state too; the mask hides what is past their window."""
-        for i, layer in enumerate(self.cache.layers):
-            if type(layer) is DynamicSlidingWindowLayer:
-                self.cache.layers[i] = PreallocatedLayer(capacity)
-                self.cache.layers[i].sliding_window = layer.sliding_window
-            elif type(layer) is LinearAttentionAndFullAttentionLayer:
-                self.cache.layers[i] = PreallocatedHybridLayer(capacity, layer.number_of_states)
-        windows = {layer.sliding_window for layer in self.cache.layers if isinstance(layer, PreallocatedLayer)}
-        self.window = max(windows - {None}, default=None)  # (the cache gives every sliding layer the config's)
-        self.mixed = len(windows) > 1  # full-attention and sliding-window layers: a mask for each (by layer type)
-        self.attends = bool(windows)  # (a model of recurrent layers only takes no mask, no positions)
-        other = sorted(
-            {
-                type(layer).__name__
-                for layer in self.cache.layers
-                if type(layer) not in (PreallocatedLayer, PreallocatedHybridLayer, LinearAttentionLayer, DummyLayer)
-            }
-        )
-        check_batchable(model, other, parameters, self.attends)
-        if has_recurrent_state(self.cache):
-            self.stepwise = self.stepwise or Stepwise(model, self.cache)
-            check_recurrent_rows(model, self.stepwise.rows_of(self.cache))
-            self.rows_state = RecurrentRows(self.cache, self.slots)
-        self.attention = model.config._attn_implementation
-        self.starts = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # [slots]: each row's tokens
-        self.dtype = next(model.parameters()).dtype
-
-    def _begin_static(self, capacity: int, max_width: int, how: str) -> None:
-        """Passes of static shapes, compiled: the rows' buffers :class:`~specula.verifier.static.StaticLayer` (of a
-        capacity rounded up to a power of two, so that few capacities, each a shape of its own, ever occur)."""
-        if (
-            self.row_exact is not None
-            or self.rows_state is not None
-            or self.indexers is not None
-            or not static_layers(self.cache, 1 << (capacity - 1).bit_length())
-        ):
-            raise UnsupportedModelError(
-                f"{describe(self.model)} cannot run compiled passes: specula compiles models whose cache layers all "
-                "hold attention, with ordinary verification (not exact=True); pass compile=False (--no-compile)."
-            )
-        self.row_buckets, self.width_buckets = buckets_up_to(self.slots), buckets_up_to(max_width)
-        self.compiled = compiled_passes(self.model, self.cache_argument, self.device)
-        self.compile_always = how == ALWAYS
-
+    @abc.abstractmethod
     def start_row(self, index: int, token_ids: torch.Tensor) -> torch.Tensor:
         """Make row ``index`` (at most the number of rows in use) a new request whose prompt is ``token_ids`` (1-D):
         its prompt is computed alone, as ``model.generate`` computes it, and its states become that row's cache.
-        Returns the logits of its last position (``[1, vocab]``). Held alone (not ragged): :meth:`forward` on an
-        emptied cache."""
-        if not self.ragged:
-            if self.recurrent:  # (a recurrent state cannot be rolled back to nothing: a new one)
-                self.cache, self.cached_tokens, self._undo = self._new_cache(), 0, None
-            else:
-                self.rollback(self.cached_tokens)
-            return self.forward(token_ids, 1)
-        alone = DynamicCache(config=self.model.config.get_text_config(decoder=True))
-        inputs = {"input_ids": token_ids[None], self.cache_argument: alone, "use_cache": True}
-        if self.accepts_logits_to_keep:
-            inputs["logits_to_keep"] = 1
-        logits = self.model(**inputs).logits[0, -1:]
-        for layer, computed in zip(self.cache.layers, alone.layers):
-            if isinstance(layer, PreallocatedLayer):
-                layer.put_row(index, computed.keys, computed.values, self.slots, len(token_ids))
-        if self.rows_state is not None:
-            self.rows_state.put_row(index, alone)
-        self.starts[index] = len(token_ids)
-        self.batch = max(self.batch, index + 1)
-        self._set_rows()
-        self._fit()
-        return logits
+        Returns the logits of its last position (``[1, vocab]``)."""
+
+    @abc.abstractmethod
+    def truncate_row(self, index: int, length: int) -> None:
+        """Row ``index`` forgets all but its first ``length`` tokens."""
+
+    def forward_rows(
+        self,
+        blocks: list[torch.Tensor],
+        num_logits: list[int],
+        trees: list[list[int] | None] | None = None,
+        argmax_only: bool = False,
+    ) -> list[torch.Tensor]:
+        """Append ``blocks[b]`` (1-D) to row ``b``'s cache; return each row's logits at the last ``num_logits[b]``
+        positions of its block (``[num_logits[b], vocab]``; ``argmax_only``: only their argmax is used, see
+        :meth:`specula.verifier.row_exact.RowExact.applied`). ``trees[b]``, where given (:attr:`takes_trees`), makes
+        row ``b``'s block a tree: ``trees[b][i]`` is the block index of token ``i``'s parent (``-1`` for the first),
+        and each token sees the row's cache and its own ancestors only, at the position of its depth."""
+        self._block_lengths, self._made = [len(block) for block in blocks], store.shared().made
+        return self._pass(blocks, num_logits, trees, argmax_only)
+
+    @abc.abstractmethod
+    def _pass(
+        self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None, argmax_only: bool
+    ) -> list[torch.Tensor]:
+        """:meth:`forward_rows`'s pass."""
+
+    @abc.abstractmethod
+    def keep_rows(self, kept: list[int], paths: list[list[int] | None] | None = None) -> None:
+        """After :meth:`forward_rows`: row ``b`` keeps the first ``kept[b]`` tokens of its block, or where
+        ``paths[b]`` is given (a tree's accepted path: ascending block indices from 0), those tokens, moved into
+        place; the rest of its block is forgotten."""
+
+    @abc.abstractmethod
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only these rows of the batch (in this order): finished requests cost nothing afterwards."""
+
+    @abc.abstractmethod
+    def _used(self) -> int:
+        """The most tokens a row in use holds."""
 
     def hold(self, rows: int, tokens: int) -> None:
         """Hold the cache's buffers to ``rows`` rows of ``tokens`` each (a memory budget's; never under what the rows
@@ -259,47 +206,80 @@ class CachedModel:
     def _fit(self) -> None:
         """Buffers at most twice as long as the rows in use need (or as the capacity asked for): what a long request
         took is given back once it left its slot."""
-        used = self.cached_tokens if not self.ragged else int(self.starts[: self.batch].max()) if self.batch else 0
-        end = max(used, self.capacity)
+        end = max(self._used(), self.capacity)
         for layer in self.cache.layers:
             if isinstance(layer, PreallocatedLayer):
                 layer.fit(end)
 
+    @contextlib.contextmanager
+    def _ordinary(self, shape: tuple[int, int]) -> Iterator[None]:
+        """An ordinary pass (``shape``: rows, tokens a row; one of one: a one-token step with ``cheap_steps``):
+        prepacked weights, key/value heads not repeated, the thread count measured cheaper (passes over several
+        tokens), each where this machine gains by it."""
+        step = shape == (1, 1)
+        with (
+            self.packed.applied(step) if self.packed else contextlib.nullcontext(),
+            unrepeated_kv_heads() if self.unrepeated else contextlib.nullcontext(),
+            self.threads.applied(shape) if self.threads and not step else contextlib.nullcontext(),
+        ):
+            yield
+
+    @property
+    def compiling(self) -> bool:
+        """Whether the last pass compiled its shape's code (so that its time is no measure of what a pass costs)."""
+        return self.compiled is not None and self.compiled.compiling
+
+    @property
+    def timed(self) -> bool:
+        """Whether the last pass (:meth:`forward_rows`, and its :meth:`keep_rows` so far) ran as passes of its shape
+        run, so that its time measures what one costs: not where it calibrated kernels (made a measurement for the
+        store: row-exact groupings, packed weights, attention) or compiled its shape's code."""
+        return store.shared().made == self._made and not self.compiling
+
+    @property
+    def feeds_again(self) -> bool:
+        """Whether a rollback may feed tokens again (recurrent state not computed step by step): a second pass."""
+        return self.recurrent and self.stepwise is None
+
+
+class OneSequence(CachedModel):
+    """One request held alone, as ``model.generate`` holds it: fed one block at a time, rolled back by cropping
+    (recurrent state: stepped token by token where it must be, else undone and its kept tokens fed again).
+
+    Args (beside :class:`CachedModel`'s):
+        positions: ``[1, capacity]`` position id of every sequence slot (prompt slots follow its attention mask);
+            ``None`` lets the model number the tokens 0, 1, 2, ...
+        attention_mask: ``[1, capacity]`` mask of every slot, or ``None`` when the prompt has no padding.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        rollback: bool,
+        capacity: int = 256,
+        row_exact: bool = False,
+        cheap_steps: bool = False,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(model, rollback=rollback, capacity=capacity, row_exact=row_exact, cheap_steps=cheap_steps)
+        self.positions = positions if "position_ids" in self.forward_parameters else None
+        self.attention_mask = attention_mask
+        self._undo: tuple[Snapshot, torch.Tensor] | None = (
+            None  # recurrent: the states before the last pass, its tokens
+        )
+
+    def start_row(self, index: int, token_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` on an emptied cache (``index``: 0)."""
+        if self.recurrent:  # (a recurrent state cannot be rolled back to nothing: a new one)
+            self.cache, self.cached_tokens, self._undo = self._new_cache(), 0, None
+        else:
+            self.rollback(self.cached_tokens)
+        return self.forward(token_ids, 1)
+
     def truncate_row(self, index: int, length: int) -> None:
-        """Row ``index`` forgets all but its first ``length`` tokens (held alone: :meth:`rollback`)."""
-        if not self.ragged:
-            self.rollback(self.cached_tokens - length)
-            return
-        self.starts[index] = length
-        if index < self.batch:
-            self._set_rows()
-
-    def copy_prefix(self, source: int, index: int, length: int) -> None:
-        """Make row ``index`` hold the first ``length`` tokens of row ``source`` (their states do not depend on
-        later tokens)."""
-        if self.rows_state is not None:
-            raise UnsupportedModelError(
-                f"{describe(self.model)} keeps recurrent state, which holds no prefix of a row."
-            )
-        for layer in self.cache.layers:
-            if isinstance(layer, PreallocatedLayer):
-                layer.hold_rows(index + 1)
-                for buffer in (layer._key_buffer, layer._value_buffer):
-                    buffer[index, :, :length] = buffer[source, :, :length]
-        self.starts[index] = length
-        self.batch = max(self.batch, index + 1)
-        self._set_rows()
-
-    def _set_rows(self) -> None:
-        """Tell the cache layers which rows are in use and where each writes next."""
-        starts = self.starts[: self.batch]
-        self.cached_tokens = int(starts.max())
-        for layer in self.cache.layers:
-            if isinstance(layer, PreallocatedLayer):
-                layer.rows, layer.row_starts, layer.length = self.batch, starts, self.cached_tokens
-                layer._expose()
-        if self.rows_state is not None:
-            self.rows_state.expose(self.batch)
+        self.rollback(self.cached_tokens - length)
 
     def forward(self, token_ids: torch.Tensor, num_logits: int, argmax_only: bool = False) -> torch.Tensor:
         """Append ``token_ids`` (1-D) to the cache; return the logits of its last ``num_logits`` positions
@@ -344,20 +324,189 @@ class CachedModel:
             check_rollback(self.model, self.cache, stepwise=self.stepwise is not None)
         return logits
 
-    def forward_rows(
-        self,
-        blocks: list[torch.Tensor],
-        num_logits: list[int],
-        trees: list[list[int] | None] | None = None,
-        argmax_only: bool = False,
+    def _pass(
+        self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None, argmax_only: bool
     ) -> list[torch.Tensor]:
-        """Append ``blocks[b]`` (1-D) to row ``b``'s cache; return each row's logits at the last ``num_logits[b]``
-        positions of its block (``[num_logits[b], vocab]``). ``trees[b]``, where given, makes row ``b``'s block a
-        tree: ``trees[b][i]`` is the block index of token ``i``'s parent (``-1`` for the first), and each token sees
-        the row's cache and its own ancestors only, at the position of its depth. Batch size 1 is :meth:`forward`."""
-        self._block_lengths, self._made = [len(block) for block in blocks], store.shared().made
-        if not self.ragged:
-            return [self.forward(blocks[0], num_logits[0], argmax_only)]
+        return [self.forward(blocks[0], num_logits[0], argmax_only)]
+
+    def keep_rows(self, kept: list[int], paths: list[list[int] | None] | None = None) -> None:
+        self.rollback(self._block_lengths[0] - kept[0])
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Nothing: the one row leaves only when decoding ends."""
+
+    def _used(self) -> int:
+        return self.cached_tokens
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` cached tokens. Always called after a forward pass, even with 0, because
+        that is when sliding-window layers drop the states past recording kept for a possible rollback. Recurrent
+        state is rolled back only within the last pass: to the state after the last token kept, which a step-by-step
+        pass kept, or else to the state before the pass, the tokens kept fed again."""
+        if self.stepwise is not None and num_tokens:
+            self.stepwise.put_back(self.cache, self._pass_length(num_tokens) - num_tokens)
+        elif self.recurrent and num_tokens:
+            self._undo_last_pass(num_tokens)
+            return
+        if self.can_roll_back and self.cached_tokens:  # (an empty sliding-window cache cannot be cropped)
+            crop_attention(self.cache, num_tokens) if self.recurrent else self.cache.crop(-num_tokens)
+        self.cached_tokens -= num_tokens
+        if num_tokens:
+            check_cache_length(self.model, self.cache, self.cached_tokens, "a rollback")
+
+    def _pass_length(self, num_tokens: int) -> int:
+        """Recurrent state: how many tokens the last pass fed, which a rollback of ``num_tokens`` must not exceed."""
+        fed = len(self._undo[1]) if self._undo is not None else self.stepwise.tokens() if self.stepwise else 0
+        if num_tokens > fed:
+            raise UnsupportedModelError(
+                f"{describe(self.model)} keeps recurrent state, which specula rolls back only within the last pass "
+                f"(here {num_tokens} tokens back); use it as the target, one request at a time."
+            )
+        return fed
+
+    def _undo_last_pass(self, num_tokens: int) -> None:
+        """Recurrent state: undo the last pass, then feed its first tokens again, all but the last ``num_tokens``."""
+        self._pass_length(num_tokens)
+        kept, fed = self._undo
+        crop_attention(self.cache, len(fed))
+        restore(self.cache, kept)
+        self.cached_tokens -= len(fed)
+        if len(fed) > num_tokens:
+            self.forward(fed[: len(fed) - num_tokens], 1)
+        self._undo = None
+
+
+class RaggedRows(CachedModel):
+    """Requests held as rows of one batch, each keeping its own length (``starts``): each prompt is prefilled alone
+    (:meth:`start_row`), and the verifier passes the model its own 4D attention mask and position ids, so that rows
+    accepting different numbers of tokens stay exact, and a row's block may be a tree of drafts. Sliding-window
+    layers keep every state too; the mask hides what is past their window.
+
+    Args (beside :class:`CachedModel`'s):
+        slots: how many requests it holds at once (one: a request whose blocks are trees, or compiled passes).
+        compiled: passes after a prompt's prefill have static shapes (rows and tokens a row padded to ``max_width``'s
+            and ``slots``' buckets, attention over the whole cache) and run compiled (:mod:`specula.verifier.static`):
+            ``"always"``, or ``"where cheaper"`` (in each bucket where a compiled pass measured cheaper than an eager
+            one; kept); ordinary verification. Models whose cache layers are not all attention (recurrent state) are
+            refused with :class:`UnsupportedModelError`.
+        max_width: the most tokens a row of a compiled pass holds (its last token and the longest draft).
+    """
+
+    takes_trees = True  # (recurrent layers: stepped, each token from its parent's state)
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        rollback: bool,
+        capacity: int = 256,
+        row_exact: bool = False,
+        cheap_steps: bool = False,
+        slots: int = 1,
+        compiled: str | None = None,
+        max_width: int = 65,
+    ) -> None:
+        super().__init__(model, rollback=rollback, capacity=capacity, row_exact=row_exact, cheap_steps=cheap_steps)
+        self.slots, self.batch = slots, 0
+        self.rows_state: RecurrentRows | None = None  # a batch's recurrent states
+        for i, layer in enumerate(self.cache.layers):
+            if type(layer) is DynamicSlidingWindowLayer:
+                self.cache.layers[i] = PreallocatedLayer(capacity)
+                self.cache.layers[i].sliding_window = layer.sliding_window
+            elif type(layer) is LinearAttentionAndFullAttentionLayer:
+                self.cache.layers[i] = PreallocatedHybridLayer(capacity, layer.number_of_states)
+        windows = {layer.sliding_window for layer in self.cache.layers if isinstance(layer, PreallocatedLayer)}
+        self.window = max(windows - {None}, default=None)  # (the cache gives every sliding layer the config's)
+        self.mixed = len(windows) > 1  # full-attention and sliding-window layers: a mask for each (by layer type)
+        self.attends = bool(windows)  # (a model of recurrent layers only takes no mask, no positions)
+        other = sorted(
+            {
+                type(layer).__name__
+                for layer in self.cache.layers
+                if type(layer) not in (PreallocatedLayer, PreallocatedHybridLayer, LinearAttentionLayer, DummyLayer)
+            }
+        )
+        check_batchable(model, other, self.forward_parameters, self.attends)
+        if has_recurrent_state(self.cache):
+            self.stepwise = self.stepwise or Stepwise(model, self.cache)
+            check_recurrent_rows(model, self.stepwise.rows_of(self.cache))
+            self.rows_state = RecurrentRows(self.cache, self.slots)
+        self.attention = model.config._attn_implementation
+        self.starts = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # [slots]: each row's tokens
+        self.dtype = next(model.parameters()).dtype
+
+        if compiled:
+            self._begin_static(capacity, max_width, compiled)
+
+    def _begin_static(self, capacity: int, max_width: int, how: str) -> None:
+        """Passes of static shapes, compiled: the rows' buffers :class:`~specula.verifier.static.StaticLayer` (of a
+        capacity rounded up to a power of two, so that few capacities, each a shape of its own, ever occur)."""
+        if (
+            self.row_exact is not None
+            or self.rows_state is not None
+            or self.indexers is not None
+            or not static_layers(self.cache, 1 << (capacity - 1).bit_length())
+        ):
+            raise UnsupportedModelError(
+                f"{describe(self.model)} cannot run compiled passes: specula compiles models whose cache layers all "
+                "hold attention, with ordinary verification (not exact=True); pass compile=False (--no-compile)."
+            )
+        self.row_buckets, self.width_buckets = buckets_up_to(self.slots), buckets_up_to(max_width)
+        self.compiled = compiled_passes(self.model, self.cache_argument, self.device)
+        self.compile_always = how == ALWAYS
+
+    def start_row(self, index: int, token_ids: torch.Tensor) -> torch.Tensor:
+        alone = DynamicCache(config=self.model.config.get_text_config(decoder=True))
+        inputs = {"input_ids": token_ids[None], self.cache_argument: alone, "use_cache": True}
+        if self.accepts_logits_to_keep:
+            inputs["logits_to_keep"] = 1
+        logits = self.model(**inputs).logits[0, -1:]
+        for layer, computed in zip(self.cache.layers, alone.layers):
+            if isinstance(layer, PreallocatedLayer):
+                layer.put_row(index, computed.keys, computed.values, self.slots, len(token_ids))
+        if self.rows_state is not None:
+            self.rows_state.put_row(index, alone)
+        self.starts[index] = len(token_ids)
+        self.batch = max(self.batch, index + 1)
+        self._set_rows()
+        self._fit()
+        return logits
+
+    def truncate_row(self, index: int, length: int) -> None:
+        self.starts[index] = length
+        if index < self.batch:
+            self._set_rows()
+
+    def copy_prefix(self, source: int, index: int, length: int) -> None:
+        """Make row ``index`` hold the first ``length`` tokens of row ``source`` (their states do not depend on
+        later tokens)."""
+        if self.rows_state is not None:
+            raise UnsupportedModelError(
+                f"{describe(self.model)} keeps recurrent state, which holds no prefix of a row."
+            )
+        for layer in self.cache.layers:
+            if isinstance(layer, PreallocatedLayer):
+                layer.hold_rows(index + 1)
+                for buffer in (layer._key_buffer, layer._value_buffer):
+                    buffer[index, :, :length] = buffer[source, :, :length]
+        self.starts[index] = length
+        self.batch = max(self.batch, index + 1)
+        self._set_rows()
+
+    def _set_rows(self) -> None:
+        """Tell the cache layers which rows are in use and where each writes next."""
+        starts = self.starts[: self.batch]
+        self.cached_tokens = int(starts.max())
+        for layer in self.cache.layers:
+            if isinstance(layer, PreallocatedLayer):
+                layer.rows, layer.row_starts, layer.length = self.batch, starts, self.cached_tokens
+                layer._expose()
+        if self.rows_state is not None:
+            self.rows_state.expose(self.batch)
+
+    def _pass(
+        self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None, argmax_only: bool
+    ) -> list[torch.Tensor]:
         if self.compiled is not None and self._compiled_pays(blocks, num_logits, trees):
             return self._forward_static(blocks, num_logits, trees)
         return self._forward_eager(blocks, num_logits, trees, argmax_only)
@@ -365,7 +514,7 @@ class CachedModel:
     def _forward_eager(
         self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None, argmax_only: bool
     ) -> list[torch.Tensor]:
-        """:meth:`forward_rows` of a batch (``ragged``), each row's block padded to the longest only."""
+        """:meth:`forward_rows`, each row's block padded to the longest only."""
         lengths = torch.tensor(self._block_lengths, device=self.device)  # [B]
         n = int(lengths.max())
         starts = self.starts[: self.batch]
@@ -476,26 +625,7 @@ class CachedModel:
         self.cached_tokens = int(starts[:batch].max()) + width
         return [logits[b, length - wanted : length] for b, (length, wanted) in enumerate(zip(lengths, num_logits))]
 
-    @contextlib.contextmanager
-    def _ordinary(self, shape: tuple[int, int]) -> Iterator[None]:
-        """An ordinary pass (``shape``: rows, tokens a row; one of one: a one-token step with ``cheap_steps``):
-        prepacked weights, key/value heads not repeated, the thread count measured cheaper (passes over several
-        tokens), each where this machine gains by it."""
-        step = shape == (1, 1)
-        with (
-            self.packed.applied(step) if self.packed else contextlib.nullcontext(),
-            unrepeated_kv_heads() if self.unrepeated else contextlib.nullcontext(),
-            self.threads.applied(shape) if self.threads and not step else contextlib.nullcontext(),
-        ):
-            yield
-
     def keep_rows(self, kept: list[int], paths: list[list[int] | None] | None = None) -> None:
-        """After :meth:`forward_rows`: row ``b`` keeps the first ``kept[b]`` tokens of its block, or where
-        ``paths[b]`` is given (a tree's accepted path: ascending block indices from 0), those tokens, moved into
-        place; the rest of its block is forgotten."""
-        if not self.ragged:
-            self.rollback(self._block_lengths[0] - kept[0])
-            return
         for b, path in enumerate(paths or []):
             if path is not None and path != list(range(len(path))):
                 start = int(self.starts[b])
@@ -512,9 +642,8 @@ class CachedModel:
         self._set_rows()
 
     def select_rows(self, rows: list[int]) -> None:
-        """Keep only these rows of the batch (in this order): finished requests cost nothing afterwards."""
-        if not self.ragged or rows == list(range(self.batch)):
-            return  # (one row: it only leaves when decoding ends)
+        if rows == list(range(self.batch)):
+            return
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.starts[: len(rows)] = self.starts[index]
         for layer in self.cache.layers:
@@ -527,56 +656,24 @@ class CachedModel:
             self._set_rows()
         self._fit()
 
-    def rollback(self, num_tokens: int) -> None:
-        """Forget the last ``num_tokens`` cached tokens. Always called after a forward pass, even with 0, because
-        that is when sliding-window layers drop the states past recording kept for a possible rollback. Recurrent
-        state is rolled back only within the last pass: to the state after the last token kept, which a step-by-step
-        pass kept, or else to the state before the pass, the tokens kept fed again."""
-        if self.stepwise is not None and num_tokens:
-            self.stepwise.put_back(self.cache, self._pass_length(num_tokens) - num_tokens)
-        elif self.recurrent and num_tokens:
-            self._undo_last_pass(num_tokens)
-            return
-        if self.can_roll_back and self.cached_tokens:  # (an empty sliding-window cache cannot be cropped)
-            crop_attention(self.cache, num_tokens) if self.recurrent else self.cache.crop(-num_tokens)
-        self.cached_tokens -= num_tokens
-        if num_tokens:
-            check_cache_length(self.model, self.cache, self.cached_tokens, "a rollback")
+    def _used(self) -> int:
+        return int(self.starts[: self.batch].max()) if self.batch else 0
 
-    @property
-    def compiling(self) -> bool:
-        """Whether the last pass compiled its shape's code (so that its time is no measure of what a pass costs)."""
-        return self.compiled is not None and self.compiled.compiling
 
-    @property
-    def timed(self) -> bool:
-        """Whether the last pass (:meth:`forward_rows`, and its :meth:`keep_rows` so far) ran as passes of its shape
-        run, so that its time measures what one costs: not where it calibrated kernels (made a measurement for the
-        store: row-exact groupings, packed weights, attention) or compiled its shape's code."""
-        return store.shared().made == self._made and not self.compiling
-
-    @property
-    def feeds_again(self) -> bool:
-        """Whether a rollback may feed tokens again (recurrent state not computed step by step): a second pass."""
-        return self.recurrent and self.stepwise is None
-
-    def _pass_length(self, num_tokens: int) -> int:
-        """Recurrent state: how many tokens the last pass fed, which a rollback of ``num_tokens`` must not exceed."""
-        fed = len(self._undo[1]) if self._undo is not None else self.stepwise.tokens() if self.stepwise else 0
-        if num_tokens > fed:
-            raise UnsupportedModelError(
-                f"{describe(self.model)} keeps recurrent state, which specula rolls back only within the last pass "
-                f"(here {num_tokens} tokens back); use it as the target, one request at a time."
-            )
-        return fed
-
-    def _undo_last_pass(self, num_tokens: int) -> None:
-        """Recurrent state: undo the last pass, then feed its first tokens again, all but the last ``num_tokens``."""
-        self._pass_length(num_tokens)
-        kept, fed = self._undo
-        crop_attention(self.cache, len(fed))
-        restore(self.cache, kept)
-        self.cached_tokens -= len(fed)
-        if len(fed) > num_tokens:
-            self.forward(fed[: len(fed) - num_tokens], 1)
-        self._undo = None
+def cached_model(
+    model: torch.nn.Module,
+    *,
+    slots: int = 1,
+    trees: bool = False,
+    compiled: str | None = None,
+    max_width: int = 65,
+    positions: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **options,
+) -> CachedModel:
+    """The cache shape for ``slots`` requests at once: :class:`RaggedRows` where there are several, where a row's
+    blocks may be ``trees`` or where passes run ``compiled``; else :class:`OneSequence` (``positions`` and
+    ``attention_mask`` are its). ``options``: :class:`CachedModel`'s."""
+    if slots > 1 or trees or compiled:
+        return RaggedRows(model, slots=slots, compiled=compiled, max_width=max_width, **options)
+    return OneSequence(model, positions=positions, attention_mask=attention_mask, **options)

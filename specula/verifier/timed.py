@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..machine.timing import lower_median, time_pass
-from .runner import CachedModel
+from .runner import CachedModel, RaggedRows, cached_model
 from .support import UnsupportedModelError, fit_context, model_device, vocab_size
 
 
@@ -33,10 +33,8 @@ def width_costs(
     ).to(device)
     seconds: dict[int, list[float]] = {width: [] for width in widths}
     try:
-        target = CachedModel(
+        target = cached_model(
             model,
-            None,
-            None,
             rollback=True,
             capacity=len(ids) + 1,
             slots=rows,
@@ -74,17 +72,7 @@ class BatchRates:
         self.text = torch.randint(0, vocab_size(model), (longest,), generator=torch.Generator().manual_seed(0))
         self.text = self.text.to(self.device)
         self.target, self.alone = (
-            CachedModel(
-                model,
-                None,
-                None,
-                rollback=True,
-                capacity=longest + 1,
-                row_exact=exact,
-                slots=slots,
-                ragged=True,
-                cheap_steps=not exact,
-            )
+            RaggedRows(model, rollback=True, capacity=longest + 1, row_exact=exact, slots=slots, cheap_steps=not exact)
             for slots in (largest, 1)
         )  # (raises UnsupportedModelError for a model that cannot be batched)
         self.alone.start_row(0, self.text)

@@ -11,7 +11,7 @@ from transformers.cache_utils import DynamicLayer
 from specula.machine.memory import resident_bytes
 from specula.verifier import runner
 from specula.verifier.cache_layers import PreallocatedLayer
-from specula.verifier.runner import CachedModel
+from specula.verifier.runner import OneSequence, RaggedRows
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
@@ -23,8 +23,8 @@ def test_preallocated_cache_matches_dynamic_cache(name, monkeypatch):
     model = tiny_model(name)
     generator = torch.Generator().manual_seed(1)
     blocks = [torch.randint(3, VOCAB, (length,), generator=generator) for length in (9, 1, 4, 6, 1, 3, 5, 2)]
-    preallocated = CachedModel(model, None, None, rollback=True, capacity=5)
-    dynamic = CachedModel(model, None, None, rollback=True)
+    preallocated = OneSequence(model, rollback=True, capacity=5)
+    dynamic = OneSequence(model, rollback=True)
     dynamic.cache = DynamicCache(config=model.config)
     dynamic.cache.activate_past_recording()
     for block in blocks:
@@ -53,8 +53,8 @@ def test_the_room_a_long_request_took_is_given_back_when_it_leaves() -> None:
     it (up to fp32 rounding: views of other lengths)."""
     model = tiny_model("llama")
     ids = torch.randint(3, VOCAB, (400,), generator=torch.Generator().manual_seed(0))
-    target = CachedModel(model, None, None, rollback=True, capacity=16, slots=2, ragged=True)
-    alone = CachedModel(model, None, None, rollback=True, capacity=16, slots=2, ragged=True)  # (no long row)
+    target = RaggedRows(model, rollback=True, capacity=16, slots=2)
+    alone = RaggedRows(model, rollback=True, capacity=16, slots=2)  # (no long row)
     for cached in (target, alone):
         cached.start_row(0, ids[:10])
     target.start_row(1, ids)
@@ -74,8 +74,8 @@ def test_buffers_hold_the_rows_in_use_not_every_slot() -> None:
     again; the rows that stay compute what they would have alone (up to fp32 rounding: views of other shapes)."""
     model = tiny_model("llama")
     ids = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(0))
-    target = CachedModel(model, None, None, rollback=True, capacity=64, slots=8, ragged=True)
-    alone = CachedModel(model, None, None, rollback=True, capacity=64, slots=8, ragged=True)
+    target = RaggedRows(model, rollback=True, capacity=64, slots=8)
+    alone = RaggedRows(model, rollback=True, capacity=64, slots=8)
     alone.start_row(0, ids[:10])
     target.start_row(0, ids[:10])
     layer = target.cache.layers[0]

@@ -15,7 +15,7 @@ import specula
 from specula.machine import store, timing
 from specula.verifier import gqa as gqa_module
 from specula.verifier.gqa import unrepeated_kv_heads
-from specula.verifier.runner import CachedModel
+from specula.verifier.runner import OneSequence, RaggedRows
 
 PROMPT = torch.tensor([[1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8] * 2])
 
@@ -39,7 +39,7 @@ def test_the_same_logits_as_with_repeated_heads(name, calls) -> None:
     assert model.config.num_key_value_heads < model.config.num_attention_heads
     logits = []
     for unrepeated in (False, True):
-        runner = CachedModel(model, None, None, rollback=True, capacity=64, row_exact=False)
+        runner = OneSequence(model, rollback=True, capacity=64, row_exact=False)
         runner.unrepeated = unrepeated
         runner.start_row(0, PROMPT[0, :20])
         logits.append(runner.forward_rows([PROMPT[0, 20:28]], [8])[0])
@@ -53,7 +53,7 @@ def test_a_batch_of_trees_the_same_as_with_repeated_heads(calls) -> None:
     model = tiny_model("llama")
     logits = []
     for unrepeated in (False, True):
-        runner = CachedModel(model, None, None, rollback=True, capacity=64, row_exact=False, slots=2)
+        runner = RaggedRows(model, rollback=True, capacity=64, row_exact=False, slots=2)
         runner.unrepeated = unrepeated
         runner.start_row(0, PROMPT[0, :20])
         runner.start_row(1, PROMPT[0, 3:14])
@@ -103,7 +103,7 @@ def test_left_to_transformers_where_not_faster(fresh_store, monkeypatch, tmp_pat
 
     monkeypatch.setattr(gqa_module, "_grouped", dear)
     model = tiny_model("llama")
-    runner = CachedModel(model, None, None, rollback=True, capacity=64, row_exact=False)
+    runner = OneSequence(model, rollback=True, capacity=64, row_exact=False)
     runner.start_row(0, PROMPT[0, :20])
     runner.forward_rows([PROMPT[0, 20:28]], [8])
     timed = len(seen)

@@ -12,7 +12,7 @@ from architectures import sweep_prompts, tiny_causal_lm
 from helpers import Oracle, PartlyRight, TreeOracle
 
 import specula
-from specula.verifier.runner import CachedModel
+from specula.verifier.runner import OneSequence
 
 
 # qwen3_next: fed again; mamba and recurrent_gemma (states on its modules): step by step
@@ -20,12 +20,12 @@ from specula.verifier.runner import CachedModel
 def test_a_rollback_leaves_the_state_of_the_tokens_kept(model_type: str) -> None:
     model, prompt = tiny_causal_lm(model_type), sweep_prompts()[0][0]
     block = torch.tensor([7, 9, 11, 13])
-    target = CachedModel(model, None, None, rollback=True)
+    target = OneSequence(model, rollback=True)
     target.forward(prompt, 1)
     target.forward(block, 4)
     target.rollback(2)  # keeps 7, 9
     after = target.forward(torch.tensor([5]), 1)
-    alone = CachedModel(model, None, None, rollback=True)
+    alone = OneSequence(model, rollback=True)
     alone.forward(torch.cat([prompt, block[:2]]), 1)
     expected = alone.forward(torch.tensor([5]), 1)
     torch.testing.assert_close(after, expected, rtol=0, atol=1e-5)
@@ -34,7 +34,7 @@ def test_a_rollback_leaves_the_state_of_the_tokens_kept(model_type: str) -> None
 
 @pytest.mark.parametrize("model_type", ["mamba2", "zamba"])
 def test_a_rollback_past_the_last_pass_is_refused(model_type: str) -> None:
-    target = CachedModel(tiny_causal_lm(model_type), None, None, rollback=True)
+    target = OneSequence(tiny_causal_lm(model_type), rollback=True)
     target.forward(sweep_prompts()[0][0], 1)
     target.forward(torch.tensor([7, 9]), 2)
     with pytest.raises(specula.UnsupportedModelError, match="rolls back only within the last pass"):

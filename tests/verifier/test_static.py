@@ -12,7 +12,7 @@ from tiny_models import VOCAB, tiny_model
 import specula
 from specula.hf.inputs import left_padded
 from specula.verifier import static
-from specula.verifier.runner import CachedModel
+from specula.verifier.runner import CachedModel, RaggedRows
 from specula.verifier.support import UnsupportedModelError
 
 
@@ -93,7 +93,7 @@ def test_no_pass_compiles_again_within_its_bucket(traced, monkeypatch, padded):
     if not padded:
         monkeypatch.setattr("specula.verifier.runner.bucket_of", lambda size, sizes: size)
     model = tiny_model("llama")
-    target = CachedModel(model, None, None, rollback=True, capacity=100, slots=4, compiled=static.ALWAYS, max_width=9)
+    target = RaggedRows(model, rollback=True, capacity=100, slots=4, compiled=static.ALWAYS, max_width=9)
     for row, prompt in enumerate(prompts(20, 12, 30, 7)):
         target.start_row(row, prompt)
     passes(target, [8, 2, 4], rows=4)  # the buckets of 4 rows x 8, 2 and 4 tokens
@@ -108,7 +108,7 @@ def test_no_pass_compiles_again_within_its_bucket(traced, monkeypatch, padded):
 def test_a_full_cache_grows_between_passes(traced):
     """A row that outgrows the cache's capacity doubles it (a new shape, compiled once) and decodes on."""
     model = tiny_model("llama")
-    target = CachedModel(model, None, None, rollback=True, capacity=30, compiled=static.ALWAYS, max_width=4)
+    target = RaggedRows(model, rollback=True, capacity=30, compiled=static.ALWAYS, max_width=4)
     target.start_row(0, prompts(28)[0])
     passes(target, [4] * 6)
     assert {shape[2] for shape in target.compiled.shapes} == {32, 64}
@@ -117,7 +117,7 @@ def test_a_full_cache_grows_between_passes(traced):
 def test_models_with_recurrent_state_are_refused_clearly():
     model = tiny_model("llama")
     with pytest.raises(UnsupportedModelError, match="compiled passes.*compile=False"):
-        CachedModel(model, None, None, rollback=True, row_exact=True, compiled=static.ALWAYS)
+        RaggedRows(model, rollback=True, row_exact=True, compiled=static.ALWAYS)
     with pytest.raises(ValueError, match="cannot be combined with exact=True"):
         specula.generate(
             model, prompts(10)[0][None], specula.PromptLookup(), max_new_tokens=4, compile=True, exact=True
@@ -191,12 +191,12 @@ def test_by_default_each_bucket_runs_compiled_where_that_measured_cheaper(traced
         return costs[(ran[-1], width)]
 
     monkeypatch.setattr(runner, "time_pass", fake_time_pass)
-    static_pass, eager_pass = CachedModel._forward_static, CachedModel._forward_eager
-    monkeypatch.setattr(CachedModel, "_forward_static", lambda *a, **k: ran.append("compiled") or static_pass(*a, **k))
-    monkeypatch.setattr(CachedModel, "_forward_eager", lambda *a, **k: ran.append("eager") or eager_pass(*a, **k))
+    static_pass, eager_pass = RaggedRows._forward_static, RaggedRows._forward_eager
+    monkeypatch.setattr(RaggedRows, "_forward_static", lambda *a, **k: ran.append("compiled") or static_pass(*a, **k))
+    monkeypatch.setattr(RaggedRows, "_forward_eager", lambda *a, **k: ran.append("eager") or eager_pass(*a, **k))
     model = tiny_model("llama")
     for _ in range(2):
-        target = CachedModel(model, None, None, rollback=True, capacity=60, compiled=static.WHERE_CHEAPER, max_width=8)
+        target = RaggedRows(model, rollback=True, capacity=60, compiled=static.WHERE_CHEAPER, max_width=8)
         target.start_row(0, prompts(20)[0])
         for tokens in (8, 1, 6, 1):
             width = 8 if tokens > 1 else 1
@@ -229,7 +229,7 @@ def test_a_model_that_ran_compiled_passes_is_freed_with_its_last_reference(trace
     import weakref
 
     model = tiny_model("llama")
-    target = CachedModel(model, None, None, rollback=True, capacity=40, compiled=static.ALWAYS, max_width=4)
+    target = RaggedRows(model, rollback=True, capacity=40, compiled=static.ALWAYS, max_width=4)
     target.start_row(0, prompts(10)[0])
     passes(target, [3])
     gone = weakref.ref(model)
