@@ -116,7 +116,7 @@ class TreeOracle(specula.Proposer):
                 tokens += [(right[0] + offset) % self.vocab, 7]
                 parents += [-1, len(tokens) - 2]
         draft = specula.Draft(tokens, parents=parents)
-        return draft.cut(max_tokens)
+        return draft.to_depth(max_tokens)
 
 
 class Recorder(specula.Proposer):

@@ -13,7 +13,7 @@ from typing import NoReturn
 
 from ..hf.registry import check_proposer
 from ..jobs.answers import AnswerFile
-from ..jobs.requests import BadRequest, file_shape, load_workloads, model_name, unique_requests
+from ..jobs.requests import BadRequest, Shape, file_shape, load_workloads, model_name, unique_requests
 
 
 def check(args: argparse.Namespace) -> None:
@@ -63,7 +63,7 @@ def _check_requests(path: Path, strict: bool, model: str) -> bool:
     it is loaded, still before any decoding). ``model``: the name requests may give the model. Returns whether
     it is a Batch API file."""
     try:
-        batch_api = bool(file_shape(path))
+        batch_api = file_shape(path) is Shape.BATCH_API
     except ValueError as error:
         raise SystemExit(f"error: --input {error}") from None
     lines = bad = 0

@@ -25,6 +25,10 @@ class Draft:
             verified token), always below ``i``; siblings are tried in their order, so put the likelier first, and
             they must differ. ``None`` (or ``[-1, 0, 1, ..]``) is a chain. Tree ``[-1, 0, 0, -1]`` over tokens
             ``[a, b, c, d]``: ``a b`` or ``a c`` or ``d``.
+
+    Trimming, by what each keeps: :meth:`first` the first ``n`` tokens by index (a count), :meth:`to_depth` the
+    tokens at most ``d`` deep (a depth: of a chain, the same as :meth:`first`), :meth:`select` the tokens of given
+    indices, :meth:`chain` a tree's first branch (:meth:`first_branch`: its indices).
     """
 
     tokens: torch.Tensor
@@ -60,7 +64,7 @@ class Draft:
         """Each token's parent (``-1``: the last verified token); ``[-1, 0, 1, ..]`` for a chain."""
         return list(range(-1, len(self) - 1)) if self.parents is None else list(self.parents)
 
-    def head(self, num_tokens: int) -> "Draft":
+    def first(self, num_tokens: int) -> "Draft":
         """The first ``num_tokens`` tokens (and their probabilities): of a tree, the tree they form."""
         if num_tokens >= len(self):
             return self
@@ -68,10 +72,10 @@ class Draft:
         parents = None if self.parents is None else self.parents[:num_tokens]
         return Draft(self.tokens[:num_tokens], probs, self.source, parents)
 
-    def cut(self, depth: int) -> "Draft":
+    def to_depth(self, depth: int) -> "Draft":
         """The tokens at most ``depth`` deep (the first ``depth`` of a chain): what ``max_tokens`` bounds."""
         if self.parents is None:
-            return self.head(depth)
+            return self.first(depth)
         depths: list[int] = []
         for parent in self.parents:
             depths.append(1 if parent < 0 else depths[parent] + 1)
@@ -97,7 +101,7 @@ class Draft:
     def select(self, indices: Sequence[int]) -> "Draft":
         """The draft of these tokens (ascending indices, each with its parent): of a chain, its first ones."""
         if list(indices) == list(range(len(indices))):
-            return self.head(len(indices))
+            return self.first(len(indices))
         where = {old: new for new, old in enumerate(indices)}
         parents = [-1 if self.parents[i] < 0 else where[self.parents[i]] for i in indices]
         probs = None if self.probs is None else self.probs[list(indices)]

@@ -77,7 +77,7 @@ def _checked(proposer: Proposer, draft: object, budget: int, vocab: int, where: 
     """``draft`` cut to ``budget`` tokens, after checking it is a :class:`Draft` of the target's token ids."""
     if not isinstance(draft, Draft):
         raise TypeError(f"{proposer!r}.propose(){where} must return a specula.Draft, got {type(draft).__name__}.")
-    draft = draft.cut(budget)
+    draft = draft.to_depth(budget)
     if len(draft) and (int(draft.tokens.min()) < 0 or int(draft.tokens.max()) >= vocab):
         bad = int(draft.tokens.min()) if int(draft.tokens.min()) < 0 else int(draft.tokens.max())
         raise ValueError(
@@ -107,7 +107,7 @@ def propose(
     if not asks:
         proposed, seconds = [Draft.empty()] * len(rows), [None] * len(rows)
     else:
-        budgets = policy.budgets([row.drafting for row in rows], [row.sequence.room - 1 for row in rows])
+        budgets = policy.budgets([row.policy_state for row in rows], [row.sequence.room - 1 for row in rows])
         proposed, one_call = (
             _proposed(proposer, rows, budgets, vocab, batched)
             if proposer is not None
@@ -124,7 +124,7 @@ def propose(
             row.stats.draft_time_s += asked or 0.0
         if not takes_trees:  # (trees need their own masks, and no recurrent state)
             proposed = [draft.chain() for draft in proposed]
-    picks = policy.trim([row.drafting for row in rows], proposed, seconds)
+    picks = policy.trim([row.policy_state for row in rows], proposed, seconds)
     return proposed, [draft.select(tokens) for draft, tokens in zip(proposed, picks)]
 
 
@@ -159,8 +159,8 @@ class Row:
     """One request being decoded: its sequence, its id for the proposer, what the draft policy keeps for it, its
     counters."""
 
-    def __init__(self, job: Job, drafting: object) -> None:
-        self.job, self.drafting, self.sampling = job, drafting, job.sampling
+    def __init__(self, job: Job, policy_state: object) -> None:
+        self.job, self.policy_state, self.sampling = job, policy_state, job.sampling
         self.request_id = next(_REQUEST_IDS)
         self.sequence = Sequence(job.prompt, job.max_new_tokens, job.eos_token_ids, job.stopping_criteria)
         self.stats = SpecStats(prompt_tokens=len(job.prompt))
@@ -235,7 +235,9 @@ class Decoder:
         self._trees = getattr(proposer, "proposes_trees", False)  # hold a single request as a batch row
         self.exactness: Exactness | None = None  # (chosen by prepare())
         self.policy: DraftPolicy | None = None
-        self._keep = None
+        self._save_costs = None  # (what stores the run's measured pass costs, where they decide: prepare())
+        self.row_exact = False  # (row-exact verification: prepare())
+        self.compiles: str | None = None  # (passes compiled: prepare())
 
     def prepare(self) -> Decoder:
         """Measure what the loop decides by, where this machine has not yet (:meth:`run` calls it before its first
@@ -245,13 +247,13 @@ class Decoder:
         is not taken for what passes cost.)"""
         if self.policy is not None:
             return self
-        model, slots, verifies = self.model, self.slots, self.wide_passes
+        model, slots, wide = self.model, self.slots, self.wide_passes
         self.exactness = (
             Exactness(False, reason="compiled passes verify the ordinary way")
-            if self.compile and self.exact is None and verifies
-            else choose(model, self.exact, verifies)
+            if self.compile and self.exact is None and wide
+            else choose(model, self.exact, wide)
         )
-        self.row_exact = verifies and self.exactness.exact
+        self.row_exact = wide and self.exactness.exact
         self.compiles = compiles(model, self.compile, self.row_exact)
         if self.row_exact:  # (built here, kept with the model: no pass of the run measures them)
             row_exact_for(model)
@@ -265,26 +267,26 @@ class Decoder:
         # pass with a row whose drafts are drawn at random (sampled, from a sampling drafter), acceptance alone.
         timed = self.row_exact or not is_half_precision(model)
         setting = (model_device(model), getattr(model, "dtype", None))
-        kept = functools.cache(functools.partial(kept_pass_costs, model, MAX_DRAFT, compiled=self.compiles))
-        if self.adaptive_draft and not timed and verifies:
+        stored_costs = functools.cache(functools.partial(kept_pass_costs, model, MAX_DRAFT, compiled=self.compiles))
+        if self.adaptive_draft and not timed and wide:
             for rows in range(1, slots + 1):  # (measured now, where they were not kept: not in a pass)
-                kept(rows)
+                stored_costs(rows)
 
         def costs(rows: int) -> PassCosts | None:  # measured while decoding, or kept, or none
             return (
                 shared_pass_costs(model, setting, MAX_DRAFT, rows)
                 if timed
-                else kept(rows)
-                if self.adaptive_draft and verifies
+                else stored_costs(rows)
+                if self.adaptive_draft and wide
                 else None
             )
 
         self.policy = AdaptiveDrafts(MAX_DRAFT, timed, costs) if self.adaptive_draft else FixedDrafts(MAX_DRAFT)
         self._guard = DraftGuard() if timed and self.adaptive_draft else None
         # (measured costs are kept for the next process)
-        self._keep = (
+        self._save_costs = (
             functools.partial(keep_pass_costs, model, setting, MAX_DRAFT)
-            if timed and self.adaptive_draft and verifies
+            if timed and self.adaptive_draft and wide
             else None
         )
         store.shared().tell()
@@ -375,8 +377,8 @@ class Decoder:
             for row in rows:
                 if row is not None and not row.finished:
                     self._finish(row)
-            for count in range(1, self.slots + 1) if self._keep else ():
-                self._keep(count)
+            for count in range(1, self.slots + 1) if self._save_costs else ():
+                self._save_costs(count)
 
     def _fill(self, rows: list[Row | None], jobs: Iterator[Job]) -> Iterator[tuple[Row, list[int]]]:
         """Start requests in the free slots; one may end with its first token (the next one then takes the slot)."""
@@ -468,7 +470,9 @@ class Decoder:
         if not self._target.timed:  # (it calibrated or compiled kernels)
             seconds = None
         width = max(map(len, blocks))  # (every row is computed this wide)
-        self.policy.learn(Pass([row.drafting for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds))
+        self.policy.learn(
+            Pass([row.policy_state for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds)
+        )
         self.estimate.record(len(rows), width, seconds)
         if seconds is not None and self._guard is not None:
             self._guard.record(

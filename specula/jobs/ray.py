@@ -41,7 +41,16 @@ from ..hf.registry import proposer_factory
 from .answer_lines import error_line
 from .answerer import Answerer, Settings
 from .answers import AnswerFile, InputOrder, StopOnInterrupt, Tally
-from .requests import BadRequest, Request, answer_key, file_shape, model_name, parse_request, unique_requests
+from .requests import (
+    BadRequest,
+    Request,
+    Shape,
+    answer_key,
+    file_shape,
+    model_name,
+    parse_request,
+    unique_requests,
+)
 
 RAY_BATCH = 64  # requests a worker takes at once, decoded up to settings.batch_size at a time (continuous batching)
 
@@ -182,7 +191,7 @@ def _write_answers(
     """Write the answers in input order as they arrive (:class:`InputOrder`) and report the bad lines and the
     requests the workers skipped (a Batch API line's: an error line in its place), until all are in or ``stop`` is
     requested; a worker's error is a ``ValueError`` with its own last line."""
-    order, batch_api = InputOrder(output, tally), file_shape(input_path)
+    order, batch_api = InputOrder(output, tally), file_shape(input_path) is Shape.BATCH_API
     lines = dict(requests)  # line number -> its request
     for number in lines:
         order.expect(number)

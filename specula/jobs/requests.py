@@ -15,6 +15,7 @@ silently ignored. Nothing here needs torch, so the command line reads every line
 from __future__ import annotations
 
 import difflib
+import enum
 import json
 import math
 from collections.abc import Iterator
@@ -80,14 +81,22 @@ _OWN_FIELDS = ("id", "messages", "prompt", "prediction", "model")
 _KNOWN = set(SETTINGS) | set(DEFAULT_ONLY) | set(NO_EFFECT) | set(_OWN_FIELDS)
 
 
-class BadRequest(ValueError):
-    """A line of a requests file that is not a request; its message says where (``path:line``) and why. ``batch``:
-    whether the line has the Batch API's shape (``None``: neither shape), ``id`` its ``custom_id`` where it could be
-    read, for the error line that answers it."""
+class Shape(enum.Enum):
+    """What a request line looks like: specula's own (``messages`` or ``prompt``), an OpenAI Batch API line, or
+    neither (a line too broken to say)."""
 
-    def __init__(self, message: str, id: object = None, batch: bool | None = None) -> None:
+    OWN = "specula's own request lines"
+    BATCH_API = "OpenAI Batch API lines"
+    NEITHER = "neither"
+
+
+class BadRequest(ValueError):
+    """A line of a requests file that is not a request; its message says where (``path:line``) and why. ``shape``:
+    what the line looks like, ``id`` its ``custom_id`` where it could be read, for the error line that answers it."""
+
+    def __init__(self, message: str, id: object = None, shape: Shape = Shape.NEITHER) -> None:
         super().__init__(message)
-        self.id, self.batch = id, batch
+        self.id, self.shape = id, shape
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,10 @@ class Request:
         """Whether it is a Batch API line (answered with a Batch API output line)."""
         return self.url is not None
 
+    @property
+    def shape(self) -> Shape:
+        return Shape.BATCH_API if self.batch else Shape.OWN
+
 
 def read_requests(path: Path, model: str | None = None) -> Iterator[tuple[int, Request | BadRequest]]:
     """(line number, request) for every non-empty line of a JSONL file of requests; a line that is not a request
@@ -132,7 +145,8 @@ def parse_request(data: object, number: int, model: str | None = None, where: st
     """Line ``number``'s JSON value as a :class:`Request`, or a :class:`BadRequest` saying why it is not one
     (``where`` prefixes its message)."""
     batch = isinstance(data, dict) and any(key in data for key in BATCH_KEYS)
-    shape = True if batch else False if isinstance(data, dict) and ("messages" in data or "prompt" in data) else None
+    own = isinstance(data, dict) and ("messages" in data or "prompt" in data)
+    shape = Shape.BATCH_API if batch else Shape.OWN if own else Shape.NEITHER
     try:
         request = _batch_request(data, number) if batch else _own_request(data, number)
         if model is not None and request.model is not None and not names_model(request.model, model):
@@ -351,25 +365,25 @@ def unique_requests(path: Path, model: str | None = None) -> Iterator[tuple[int,
                     f'request its own "{name}"'
                     + ("" if request.batch else " (a line without one is known by its line number)"),
                     None,
-                    request.batch,
+                    request.shape,
                 )  # (its custom_id: an earlier line's answer has it)
             first.setdefault(key, number)
         yield number, request
 
 
-def file_shape(path: Path) -> bool | None:
-    """Whether the request file holds OpenAI Batch API lines (``True``) or specula's own (``False``; ``None``: no
-    line says); a ``ValueError`` where it mixes the two, naming a line of each."""
-    seen: dict[bool, int] = {}
+def file_shape(path: Path) -> Shape:
+    """What the request file's lines look like (:attr:`Shape.NEITHER`: no line says); a ``ValueError`` where it
+    mixes OpenAI Batch API lines with specula's own, naming a line of each."""
+    seen: dict[Shape, int] = {}
     for number, request in read_requests(path):
-        if request.batch is not None:
-            seen.setdefault(request.batch, number)
+        if request.shape is not Shape.NEITHER:
+            seen.setdefault(request.shape, number)
     if len(seen) == 2:
         raise ValueError(
-            f"{path} mixes OpenAI Batch API lines (line {seen[True]}) with specula's own request lines "
-            f"(line {seen[False]}); one file holds one shape"
+            f"{path} mixes OpenAI Batch API lines (line {seen[Shape.BATCH_API]}) with specula's own request lines "
+            f"(line {seen[Shape.OWN]}); one file holds one shape"
         )
-    return next(iter(seen), None)
+    return next(iter(seen), Shape.NEITHER)
 
 
 def load_workloads(directory: Path, limit: int, names: list[str] | None = None) -> dict[str, list[Request]]:

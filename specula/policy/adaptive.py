@@ -47,16 +47,16 @@ if TYPE_CHECKING:
 
 
 def choose_lengths(
-    rows: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray], costs: PassCosts | None
+    states: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray], costs: PassCosts | None
 ) -> list[int]:
     """How many draft tokens each row of a pass sends: ``chances[r]`` holds ``P_1, P_2 ..`` for the tokens row ``r``
-    has, ``costs`` the measured pass costs for ``len(rows)`` rows (``None``: untimed, every pass costs the same).
-    See :func:`_choice`."""
-    return _choice(rows, chances, costs)[0]
+    has (``states[r]``: its policy state), ``costs`` the measured pass costs for ``len(states)`` rows (``None``:
+    untimed, every pass costs the same). See :func:`_choice`."""
+    return _choice(states, chances, costs)[0]
 
 
 def _choice(
-    rows: Sequence["RequestAcceptance"],
+    states: Sequence["RequestAcceptance"],
     chances: Sequence[np.ndarray],
     costs: PassCosts | None,
     tree: bool = False,
@@ -75,16 +75,16 @@ def _choice(
     ``2.0, 2.69, 1.98`` tokens per second, so ``m = 1``: ``[1, 1]``.
     """
     usable = [
-        chance[: int(np.sum(chance >= row.min_chance)) if len(chance) and chance[0] >= row.min_chance else 0]
-        for row, chance in zip(rows, chances)
+        chance[: int(np.sum(chance >= state.min_chance)) if len(chance) and chance[0] >= state.min_chance else 0]
+        for state, chance in zip(states, chances)
     ]
-    longest = min(max(map(len, usable), default=0), max(row.max_draft for row in rows))
+    longest = min(max(map(len, usable), default=0), max(state.max_draft for state in states))
     if costs is not None:
         longest = min(longest, costs.explored_width(tree))
     widths = np.arange(longest + 1)  # m
-    expected = len(rows) + sum(np.concatenate([[0.0], np.cumsum(c)])[np.minimum(widths, len(c))] for c in usable)
-    seconds = np.ones(len(widths)) if costs is None else costs.seconds(tree)[len(rows) * widths]
-    rates = expected / (seconds + sum(row.draft_seconds for row in rows))
+    expected = len(states) + sum(np.concatenate([[0.0], np.cumsum(c)])[np.minimum(widths, len(c))] for c in usable)
+    seconds = np.ones(len(widths)) if costs is None else costs.seconds(tree)[len(states) * widths]
+    rates = expected / (seconds + sum(state.draft_seconds for state in states))
     best = int(np.argmax(rates))  # the first maximum: ties go to fewer tokens
     probed = None
     if width is not None:
@@ -96,7 +96,7 @@ def _choice(
 
 
 def budgets(
-    rows: Sequence["RequestAcceptance"], remaining: Sequence[int], costs: PassCosts | None, probe: bool = False
+    states: Sequence["RequestAcceptance"], remaining: Sequence[int], costs: PassCosts | None, probe: bool = False
 ) -> tuple[list[int], int | None]:
     """How many tokens to ask each row's proposer for (0: do not ask), ``remaining`` the room each row has left,
     and, with ``probe``, the width of a stale cost to measure again this pass (``None``: none). While a row's
@@ -104,12 +104,12 @@ def budgets(
     the pass will reveal for free, when asking is cheap. When not: a one-token probe that is never sent, rationed
     to ``probe_budget`` of the row's share of a plain pass."""
     hopes = [
-        np.max([row.chances(source) for source in row.acceptance or [None]], axis=0)[: max(left, 0)]
-        for row, left in zip(rows, remaining)
+        np.max([state.chances(source) for source in state.acceptance or [None]], axis=0)[: max(left, 0)]
+        for state, left in zip(states, remaining)
     ]
-    best, _, probed = _choice(rows, hopes, costs, probe=probe)
-    share = 1.0 if costs is None else costs.seconds()[0] / len(rows)
-    return [row.ask(k, left, share) for row, k, left in zip(rows, best, remaining)], probed
+    best, _, probed = _choice(states, hopes, costs, probe=probe)
+    share = 1.0 if costs is None else costs.seconds()[0] / len(states)
+    return [state.ask(k, left, share) for state, k, left in zip(states, best, remaining)], probed
 
 
 class AdaptiveDrafts:

@@ -89,7 +89,7 @@ def walk(
         proposed, sent = propose(policy, requests, [row], vocab, batched=False, takes_trees=True)
         new = output[done : done + len(sent[0].path(output[done:])) + 1]
         cost = float(costs[min(len(sent[0]), len(costs) - 1)])
-        policy.learn(Pass([row.drafting], proposed, sent, [new], len(sent[0]) + 1, cost))
+        policy.learn(Pass([row.policy_state], proposed, sent, [new], len(sent[0]) + 1, cost))
         advance(row, requests, new, sent[0])
         passes, drafted, seconds = passes + 1, drafted + len(sent[0]), seconds + cost
     requests.stop_request(row.request_id)

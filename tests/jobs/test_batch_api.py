@@ -17,7 +17,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 from specula import cli
 from specula.hf import loading
 from specula.jobs.answerer import Answerer, Settings
-from specula.jobs.requests import BadRequest, Request, file_shape, model_name, parse_request
+from specula.jobs.requests import BadRequest, Request, Shape, file_shape, model_name, parse_request
 
 PROMPT = "the quick brown fox jumps over the lazy dog the quick brown fox"
 NEW = 10
@@ -87,7 +87,8 @@ def test_a_field_specula_cannot_honour_makes_a_bad_line_naming_it(fields, proble
     request = parse_request(data, 3, model_name(None), where="in.jsonl:3")
     assert isinstance(request, BadRequest)
     assert re.match(f"in.jsonl:3: (body: )?{problem}", str(request)), str(request)
-    assert request.batch is (shape == "batch") and request.id == ("r1" if shape == "batch" else None)
+    assert request.shape is (Shape.BATCH_API if shape == "batch" else Shape.OWN)
+    assert request.id == ("r1" if shape == "batch" else None)
 
 
 @pytest.mark.parametrize(
@@ -195,7 +196,7 @@ def test_a_file_mixing_the_shapes_is_an_error_before_the_model_loads(tmp_path, n
         cli.main(["generate", "--input", str(path), "--output", str(tmp_path / "out.jsonl")])
     assert not (tmp_path / "out.jsonl").exists()
     path.write_text(json.dumps(batch_line("a", chat())) + "\n" + json.dumps({"custom_id": "b"}) + "\n")
-    assert file_shape(path) is True
+    assert file_shape(path) is Shape.BATCH_API
 
 
 @pytest.fixture
