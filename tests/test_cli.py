@@ -16,7 +16,7 @@ from tiny_models import tiny_tokenizer
 
 import specula
 import specula.decoding.loop
-import specula.jobs.answerer
+import specula.jobs.decode
 import specula.verifier.runner
 from specula import cli
 from specula.cli import commands
@@ -604,7 +604,7 @@ def test_generate_passes_the_exactness_choice(model_folder, tmp_path, monkeypatc
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(commands, "generate", recording)
-    monkeypatch.setattr(specula.jobs.answerer, "Decoder", Recording)
+    monkeypatch.setattr(specula.jobs.decode, "Decoder", Recording)
     (tmp_path / "in.jsonl").write_text(REQUESTS[0] + "\n")
     run_cli(
         "generate",
@@ -656,7 +656,7 @@ def test_generate_passes_the_compile_choice(model_folder, tmp_path, monkeypatch,
         seen.append(kwargs["compile"])
         return specula.generate(*args, **kwargs)
 
-    monkeypatch.setattr(specula.jobs.answerer, "Decoder", Recording)
+    monkeypatch.setattr(specula.jobs.decode, "Decoder", Recording)
     monkeypatch.setattr(commands, "generate", recording)
     (tmp_path / "in.jsonl").write_text("\n".join(REQUESTS[:2]) + "\n")
     answers = {}

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..hf.registry import check_proposer
-from ..jobs.answers import AnswerFile
+from ..jobs.answer_file import AnswerFile
 from ..jobs.requests import BadRequest, Shape, file_shape, load_workloads, model_name, unique_requests
 
 

@@ -20,9 +20,9 @@ from ..decoding.loop import Decoder
 from ..hf.generate import generate
 from ..hf.loading import ModelNotFoundError, load_model
 from ..hf.registry import proposer_factory
-from ..jobs.answer_lines import error_line
-from ..jobs.answerer import Answerer, Settings, batch_size, cache_budget, named
-from ..jobs.answers import AnswerFile, InputOrder, StopOnInterrupt, Tally, report_skipped
+from ..jobs.answer_file import AnswerFile, InputOrder, StopOnInterrupt, Tally, report_skipped
+from ..jobs.decode import Answerer, Settings, batch_size, cache_budget, named
+from ..jobs.line_formats import error_line
 from ..jobs.requests import BadRequest, Request, answer_key, encode, model_name, read_requests, unique_requests
 from ..proposers.kernels import warm_up
 from ..tools.bench import BenchInterrupted, format_table, one_at_a_time, run_batch_sizes, run_bench

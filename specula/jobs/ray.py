@@ -5,8 +5,8 @@ back to this process and are written as they arrive, with the local run's fields
 
 Python::
 
-    from specula.jobs.answerer import Settings
-    from specula.jobs.answers import AnswerFile
+    from specula.jobs.decode import Settings
+    from specula.jobs.answer_file import AnswerFile
     from specula.jobs.ray import generate_with_ray
 
     with AnswerFile("answers.jsonl", resume=True) as output:
@@ -38,9 +38,9 @@ except ImportError as error:  # (the optional extra)
 
 from ..hf.loading import load_model, resolve_model
 from ..hf.registry import proposer_factory
-from .answer_lines import error_line
-from .answerer import Answerer, Settings
-from .answers import AnswerFile, InputOrder, StopOnInterrupt, Tally
+from .answer_file import AnswerFile, InputOrder, StopOnInterrupt, Tally
+from .decode import Answerer, Settings
+from .line_formats import error_line
 from .requests import (
     BadRequest,
     Request,

@@ -3,7 +3,7 @@ server-sent events), ``/v1/models`` and ``/health``, over an :class:`~specula.se
 
 A body is checked by the rules of request files (:func:`specula.jobs.requests.parse_request`, as a Batch API line
 of its endpoint), so every field, range and near miss is answered as there: HTTP 400 with OpenAI's error object,
-``param`` naming the field. Answers are the bodies Batch API output lines carry (:mod:`specula.jobs.answer_lines`).
+``param`` naming the field. Answers are the bodies Batch API output lines carry (:mod:`specula.jobs.line_formats`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
 from ..decoding.budget import CacheBudget, OverBudget
-from ..jobs.answerer import Settings, answer_of, job_of
+from ..jobs.decode import Settings, answer_of, job_of
 from ..jobs.requests import BadRequest, parse_request
 from ..machine.memory import resident_bytes
 from .engine import Engine

@@ -12,8 +12,8 @@ from helpers import hf_greedy
 
 from specula import cli
 from specula.hf import loading
-from specula.jobs import answerer as answerer_module
-from specula.jobs.answers import AnswerFile, InputOrder, Tally
+from specula.jobs import decode as decode_module
+from specula.jobs.answer_file import AnswerFile, InputOrder, Tally
 
 PROMPTS = [
     "alpha beta gamma delta alpha beta",
@@ -44,14 +44,14 @@ def early_end(model_folder, tmp_path_factory) -> Path:
 
 def test_answers_are_written_in_input_order_though_they_finish_out_of_it(early_end, tmp_path, monkeypatch) -> None:
     finished = []  # line numbers in the order the answerer gives them
-    call = answerer_module.Answerer.__call__
+    call = decode_module.Answerer.__call__
 
     def recording(self, requests, **kwargs):
         for request, answer in call(self, requests, **kwargs):
             finished.append(request.line)
             yield request, answer
 
-    monkeypatch.setattr(answerer_module.Answerer, "__call__", recording)
+    monkeypatch.setattr(decode_module.Answerer, "__call__", recording)
     lines = [json.dumps({"id": f"r{n}", "prompt": p}) for n, p in enumerate(PROMPTS)]
     lines.insert(3, "not a request")  # a skipped line between them
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")

@@ -16,7 +16,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 from specula import cli
 from specula.hf import loading
-from specula.jobs.answerer import Answerer, Settings
+from specula.jobs.decode import Answerer, Settings
 from specula.jobs.requests import BadRequest, Request, Shape, file_shape, model_name, parse_request
 
 PROMPT = "the quick brown fox jumps over the lazy dog the quick brown fox"

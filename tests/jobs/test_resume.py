@@ -13,7 +13,7 @@ import pytest
 
 from specula import cli
 from specula.cli import commands
-from specula.jobs.answers import AnswerFile
+from specula.jobs.answer_file import AnswerFile
 from specula.jobs.requests import answer_key
 
 WORDS = "the quick brown fox jumps over the lazy dog and def foo bar baz return print hello world".split()

@@ -1,5 +1,5 @@
-"""The answerer of specula generate: a measured batch size is measured again during a run, and a change of size
-loses and repeats no request."""
+"""specula generate's Answerer (specula.jobs.decode): a measured batch size is measured again during a run, and a
+change of size loses and repeats no request."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from tiny_models import tiny_model, tiny_tokenizer
 
 import specula
-from specula.jobs import answerer as answerer_module
-from specula.jobs.answerer import Answerer, Settings
+from specula.jobs import decode as decode_module
+from specula.jobs.decode import Answerer, Settings
 from specula.jobs.requests import parse_request
 from specula.machine import store
 from specula.policy import batch_size as batch_size_module
@@ -31,9 +31,9 @@ def test_a_measured_batch_size_is_measured_again_during_a_run(monkeypatch, remea
             built.append(slots)
             super().__init__(model, proposer, slots, **kwargs)
 
-    monkeypatch.setattr(answerer_module, "fastest_batch_size", fastest)
-    monkeypatch.setattr(answerer_module, "Decoder", Recording)
-    monkeypatch.setattr(answerer_module, "REMEASURE", 3)
+    monkeypatch.setattr(decode_module, "fastest_batch_size", fastest)
+    monkeypatch.setattr(decode_module, "Decoder", Recording)
+    monkeypatch.setattr(decode_module, "REMEASURE", 3)
     answerer = Answerer(
         tiny_model("llama"),
         tiny_tokenizer(),
@@ -52,8 +52,8 @@ def test_a_measured_batch_size_is_measured_again_during_a_run(monkeypatch, remea
 
 
 def test_a_batch_size_given_is_never_measured(monkeypatch) -> None:
-    monkeypatch.setattr(answerer_module, "fastest_batch_size", lambda *args, **kwargs: pytest.fail("measured"))
-    monkeypatch.setattr(answerer_module, "REMEASURE", 1)
+    monkeypatch.setattr(decode_module, "fastest_batch_size", lambda *args, **kwargs: pytest.fail("measured"))
+    monkeypatch.setattr(decode_module, "REMEASURE", 1)
     answerer = Answerer(
         tiny_model("llama"),
         tiny_tokenizer(),
@@ -75,7 +75,7 @@ def test_where_the_batch_size_changes_answers_it_is_measured_once_and_kept(
     nothing (row-exact, fp32), it is measured per run (the mutant measuring per run in ordinary bf16 fails)."""
     sizes = iter([2, 4, 4, 4])
     monkeypatch.setattr(batch_size_module, "fastest_batch_size", lambda model, largest, **kwargs: next(sizes))
-    monkeypatch.setattr(answerer_module, "fastest_batch_size", lambda model, largest, **kwargs: next(sizes))
+    monkeypatch.setattr(decode_module, "fastest_batch_size", lambda model, largest, **kwargs: next(sizes))
     requests = [
         parse_request({"id": n, "prompt": f"the quick brown fox {n} jumps over the lazy dog"}, n) for n in range(4)
     ]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .answer_lines import answer_stats, line_key
+from .line_formats import answer_stats, line_key
 
 
 def report_skipped(where: str) -> None:

@@ -20,7 +20,7 @@ from ..policy.batch_size import fastest_batch_size, kept_batch_size
 from ..verifier.exactness import choose
 from ..verifier.row_exact import is_half_precision
 from ..verifier.support import context_limit, model_device
-from .answer_lines import answer_line
+from .line_formats import answer_line
 from .requests import Request, encode, model_name
 
 FREE_SHARE = 0.5  # of the memory free at start, what the cache may take where --max-memory is not given
@@ -161,7 +161,7 @@ def _stats(stats, predicted: bool) -> dict:
 
 
 class Answerer:
-    """Decodes requests into answer lines (:mod:`specula.jobs.answer_lines`, in each request's shape), up to
+    """Decodes requests into answer lines (:mod:`specula.jobs.line_formats`, in each request's shape), up to
     ``settings.batch_size`` at a time in the same passes, each with its own settings, as ``specula.generate`` would
     decode it alone; a request that cannot be decoded (e.g. a prompt longer than the model's context) is passed to
     ``on_skip`` with its reason. Kept across calls, it keeps its proposer (an n-gram predictor keeps learning) and
@@ -189,7 +189,7 @@ class Answerer:
         self, requests: Iterable[Request], largest: int = 32, eager: bool = False
     ) -> Iterator[tuple[Request, dict]]:
         """(request, answer line) as requests finish (not in input order: see
-        :class:`specula.jobs.answers.InputOrder`). ``largest`` bounds the measured batch size;
+        :class:`specula.jobs.answer_file.InputOrder`). ``largest`` bounds the measured batch size;
         ``eager`` prepares every request before decoding any. A measured batch size is measured again every
         :data:`REMEASURE` requests (a busy moment at start must not fix it for the whole run); where it changed, the
         requests in flight finish and the rest go on in batches of the new size. Where the batch size changes the
