@@ -128,7 +128,7 @@ class AdaptiveDrafts:
         return RequestAcceptance(self.max_draft, timed=self.timed and not drawn, pool=self.pool, drawn=drawn)
 
     def budgets(self, states: Sequence[RequestAcceptance], room: Sequence[int]) -> list[int]:
-        asks, self._probing = budgets(states, room, self._costs(states), probe=True)
+        asks, self._probing = budgets(states, room, self.costs_for(states), probe=True)
         return asks
 
     def trim(
@@ -156,10 +156,10 @@ class AdaptiveDrafts:
     ) -> tuple[list[list[int]], float]:
         chances = [state.node_chances(draft) for state, draft in zip(states, drafts)]
         orders = [np.argsort(-chance, kind="stable") for chance in chances]
-        counts, rate, _ = _choice(states, [c[o] for c, o in zip(chances, orders)], self._costs(states), tree, width)
+        counts, rate, _ = _choice(states, [c[o] for c, o in zip(chances, orders)], self.costs_for(states), tree, width)
         return [sorted(order[:count].tolist()) for order, count in zip(orders, counts)], rate
 
-    def _costs(self, states: Sequence[RequestAcceptance]) -> PassCosts | None:
+    def costs_for(self, states: Sequence[RequestAcceptance]) -> PassCosts | None:
         """The pass costs the decisions for these rows use (``None``: every pass taken to cost the same, as for a
         pass with a row whose drafts are drawn at random: how many it sends changes its random draws, so no
         measured time may decide it)."""

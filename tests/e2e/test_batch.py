@@ -13,6 +13,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import specula
 from specula.decoding import estimate
+from specula.policy.adaptive import AdaptiveDrafts
 
 NEW_TOKENS = 24
 PAD = 0  # the tiny models' pad_token_id
@@ -310,21 +311,21 @@ def test_the_estimate_replays_plain_decoding_of_the_same_requests() -> None:
     assert decoder.plain_comparison() is None
 
 
-def test_a_pass_with_a_row_whose_drafts_are_drawn_at_random_is_sized_without_measured_costs() -> None:
+def test_a_pass_with_a_row_whose_drafts_are_drawn_at_random_is_sized_without_measured_costs(monkeypatch) -> None:
     """A sampled row of a drafter that draws its drafts (how many it sends changes its random draws) beside a greedy
     row: every pass it is in weighs no measured cost, so that its seed reproduces it; once it ended, the greedy
     row's passes follow the measured costs again."""
     rows = prompts()
     decoder = specula.Decoder(model("llama"), NoisyModelDrafter(model("llama"), 2), slots=2).prepare()
     weighed = []  # (a row of the pass draws its drafts, the pass was weighed by measured costs)
-    decide = decoder.policy._costs
+    decide = AdaptiveDrafts.costs_for
 
-    def recording(states):
-        costs = decide(states)
+    def recording(self, states):
+        costs = decide(self, states)
         weighed.append((any(state.drawn for state in states), costs is not None))
         return costs
 
-    decoder.policy._costs = recording
+    monkeypatch.setattr(AdaptiveDrafts, "costs_for", recording)
     jobs = [
         specula.Job(rows[0].numpy(), 6, sampling=specula.Sampling(do_sample=True), key="sampled"),
         specula.Job(rows[1].numpy(), NEW_TOKENS, key="greedy"),

@@ -171,7 +171,8 @@ def test_an_always_wrong_proposer_stops_being_sent() -> None:
     assert runs[300].passes == 300
 
 
-def test_drafting_resumes_when_the_proposer_becomes_right() -> None:
+def test_drafting_resumes_when_the_proposer_becomes_right(drafts_cost_nothing) -> None:
+    """(On the fake clock of drafts_cost_nothing: what the passes took on the CI machine does not hold drafts back.)"""
     ref = reference("llama", 200)
     switch = len(PROMPT) + 60
 
@@ -234,7 +235,9 @@ def test_step_costs_are_shared_per_model_and_setting() -> None:
     assert later.best_length(16) == 15  # no exploration again
 
 
-def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) -> None:
+def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch, drafts_cost_nothing) -> None:
+    """(On the fake clock of drafts_cost_nothing: the first run's timings say the oracle's drafts pay, whatever the
+    CI machine's load.)"""
     target = tiny_model("llama", seed=3)
     tables = []
     loop = importlib.import_module("specula.decoding.loop")
@@ -260,9 +263,9 @@ def test_generate_reuses_the_costs_it_measured_with_the_same_model(monkeypatch) 
     assert runs[0] > 0 and all(table is tables[0] for table in tables) and tables[0].samples
     assert first[0] == 1 and first[1] > 1  # the first run explores from a plain pass, the second does not again
     decided = []  # the pass costs each decision weighed (None: every length taken to cost the same)
-    weigh = AdaptiveDrafts._costs
+    weigh = AdaptiveDrafts.costs_for
     monkeypatch.setattr(
-        AdaptiveDrafts, "_costs", lambda self, states: decided.append(weigh(self, states)) or decided[-1]
+        AdaptiveDrafts, "costs_for", lambda self, states: decided.append(weigh(self, states)) or decided[-1]
     )
     specula.generate(target, prompt, specula.PromptLookup(), max_new_tokens=4, do_sample=True)
     assert decided and all(costs is tables[0] for costs in decided)  # sampling with drafts not drawn at random
