@@ -152,6 +152,7 @@ class Job:
     # attention mask [1, max_length])
     padded: tuple[np.ndarray, torch.Tensor, torch.Tensor] | None = None
     prediction: np.ndarray | None = None  # [P] the tokens it expects back, drafted from (specula.proposers.prediction)
+    adapter: str | None = None  # the PEFT adapter its passes take (None: the model's active one; verifier.adapters)
     cancelled: bool = False  # set (from any thread) to end its row after the pass under way: its caller went away
 
 
@@ -334,7 +335,7 @@ class Decoder:
         row.stats.compiled = self._target.compiled is not None
         started = time.perf_counter()
         feed = job.prompt if job.padded is None else job.padded[0]  # (padded: alone, as model.generate feeds it)
-        logits = self._target.start_row(index, torch.from_numpy(feed).to(self._target.device))
+        logits = self._target.start_row(index, torch.from_numpy(feed).to(self._target.device), job.adapter)
         self.passes += 1
         nothing = Draft.empty()
         kept = advance(

@@ -21,6 +21,7 @@ from transformers.cache_utils import (
 
 from ..machine import store
 from ..machine.timing import lower_median, time_pass
+from .adapters import adapter_layers, per_row
 from .cache_layers import PreallocatedHybridLayer, PreallocatedLayer
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
@@ -135,6 +136,7 @@ class CachedModel(abc.ABC):
         self.unrepeated = model.config._attn_implementation == "sdpa" and self.device.type == "cpu"
         self.cheap_steps = cheap_steps and self.device.type == "cpu" and not row_exact
         self.compiled: CompiledPasses | None = None
+        self.adapter_layers = adapter_layers(model)  # (LoRA layers: an adapter a row, specula.verifier.adapters)
         self._block_lengths: list[int] = []
         self._made = 0  # measurements the store had made before the last pass (see timed)
 
@@ -151,10 +153,11 @@ class CachedModel(abc.ABC):
         return cache
 
     @abc.abstractmethod
-    def start_row(self, index: int, token_ids: torch.Tensor) -> torch.Tensor:
+    def start_row(self, index: int, token_ids: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
         """Make row ``index`` (at most the number of rows in use) a new request whose prompt is ``token_ids`` (1-D):
-        its prompt is computed alone, as ``model.generate`` computes it, and its states become that row's cache.
-        Returns the logits of its last position (``[1, vocab]``)."""
+        its prompt is computed alone, as ``model.generate`` computes it, and its states become that row's cache;
+        its passes take the PEFT adapter named ``adapter`` (``None``: the active one; :mod:`.adapters`). Returns
+        the logits of its last position (``[1, vocab]``)."""
 
     @abc.abstractmethod
     def truncate_row(self, index: int, length: int) -> None:
@@ -270,8 +273,9 @@ class OneSequence(CachedModel):
             None  # recurrent: the states before the last pass, its tokens
         )
 
-    def start_row(self, index: int, token_ids: torch.Tensor) -> torch.Tensor:
+    def start_row(self, index: int, token_ids: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
         """:meth:`forward` on an emptied cache (``index``: 0)."""
+        self.adapter = adapter
         if self.recurrent:  # (a recurrent state cannot be rolled back to nothing: a new one)
             self.cache, self.cached_tokens, self._undo = self._new_cache(), 0, None
         else:
@@ -312,6 +316,7 @@ class OneSequence(CachedModel):
                 self._ordinary((1, len(token_ids))) if (verifies and not exact) or step else contextlib.nullcontext(),
                 self.stepwise.applied(self.cache) if self.stepwise and verifies else contextlib.nullcontext(),
                 self.indexers.applied() if self.indexers and verifies else contextlib.nullcontext(),
+                per_row(self.adapter_layers, [self.adapter]),
             ):
                 logits = finish(self.model(**inputs).logits)[0, -num_logits:]
         except Exception as error:
@@ -409,6 +414,7 @@ class RaggedRows(CachedModel):
         super().__init__(model, rollback=rollback, capacity=capacity, row_exact=row_exact, cheap_steps=cheap_steps)
         self.slots, self.batch = slots, 0
         self.rows_state: RecurrentRows | None = None  # a batch's recurrent states
+        self.adapters: list[str | None] = [None] * slots  # each row's PEFT adapter (None: the active one)
         for i, layer in enumerate(self.cache.layers):
             if type(layer) is DynamicSlidingWindowLayer:
                 self.cache.layers[i] = PreallocatedLayer(capacity)
@@ -455,12 +461,14 @@ class RaggedRows(CachedModel):
         self.compiled = compiled_passes(self.model, self.cache_argument, self.device)
         self.compile_always = how == ALWAYS
 
-    def start_row(self, index: int, token_ids: torch.Tensor) -> torch.Tensor:
+    def start_row(self, index: int, token_ids: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
+        self.adapters[index] = adapter
         alone = DynamicCache(config=self.model.config.get_text_config(decoder=True))
         inputs = {"input_ids": token_ids[None], self.cache_argument: alone, "use_cache": True}
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = 1
-        logits = self.model(**inputs).logits[0, -1:]
+        with per_row(self.adapter_layers, [adapter]):
+            logits = self.model(**inputs).logits[0, -1:]
         for layer, computed in zip(self.cache.layers, alone.layers):
             if isinstance(layer, PreallocatedLayer):
                 layer.put_row(index, computed.keys, computed.values, self.slots, len(token_ids))
@@ -489,7 +497,7 @@ class RaggedRows(CachedModel):
                 layer.hold_rows(index + 1)
                 for buffer in (layer._key_buffer, layer._value_buffer):
                     buffer[index, :, :length] = buffer[source, :, :length]
-        self.starts[index] = length
+        self.starts[index], self.adapters[index] = length, self.adapters[source]
         self.batch = max(self.batch, index + 1)
         self._set_rows()
 
@@ -507,7 +515,8 @@ class RaggedRows(CachedModel):
     def _pass(
         self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None, argmax_only: bool
     ) -> list[torch.Tensor]:
-        if self.compiled is not None and self._compiled_pays(blocks, num_logits, trees):
+        named = any(self.adapters[: self.batch])  # (adapters chosen per row: eager passes)
+        if self.compiled is not None and not named and self._compiled_pays(blocks, num_logits, trees):
             return self._forward_static(blocks, num_logits, trees)
         return self._forward_eager(blocks, num_logits, trees, argmax_only)
 
@@ -558,6 +567,7 @@ class RaggedRows(CachedModel):
             exact as finish,
             self._ordinary((len(blocks), n)) if fast else contextlib.nullcontext(),
             self.stepwise.applied(self.cache, parents) if stepwise else contextlib.nullcontext(),
+            per_row(self.adapter_layers, self.adapters[: self.batch]),
         ):
             logits = finish(self.model(**inputs).logits)[:, -keep:]  # [B, keep, vocab]
         self.cached_tokens = len(keys)
@@ -646,6 +656,7 @@ class RaggedRows(CachedModel):
             return
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.starts[: len(rows)] = self.starts[index]
+        self.adapters[: len(rows)] = [self.adapters[row] for row in rows]
         for layer in self.cache.layers:
             if isinstance(layer, PreallocatedLayer):
                 layer.select_rows(index)

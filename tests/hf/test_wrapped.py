@@ -116,3 +116,31 @@ def test_the_cli_applies_an_adapter_folder(model_folder, tmp_path) -> None:
     assert json.loads((tmp_path / "out.jsonl").read_text())["text"] == expected
     with pytest.raises(SystemExit, match="is not a PEFT adapter's folder"):
         cli.main(["generate", "--prompt", "hi", "--model", str(model_folder), "--adapter", str(tmp_path)])
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_each_request_takes_the_adapter_it_names_in_one_batch(slots: int) -> None:
+    """Three requests naming the first adapter, the second and none at all (the base model's weights, PEFT's
+    ``__base__``), decoded together: each answers as the model with that adapter active alone (its own generate),
+    and a request that names none takes the active adapter."""
+    model = lora(tiny_model("llama"), "first", seed=1)
+    lora(None, "second", seed=2, into=model)
+    prompts = [PROMPT, PROMPT[:, 5:], PROMPT[:, 2:]]
+    expected = {}
+    for name, prompt in zip(("first", "second"), prompts):
+        model.set_adapter(name)
+        expected[name] = hf_greedy(model, prompt, 16, eos_token_id=[])[0, prompt.shape[1] :].tolist()
+    with model.disable_adapter():
+        expected[specula.verifier.adapters.BASE] = hf_greedy(model, prompts[2], 16, eos_token_id=[])[
+            0, prompts[2].shape[1] :
+        ].tolist()
+    model.set_adapter("first")
+    assert len({tuple(tokens) for tokens in expected.values()}) == 3  # (each adapter changes the answer)
+    assert specula.verifier.adapters.adapters_of(model) == ["first", "second"]
+    names = ["first", "second", specula.verifier.adapters.BASE, None]
+    jobs = [
+        specula.Job(prompt[0].numpy(), 16, key=name, adapter=name) for prompt, name in zip(prompts + [PROMPT], names)
+    ]
+    decoder = specula.Decoder(specula.hf.wrapped.unwrapped(model), specula.PromptLookup(), slots=slots)
+    answers = {row.job.key: row.output.tolist() for row, _ in decoder.run(jobs)}
+    assert answers == {**expected, None: expected["first"]}
