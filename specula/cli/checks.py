@@ -24,6 +24,7 @@ def check(args: argparse.Namespace) -> None:
         _output_problem,
         _proposer_problem,
         _model_problem,
+        _adapter_problem,
         _ray_problem,
         _serve_problem,
         _device_problem,
@@ -48,7 +49,8 @@ def read_files(args: argparse.Namespace) -> None:
             args.answers = AnswerFile(args.output, resume=args.resume) if args.input else None
         except ValueError as error:
             usage_error(args, str(error))
-        args.batch_api = _check_requests(args.input, args.strict, model_name(args.model)) if args.input else None
+        names = (model_name(args.model), *(args.adapter or ()))  # (what a request's "model" may name)
+        args.batch_api = _check_requests(args.input, args.strict, names) if args.input else None
     if args.command == "bench":
         try:
             args.workload_rows = load_workloads(args.workloads, args.limit)
@@ -56,12 +58,12 @@ def read_files(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {error}; fix or remove that line") from None
 
 
-def _check_requests(path: Path, strict: bool, model: str) -> bool:
+def _check_requests(path: Path, strict: bool, model: tuple[str, ...]) -> bool:
     """Every line of a requests file read before the model loads: an error (one line, status 1) where the file mixes
     specula's request lines with OpenAI Batch API lines, where no line is a request, or, with ``strict``, at the
     first bad line (what the tokenizer must judge, such as a prompt longer than the model's context, is checked once
-    it is loaded, still before any decoding). ``model``: the name requests may give the model. Returns whether
-    it is a Batch API file."""
+    it is loaded, still before any decoding). ``model``: the names requests may give the model and its adapters.
+    Returns whether it is a Batch API file."""
     try:
         batch_api = file_shape(path) is Shape.BATCH_API
     except ValueError as error:
@@ -181,6 +183,24 @@ def _model_problem(args: argparse.Namespace) -> str | None:
         return None  # the default model (its package is checked as it loads), or a path on the cluster's nodes
     problem = _model_path_problem(model)
     return None if problem is None else f"--model {model}: {problem}"
+
+
+def _adapter_problem(args: argparse.Namespace) -> str | None:
+    """``--adapter [NAME=]DIR`` options made ``args.adapter``, the folders by name (in their order; a folder alone
+    goes by its name): a name given twice, or one that is the model's own, is a problem."""
+    given = getattr(args, "adapter", None)
+    if not given:
+        return None
+    folders: dict[str, str] = {}
+    for value in given:
+        name, _, folder = value.rpartition("=") if "=" in value else (Path(value).name, "", value)
+        if not name or not folder:
+            return f"--adapter {value}: give a folder, or NAME=FOLDER"
+        if name in folders or name == model_name(args.model):
+            return f"--adapter {value}: the name {name!r} is taken (the model's or another adapter's); use NAME=FOLDER"
+        folders[name] = folder
+    args.adapter = folders
+    return None
 
 
 def _model_path_problem(text: str) -> str | None:

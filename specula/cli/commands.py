@@ -21,7 +21,7 @@ from ..hf.generate import generate
 from ..hf.loading import ModelNotFoundError, load_model
 from ..hf.registry import proposer_factory
 from ..jobs.answer_file import AnswerFile, InputOrder, StopOnInterrupt, Tally, report_skipped
-from ..jobs.decode import Answerer, Settings, batch_size, cache_budget, named
+from ..jobs.decode import Answerer, Settings, batch_size, cache_budget, named, names
 from ..jobs.line_formats import error_line
 from ..jobs.requests import BadRequest, Request, answer_key, encode, model_name, read_requests, unique_requests
 from ..proposers.kernels import warm_up
@@ -77,6 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         args.batch_size,
         predictions=args.input is not None and _brings_predictions(args.input),
         model_name=model_name(args.model),
+        adapters=tuple(args.adapter or ()),
         max_memory=args.max_memory,
     )
     output = args.answers  # (read by the checks: with --resume, the answers already there)
@@ -151,7 +152,7 @@ def _generate_file(
         progress.update()
 
     def pending() -> Iterator[Request]:
-        for number, request in unique_requests(args.input, settings.model_name):
+        for number, request in unique_requests(args.input, names(settings)):
             if request.id is not None and answer_key(request.id) in output.done:
                 tally.answered_before += 1
                 progress.update()

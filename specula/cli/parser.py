@@ -84,10 +84,12 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--adapter",
+        action="append",
         default=None,
-        metavar="DIR",
+        metavar="[NAME=]DIR",
         help="a PEFT adapter's folder (LoRA ...) applied to the model, unmerged, as PeftModel.from_pretrained does "
-        "(needs peft)",
+        '(needs peft); again for several: a request names its adapter in "model" (NAME, else the folder\'s name), '
+        "the model's own name for none, and takes the first where it names no model",
     )
     parser.add_argument(
         "--dtype",

@@ -7,7 +7,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -113,20 +113,24 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
     tune_layout: bool = True,
-    adapter: str | os.PathLike | None = None,
+    adapter: str | os.PathLike | Mapping[str, str | os.PathLike] | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local folder or GGUF file (default: SmolLM2-135M-Instruct).
 
     ``dtype="auto"`` picks what runs fastest on ``device`` (:func:`specula.hf.precision.auto_dtype`: fp32 on a CPU
     without BF16 instructions, else bf16). On a CPU, ``tune_layout`` stores the weights the way multi-token passes
     run fastest here (:func:`tune_cpu_layout`; decided once per CPU and model shape, remembered in the cache folder).
-    ``adapter``: a PEFT adapter's folder (LoRA and its kin; needs ``peft``), applied unmerged, as
-    ``PeftModel.from_pretrained`` applies it: the model returned is the base model with the adapter's layers in it.
+    ``adapter``: a PEFT adapter's folder (LoRA and its kin; needs ``peft``), or several by name (the first active),
+    applied unmerged, as ``PeftModel.from_pretrained`` and ``load_adapter`` apply them: the model returned is the
+    base model with the adapters' layers in it, each known by its name (a folder given alone: the folder's name),
+    which a :class:`~specula.Job` (``adapter=``) or a request's ``"model"`` may name.
     """
     folder = resolve_model(path)
-    if adapter is not None:
-        if not Path(adapter, "adapter_config.json").is_file():
-            raise ValueError(f"{adapter} is not a PEFT adapter's folder (no adapter_config.json in it)")
+    adapters = {Path(adapter).name: adapter} if isinstance(adapter, (str, os.PathLike)) else dict(adapter or {})
+    for name, place in adapters.items():
+        if not Path(place, "adapter_config.json").is_file():
+            raise ValueError(f"{place} is not a PEFT adapter's folder (no adapter_config.json in it)")
+    if adapters:
         try:
             from peft import PeftModel
         except ImportError:
@@ -136,8 +140,12 @@ def load_model(
     elif not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}.")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    if adapter is not None:
-        model = unwrapped(PeftModel.from_pretrained(model, adapter).eval())
+    if adapters:
+        (first, place), *others = adapters.items()
+        adapted = PeftModel.from_pretrained(model, place, adapter_name=first)
+        for name, place in others:
+            adapted.load_adapter(place, adapter_name=name)
+        model = unwrapped(adapted.eval())
     if tune_layout:
         tune_cpu_layout(model, remember=True)
     return model, AutoTokenizer.from_pretrained(folder)

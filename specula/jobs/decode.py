@@ -17,11 +17,12 @@ from ..decoding.loop import Decoder, Job, Row, room
 from ..hf.generate import prepare_jobs
 from ..machine.memory import spare_bytes
 from ..policy.batch_size import fastest_batch_size, kept_batch_size
+from ..verifier.adapters import BASE, adapters_of
 from ..verifier.exactness import choose
 from ..verifier.row_exact import is_half_precision
 from ..verifier.support import context_limit, model_device
 from .line_formats import answer_line
-from .requests import Request, encode, model_name
+from .requests import Request, encode, model_name, names_model
 
 FREE_SHARE = 0.5  # of the memory free at start, what the cache may take where --max-memory is not given
 REMEASURE = 256  # requests between measurements of the batch size, where it is measured (not given)
@@ -40,6 +41,7 @@ class Settings:
     batch_size: int | None = None  # None: the size measured fastest on this machine
     predictions: bool = False  # whether requests may bring predictions ("prediction")
     model_name: str | None = None  # what answers call the model (None: its folder's name, :func:`model_name`)
+    adapters: tuple[str, ...] = ()  # the PEFT adapters it holds, which a request's "model" may name (:func:`named`)
     max_memory: int | None = None  # bytes the cache's keys and values may take (None: a share of what is free)
 
 
@@ -72,12 +74,33 @@ def generate_options(request: Request, settings: Settings, device: torch.device 
 
 
 def named(settings: Settings, model) -> Settings:
-    """``settings`` with the name answers call the model: given, else its folder's (:func:`model_name`)."""
+    """``settings`` with the name answers call the model (given, else its folder's: :func:`model_name`) and the
+    names of the adapters it holds."""
     return replace(
         settings,
         model_name=settings.model_name
         or (model_name(model.name_or_path) if model.name_or_path else model.config.model_type),
+        adapters=tuple(adapters_of(model)),
     )
+
+
+def names(settings: Settings) -> tuple[str, ...]:
+    """What a request's ``"model"`` may name: the model, or one of its adapters."""
+    return (settings.model_name, *settings.adapters)
+
+
+def adapter_of(request: Request, settings: Settings) -> str | None:
+    """The adapter a request's passes take: the one its ``"model"`` names; none (:data:`BASE`) where it names the
+    model itself and the model holds adapters; the active one (``None``) where it names nothing."""
+    if request.model is None or not settings.adapters:
+        return None
+    return next((name for name in settings.adapters if names_model(request.model, name)), BASE)
+
+
+def answered_by(request: Request, settings: Settings) -> str:
+    """The name an answer gives its model: the adapter the request named, else the model's."""
+    adapter = adapter_of(request, settings)
+    return settings.model_name if adapter in (None, BASE) else adapter
 
 
 def batch_size(model, settings: Settings, largest: int = 32) -> int:
@@ -119,7 +142,7 @@ def job_of(model, tokenizer, request: Request, settings: Settings, budget: Cache
     (job,) = prepare_jobs(model, prompt, prediction=request.prediction, tokenizer=tokenizer, **options)
     if budget is not None and (why := budget.refusal(room(job))):
         raise OverBudget(why)
-    job.key = request
+    job.key, job.adapter = request, adapter_of(request, settings)
     return job
 
 
@@ -136,7 +159,7 @@ def answer_of(row: Row, request: Request, tokenizer, settings: Settings) -> dict
         "stop" if stopped else "length",
         len(row.job.prompt),
         _stats(row.stats, row.job.prediction is not None),
-        settings.model_name,
+        answered_by(request, settings),
     )
 
 

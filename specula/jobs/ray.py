@@ -66,7 +66,7 @@ class RayWorker:
         dtype,
         device: str,
         threads: int,
-        adapter: str | None = None,
+        adapter: dict[str, str] | None = None,
     ) -> None:
         torch.set_num_threads(threads)  # the cores Ray gave this worker (its OMP_NUM_THREADS may come too late)
         self.model, tokenizer = load_model(model, dtype=dtype, device=device, adapter=adapter)
@@ -107,7 +107,7 @@ def generate_with_ray(
     settings: Settings | None = None,
     *,
     dtype="auto",
-    adapter: str | None = None,
+    adapter: dict[str, str] | None = None,
     workers: int = 1,
     gpus_per_worker: float = 0,
     cpus_per_worker: int | None = None,

@@ -125,10 +125,10 @@ class Request:
         return Shape.BATCH_API if self.batch else Shape.OWN
 
 
-def read_requests(path: Path, model: str | None = None) -> Iterator[tuple[int, Request | BadRequest]]:
+def read_requests(path: Path, model: str | tuple[str, ...] | None = None) -> Iterator[tuple[int, Request | BadRequest]]:
     """(line number, request) for every non-empty line of a JSONL file of requests; a line that is not a request
     comes as a :class:`BadRequest` instead, as does one that names a model other than ``model`` (the loaded model's
-    name, :func:`model_name`; ``None``: not checked)."""
+    name, :func:`model_name`, or it and its adapters' names; ``None``: not checked)."""
     with Path(path).open() as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -141,7 +141,9 @@ def read_requests(path: Path, model: str | None = None) -> Iterator[tuple[int, R
             yield number, parse_request(data, number, model, where=f"{path}:{number}")
 
 
-def parse_request(data: object, number: int, model: str | None = None, where: str = "") -> Request | BadRequest:
+def parse_request(
+    data: object, number: int, model: str | tuple[str, ...] | None = None, where: str = ""
+) -> Request | BadRequest:
     """Line ``number``'s JSON value as a :class:`Request`, or a :class:`BadRequest` saying why it is not one
     (``where`` prefixes its message)."""
     batch = isinstance(data, dict) and any(key in data for key in BATCH_KEYS)
@@ -149,9 +151,12 @@ def parse_request(data: object, number: int, model: str | None = None, where: st
     shape = Shape.BATCH_API if batch else Shape.OWN if own else Shape.NEITHER
     try:
         request = _batch_request(data, number) if batch else _own_request(data, number)
-        if model is not None and request.model is not None and not names_model(request.model, model):
+        names = (model,) if isinstance(model, str) else model
+        if names and request.model is not None and not any(names_model(request.model, name) for name in names):
+            adapters = f" with the adapters {', '.join(map(repr, names[1:]))}" if len(names) > 1 else ""
             raise _Problem(
-                f'"model" is {request.model!r}, but the loaded model is {model!r}; name it or leave "model" out'
+                f'"model" is {request.model!r}, but the loaded model is {names[0]!r}{adapters}; name '
+                f'{"one" if adapters else "it"} or leave "model" out'
             )
     except _Problem as problem:
         custom_id = data.get("custom_id") if batch and isinstance(data.get("custom_id"), str) else None
@@ -351,7 +356,9 @@ def answer_key(request_id: object) -> str:
     return json.dumps(request_id, sort_keys=True)
 
 
-def unique_requests(path: Path, model: str | None = None) -> Iterator[tuple[int, Request | BadRequest]]:
+def unique_requests(
+    path: Path, model: str | tuple[str, ...] | None = None
+) -> Iterator[tuple[int, Request | BadRequest]]:
     """:func:`read_requests`, where a request whose id is an earlier line's comes as a :class:`BadRequest`
     (answers are matched to requests by id: in the output, and by ``--resume``)."""
     first: dict[str, int] = {}  # id -> the line that has it

@@ -24,7 +24,7 @@ from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
 from ..decoding.budget import CacheBudget, OverBudget
-from ..jobs.decode import Settings, answer_of, job_of
+from ..jobs.decode import Settings, answer_of, answered_by, job_of, names
 from ..jobs.requests import BadRequest, parse_request
 from ..machine.memory import resident_bytes
 from .engine import Engine
@@ -113,7 +113,7 @@ def create_app(
     async def models() -> dict:
         return {
             "object": "list",
-            "data": [{"id": settings.model_name, "object": "model", "created": 0, "owned_by": "specula"}],
+            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "specula"} for name in names(settings)],
         }
 
     async def complete(request: Request, url: str):
@@ -121,7 +121,7 @@ def create_app(
         stream, include_usage = _stream_options(body)
         number = next(numbers)  # (a request without its own seed draws from --seed + number, as a file's line)
         parsed = parse_request(
-            {"custom_id": f"request-{number}", "method": "POST", "url": url, "body": body}, number, settings.model_name
+            {"custom_id": f"request-{number}", "method": "POST", "url": url, "body": body}, number, names(settings)
         )
         if isinstance(parsed, BadRequest):
             raise HTTPError(400, str(parsed), _param(str(parsed)))
@@ -248,7 +248,7 @@ async def _chunks(
             "id": name,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created,
-            "model": settings.model_name,
+            "model": answered_by(parsed, settings),
             "choices": choices,
         } | ({"usage": usage} if usage is not None else {})
         return f"data: {json.dumps(data)}\n\n"

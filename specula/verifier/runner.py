@@ -272,6 +272,7 @@ class OneSequence(CachedModel):
         self._undo: tuple[Snapshot, torch.Tensor] | None = (
             None  # recurrent: the states before the last pass, its tokens
         )
+        self.adapter: str | None = None  # the request's PEFT adapter (None: the active one)
 
     def start_row(self, index: int, token_ids: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
         """:meth:`forward` on an emptied cache (``index``: 0)."""

@@ -144,3 +144,43 @@ def test_each_request_takes_the_adapter_it_names_in_one_batch(slots: int) -> Non
     decoder = specula.Decoder(specula.hf.wrapped.unwrapped(model), specula.PromptLookup(), slots=slots)
     answers = {row.job.key: row.output.tolist() for row, _ in decoder.run(jobs)}
     assert answers == {**expected, None: expected["first"]}
+
+
+def test_the_cli_loads_several_adapters_and_each_request_names_its_own(model_folder, tmp_path, capsys) -> None:
+    """``--adapter one=DIR --adapter DIR2``: a request's ``"model"`` names an adapter (by its given name, or its
+    folder's), the model itself (no adapter) or nothing (the first); a name neither loaded nor the model's is a bad
+    line naming them, and a name given twice a usage error."""
+    model, tokenizer = loading.load_model(model_folder, dtype=torch.float32, tune_layout=False)
+    adapted = lora(model, "first", seed=1)
+    lora(None, "second", seed=2, into=adapted)
+    adapted.save_pretrained(tmp_path)  # (a folder each: tmp_path / "first", tmp_path / "second")
+    prompt = "1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3"
+    ids = encode(tokenizer, {"prompt": prompt})
+    expected = {}
+    for name in ("first", "second"):
+        adapted.set_adapter(name)
+        expected[name] = hf_greedy(adapted, ids, 12, eos_token_id=[])[0, ids.shape[1] :]
+    with adapted.disable_adapter():
+        expected["base"] = hf_greedy(adapted, ids, 12, eos_token_id=[])[0, ids.shape[1] :]
+    expected = {name: tokenizer.decode(tokens, skip_special_tokens=True) for name, tokens in expected.items()}
+    assert len(set(expected.values())) == 3
+    names = {"a": "one", "b": "second", "c": model_folder.name, "d": None, "e": "third"}
+    lines = [{"id": key, "prompt": prompt} | ({"model": name} if name else {}) for key, name in names.items()]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    common = ["--model", str(model_folder), "--dtype", "fp32", "--max-new-tokens", "12", "--batch-size", "4"]
+    adapters = ["--adapter", f"one={tmp_path / 'first'}", "--adapter", str(tmp_path / "second")]
+    out = tmp_path / "out.jsonl"
+    cli.main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(out), *adapters, *common])
+    answers = {line["id"]: line for line in map(json.loads, out.read_text().splitlines())}
+    assert {key: answers[key]["text"] for key in "abcd"} == {
+        "a": expected["first"],
+        "b": expected["second"],
+        "c": expected["base"],
+        "d": expected["first"],
+    }
+    err = capsys.readouterr().err
+    assert (
+        "e" not in answers and f"but the loaded model is '{model_folder.name}' with the adapters 'one', 'second'" in err
+    ), err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "hi", "--adapter", f"x={tmp_path}", "--adapter", f"x={tmp_path}", *common])

@@ -6,6 +6,7 @@ is asked for when set, SIGTERM stops it. Every wait is bounded."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -279,3 +280,37 @@ def test_an_api_key_and_a_memory_budget_when_set_and_sigterm_stops_the_server(mo
     finally:
         code, stderr = stop(process)
     assert code in (0, -signal.SIGTERM) and "stopped" in stderr
+
+
+def test_each_request_names_its_adapter_among_those_served(model_folder, tmp_path) -> None:
+    """``--adapter one=DIR --adapter DIR2``: the models route lists the model and both adapters; a completion
+    naming an adapter answers as the PEFT model with that adapter active (and says it in ``model``), one naming the
+    model as the model without adapters."""
+    peft = pytest.importorskip("peft", reason="adapters need peft: pip install 'specula[peft]'")
+    model, tokenizer = loading.load_model(model_folder, dtype=torch.float32, tune_layout=False)
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    adapted = peft.get_peft_model(model, config, adapter_name="first")
+    torch.manual_seed(2)
+    adapted.add_adapter("second", config)
+    adapted.save_pretrained(tmp_path)  # (a folder each)
+    prompt = "1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3"
+    ids = encode(tokenizer, {"prompt": prompt})
+    expected = {}
+    for served, adapter in (("one", "first"), ("second", "second"), (model_folder.name, None)):
+        adapted.set_adapter(adapter or "first")
+        with adapted.disable_adapter() if adapter is None else contextlib.nullcontext():
+            out = adapted.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+        expected[served] = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert len(set(expected.values())) == 3
+    process, url = start_server(
+        model_folder, "--adapter", f"one={tmp_path / 'first'}", "--adapter", str(tmp_path / "second")
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [entry.id for entry in client.models.list().data] == [model_folder.name, "one", "second"]
+        for served, text in expected.items():
+            answer = client.completions.create(model=served, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            assert (answer.choices[0].text, answer.model) == (text, served)
+    finally:
+        stop(process)
