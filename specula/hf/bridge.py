@@ -19,6 +19,7 @@ from ..core.stats import GenerateOutput, SpecStats
 from ..decoding.driver import decode_all
 from ..decoding.loop import Decoder, Job
 from ..proposers.base import Proposer
+from ..verifier.adapters import adapter_layers, names_given
 from ..verifier.cache_names import cache_in
 from ..verifier.support import model_device
 from .inputs import Request, prepare_request
@@ -92,6 +93,8 @@ def decode(
     started = time.perf_counter()
     batch, width = request.input_ids.shape
     jobs = jobs_of(request, sampling, stopping_criteria, row_generators, predictions)
+    for job, adapter in zip(jobs, names_given(adapter_layers(model)) or ()):  # (PeftModel.generate(adapter_names=))
+        job.adapter = adapter
     decoder = Decoder(
         model,
         proposer,

@@ -33,6 +33,18 @@ def adapters_of(model: torch.nn.Module) -> list[str]:
     return list(dict.fromkeys(name for layer in adapter_layers(model) for name in layer.lora_A))
 
 
+def names_given(layers: list[torch.nn.Module]) -> list[str] | None:
+    """The adapter of each row of the batch that ``PeftModel.generate(adapter_names=...)`` is decoding, read from the
+    pre-forward hooks PEFT put on its LoRA layers for that call (``None``: no such call is under way). Those hooks
+    give every forward the whole batch's names, while specula's passes hold other rows (a prompt's prefill alone,
+    rows that finished left out): :func:`per_row` puts each row's own in their place."""
+    for hook in layers[0]._forward_pre_hooks.values() if layers else ():
+        names = getattr(hook, "keywords", {}).get("adapter_names")
+        if names is not None:
+            return list(names)
+    return None
+
+
 @contextlib.contextmanager
 def per_row(layers: list[torch.nn.Module], names: Sequence[str | None]) -> Iterator[None]:
     """Within the block, row ``b`` of every forward pass is computed with adapter ``names[b]`` (``None``: the active
@@ -47,7 +59,7 @@ def per_row(layers: list[torch.nn.Module], names: Sequence[str | None]) -> Itera
             f"{list(active)}: name the adapter of every request, or activate one (set_adapter)"
         )
     rows = [active[0] if name is None else name for name in names]
-    inject = functools.partial(_inject, names=rows)
+    inject = functools.partial(_inject, names=rows)  # (run after any of PEFT's own: the last word)
     handles = [layer.register_forward_pre_hook(inject, with_kwargs=True) for layer in layers]
     try:
         yield

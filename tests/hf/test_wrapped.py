@@ -184,3 +184,18 @@ def test_the_cli_loads_several_adapters_and_each_request_names_its_own(model_fol
     ), err
     with pytest.raises(SystemExit):
         cli.main(["generate", "--prompt", "hi", "--adapter", f"x={tmp_path}", "--adapter", f"x={tmp_path}", *common])
+
+
+def test_peft_generate_with_an_adapter_for_each_row_decodes_as_without_specula() -> None:
+    """``PeftModel.generate(adapter_names=[...], custom_generate=specula.custom_generate)``: each row of the batch
+    with its own adapter, as PEFT's own generate decodes it (PEFT's hooks name the whole batch's adapters in every
+    forward; specula's passes hold other rows: a prompt alone, rows that left)."""
+    model = lora(tiny_model("llama"), "first", seed=1)
+    lora(None, "second", seed=2, into=model)
+    ids = torch.cat([PROMPT, PROMPT, PROMPT])
+    names = ["second", "first", "__base__"]
+    kwargs = dict(attention_mask=torch.ones_like(ids), adapter_names=names, max_new_tokens=12, eos_token_id=[])
+    expected = model.generate(ids, do_sample=False, **kwargs)
+    assert len({tuple(row.tolist()) for row in expected}) == 3
+    out = model.generate(ids, custom_generate=specula.custom_generate, proposer=specula.PromptLookup(), **kwargs)
+    assert torch.equal(out, expected)
