@@ -1,0 +1,85 @@
+"""Speed and identity of specula on the forms users hold a model in: as loaded, with a LoRA adapter unmerged (PEFT),
+with int8 weight-only weights (torchao), with half its layers offloaded to disk (accelerate's ``device_map``), and as
+the module ``torch.compile`` returned. For each form, its own ``model.generate``, HF's prompt lookup and specula's
+PromptLookup decode the same code edits one at a time, interleaved in one process, medians of repeats
+(:func:`specula.tools.bench.run_bench`); outputs are compared with that form's own ``model.generate``.
+
+    python examples/forms.py [--workload FILE] [--limit 2] [--repeats 3] [--forms plain,lora,int8,offload,compiled]
+
+Forms whose package is missing (peft, torchao, accelerate) are skipped, saying so. The default workload is the last
+``--limit`` lines of ``../shared/workloads/code_edit.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from specula.hf.loading import load_model, resolve_model
+from specula.jobs.requests import Request, read_requests
+from specula.tools.bench import format_table, one_at_a_time, run_bench
+
+WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "code_edit.jsonl"
+FORMS = ("plain", "lora", "int8", "offload", "compiled")
+
+
+def form(name: str, dtype: torch.dtype, offload_to: Path) -> torch.nn.Module:
+    """The default model in form ``name`` (an ``ImportError`` where its package is missing)."""
+    if name == "offload":  # the first half of the layers on the CPU, the second on disk
+        folder = resolve_model(None)
+        layers = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).config.num_hidden_layers
+        device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+        device_map |= {f"model.layers.{i}": "cpu" if i < layers // 2 else "disk" for i in range(layers)}
+        return AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, device_map=device_map, offload_folder=str(offload_to)
+        ).eval()
+    model, _ = load_model(dtype=dtype)
+    if name == "lora":  # adapters as training starts them (B = 0): the model's output, the adapter layers' cost
+        import peft
+
+        config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        return peft.get_peft_model(model, config).eval()
+    if name == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(model, Int8WeightOnlyConfig())
+        return model
+    if name == "compiled":
+        return torch.compile(model)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", type=Path, default=WORKLOAD)
+    parser.add_argument("--limit", type=int, default=2, help="the file's last N requests")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--forms", default=",".join(FORMS))
+    parser.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: load_model's choice")
+    args = parser.parse_args()
+    requests = [request for _, request in read_requests(args.workload) if isinstance(request, Request)][-args.limit :]
+    loaded, tokenizer = load_model(dtype={"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
+    dtype = loaded.dtype
+    del loaded
+    print(f"SmolLM2-135M-Instruct, {dtype}, {len(requests)} requests of {args.workload.name}", flush=True)
+    with tempfile.TemporaryDirectory() as offload_to:
+        for name in args.forms.split(","):
+            try:
+                model = form(name, dtype, Path(offload_to))
+            except ImportError as error:
+                print(f"{name}: skipped ({error})", file=sys.stderr)
+                continue
+            methods = one_at_a_time(model, tokenizer, ["prompt-lookup"], {}, "hf-greedy", oracle=False)
+            rows = run_bench(methods, tokenizer, {name: requests}, args.max_new_tokens, args.repeats)
+            print(format_table(rows), flush=True)
+            del model, methods
+
+
+if __name__ == "__main__":
+    main()
