@@ -16,6 +16,7 @@ from ..decoding.loop import Decoder
 from ..hf.generate import generate, prepare_jobs
 from ..hf.inputs import left_padded
 from ..hf.registry import proposer_factory
+from ..hf.wrapped import unwrapped
 from ..jobs.requests import encode
 from ..proposers.base import Proposer
 from ..verifier.cache_names import cache_in
@@ -58,7 +59,8 @@ class HFMethod:
     def _recording(self) -> Iterator[dict]:
         """Within the block, the first cache the model is called with, and ``generate``'s compile decisions."""
         seen = {"cache": "no cache", "compiled": False}
-        decide = getattr(self.model, "_valid_auto_compile_criteria", None)
+        model = unwrapped(self.model)  # (what generate runs: a PEFT model's base model, a compiled module's)
+        decide = getattr(model, "_valid_auto_compile_criteria", None)
 
         def recording_decision(*args, **kwargs) -> bool:
             compiles = decide(*args, **kwargs)
@@ -69,15 +71,15 @@ class HFMethod:
             if seen["cache"] == "no cache" and cache_in(kwargs) is not None:
                 seen["cache"] = type(cache_in(kwargs)).__name__
 
-        handle = self.model.register_forward_pre_hook(first_cache, with_kwargs=True)
+        handle = model.register_forward_pre_hook(first_cache, with_kwargs=True)
         if decide is not None:
-            self.model._valid_auto_compile_criteria = recording_decision
+            model._valid_auto_compile_criteria = recording_decision
         try:
             yield seen
         finally:
             handle.remove()
             if decide is not None:
-                del self.model._valid_auto_compile_criteria
+                del model._valid_auto_compile_criteria
 
 
 def hf_method(model: torch.nn.Module, **generate_kwargs) -> HFMethod:

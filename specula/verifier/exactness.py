@@ -72,9 +72,15 @@ def choose(model: torch.nn.Module, exact: bool | None, verifies: bool = True) ->
 
 
 def model_key(model: torch.nn.Module) -> str:
-    """What a measurement of the model depends on besides the machine: its parameters' names, shapes, dtypes and
-    kinds of tensor (a quantized weight is another tensor subclass: its passes cost otherwise)."""
-    shapes = str([(name, tuple(p.shape), str(p.dtype), type(p.data).__name__) for name, p in model.named_parameters()])
+    """What a measurement of the model depends on besides the machine: its parameters' names, shapes, dtypes, kinds
+    of tensor (a quantized weight is another tensor subclass) and devices (an offloaded layer's weights wait on
+    ``meta`` for a hook to bring them): whatever makes its passes cost otherwise."""
+    shapes = str(
+        [
+            (name, tuple(p.shape), str(p.dtype), type(p.data).__name__, p.device.type)
+            for name, p in model.named_parameters()
+        ]
+    )
     return hashlib.sha1(shapes.encode()).hexdigest()[:16]
 
 

@@ -9,6 +9,7 @@ from helpers import hf_greedy
 from tiny_models import tiny_model
 
 import specula
+from specula.verifier.exactness import model_key
 
 PROMPT = torch.arange(3, 23).repeat(3)[None]
 
@@ -24,12 +25,13 @@ def test_a_model_accelerate_offloads_decodes_as_before(offload, tmp_path) -> Non
     weight, ``meta``, fails in accelerate's hooks)."""
     accelerate = pytest.importorskip("accelerate")
     model = tiny_model("llama")
-    expected = new_tokens(hf_greedy(model, PROMPT, 16, eos_token_id=[]))
+    expected, key = new_tokens(hf_greedy(model, PROMPT, 16, eos_token_id=[])), model_key(model)
     if offload == "cpu":
         accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
     else:
         accelerate.disk_offload(model, tmp_path, execution_device=torch.device("cpu"))
     assert model.get_input_embeddings().weight.device.type == "meta"
+    assert model_key(model) != key  # (its passes cost otherwise: it measures them anew, not the model's kept ones)
     out = specula.generate(
         model, PROMPT, specula.PromptLookup(), max_new_tokens=16, eos_token_id=[], adaptive_draft=False
     )
