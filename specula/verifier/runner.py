@@ -249,7 +249,7 @@ class OneSequence(CachedModel):
     """One request held alone, as ``model.generate`` holds it: fed one block at a time, rolled back by cropping
     (recurrent state: stepped token by token where it must be, else undone and its kept tokens fed again).
 
-    Args (beside :class:`CachedModel`'s):
+    Args (``options``: :class:`CachedModel`'s):
         positions: ``[1, capacity]`` position id of every sequence slot (prompt slots follow its attention mask);
             ``None`` lets the model number the tokens 0, 1, 2, ...
         attention_mask: ``[1, capacity]`` mask of every slot, or ``None`` when the prompt has no padding.
@@ -259,14 +259,11 @@ class OneSequence(CachedModel):
         self,
         model: torch.nn.Module,
         *,
-        rollback: bool,
-        capacity: int = 256,
-        row_exact: bool = False,
-        cheap_steps: bool = False,
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        **options,
     ) -> None:
-        super().__init__(model, rollback=rollback, capacity=capacity, row_exact=row_exact, cheap_steps=cheap_steps)
+        super().__init__(model, **options)
         self.positions = positions if "position_ids" in self.forward_parameters else None
         self.attention_mask = attention_mask
         self._undo: tuple[Snapshot, torch.Tensor] | None = (
@@ -388,7 +385,7 @@ class RaggedRows(CachedModel):
     accepting different numbers of tokens stay exact, and a row's block may be a tree of drafts. Sliding-window
     layers keep every state too; the mask hides what is past their window.
 
-    Args (beside :class:`CachedModel`'s):
+    Args (``options``: :class:`CachedModel`'s):
         slots: how many requests it holds at once (one: a request whose blocks are trees, or compiled passes).
         compiled: passes after a prompt's prefill have static shapes (rows and tokens a row padded to ``max_width``'s
             and ``slots``' buckets, attention over the whole cache) and run compiled (:mod:`specula.verifier.static`):
@@ -401,27 +398,18 @@ class RaggedRows(CachedModel):
     takes_trees = True  # (recurrent layers: stepped, each token from its parent's state)
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        rollback: bool,
-        capacity: int = 256,
-        row_exact: bool = False,
-        cheap_steps: bool = False,
-        slots: int = 1,
-        compiled: str | None = None,
-        max_width: int = 65,
+        self, model: torch.nn.Module, *, slots: int = 1, compiled: str | None = None, max_width: int = 65, **options
     ) -> None:
-        super().__init__(model, rollback=rollback, capacity=capacity, row_exact=row_exact, cheap_steps=cheap_steps)
+        super().__init__(model, **options)
         self.slots, self.batch = slots, 0
         self.rows_state: RecurrentRows | None = None  # a batch's recurrent states
         self.adapters: list[str | None] = [None] * slots  # each row's PEFT adapter (None: the active one)
         for i, layer in enumerate(self.cache.layers):
             if type(layer) is DynamicSlidingWindowLayer:
-                self.cache.layers[i] = PreallocatedLayer(capacity)
+                self.cache.layers[i] = PreallocatedLayer(self.capacity)
                 self.cache.layers[i].sliding_window = layer.sliding_window
             elif type(layer) is LinearAttentionAndFullAttentionLayer:
-                self.cache.layers[i] = PreallocatedHybridLayer(capacity, layer.number_of_states)
+                self.cache.layers[i] = PreallocatedHybridLayer(self.capacity, layer.number_of_states)
         windows = {layer.sliding_window for layer in self.cache.layers if isinstance(layer, PreallocatedLayer)}
         self.window = max(windows - {None}, default=None)  # (the cache gives every sliding layer the config's)
         self.mixed = len(windows) > 1  # full-attention and sliding-window layers: a mask for each (by layer type)
@@ -443,7 +431,7 @@ class RaggedRows(CachedModel):
         self.dtype = next(model.parameters()).dtype
 
         if compiled:
-            self._begin_static(capacity, max_width, compiled)
+            self._begin_static(self.capacity, max_width, compiled)
 
     def _begin_static(self, capacity: int, max_width: int, how: str) -> None:
         """Passes of static shapes, compiled: the rows' buffers :class:`~specula.verifier.static.StaticLayer` (of a
