@@ -105,15 +105,17 @@ def answered_by(request: Request, settings: Settings) -> str:
 
 def batch_size(model, settings: Settings, largest: int = 32) -> int:
     """The batch size requests are decoded in: ``settings.batch_size`` where given, else the fastest here (up to
-    ``largest``), measured once and kept where the batch size changes what a request decodes to (ordinary
-    bf16/fp16 verification rounds by the rows of a pass), else measured now."""
+    ``largest``), measured once per machine and model and kept (a file of a few requests does not wait for it on
+    every run); where the batch size cannot change what a request decodes to, a long run measures it again as it
+    goes (:meth:`Answerer.__call__`)."""
     if settings.batch_size is not None:
         return settings.batch_size
-    return kept_batch_size(model, largest) if _kept(model, settings) else fastest_batch_size(model, largest=largest)
+    return kept_batch_size(model, largest)
 
 
-def _kept(model, settings: Settings) -> bool:
-    """Whether the batch size is kept, not measured per run (see :func:`batch_size`)."""
+def _fixed(model, settings: Settings) -> bool:
+    """Whether the kept batch size holds for the whole run: where it changes what a request decodes to (ordinary
+    bf16/fp16 verification rounds by the rows of a pass), it must not follow the load of the moment."""
     return settings.batch_size is None and is_half_precision(model) and not choose(model, settings.exact).exact
 
 
@@ -213,14 +215,14 @@ class Answerer:
     ) -> Iterator[tuple[Request, dict]]:
         """(request, answer line) as requests finish (not in input order: see
         :class:`specula.jobs.answer_file.InputOrder`). ``largest`` bounds the measured batch size;
-        ``eager`` prepares every request before decoding any. A measured batch size is measured again every
-        :data:`REMEASURE` requests (a busy moment at start must not fix it for the whole run); where it changed, the
-        requests in flight finish and the rest go on in batches of the new size. Where the batch size changes the
-        answers (ordinary bf16/fp16 verification), it is the one measured once on this machine and kept."""
+        ``eager`` prepares every request before decoding any. The batch size (:func:`batch_size`) is measured again
+        every :data:`REMEASURE` requests (what was kept may be out of date for this moment's machine); where it
+        changed, the requests in flight finish and the rest go on in batches of the new size. Where the batch size
+        changes the answers (ordinary bf16/fp16 verification), the kept one holds for the whole run."""
         prepared = filter(None, map(self._job, requests))
         if eager:
             prepared = iter(list(prepared))
-        measured = self.settings.batch_size is None and not _kept(self.model, self.settings)
+        measured = self.settings.batch_size is None and not _fixed(self.model, self.settings)
         while (first := next(prepared, None)) is not None:
             if self.slots is None:
                 self.slots = batch_size(self.model, self.settings, largest)

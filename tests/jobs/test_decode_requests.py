@@ -16,8 +16,8 @@ from specula.policy import batch_size as batch_size_module
 
 
 @pytest.mark.parametrize("remeasure", [True, False])
-def test_a_measured_batch_size_is_measured_again_during_a_run(monkeypatch, remeasure: bool) -> None:
-    """The machine was busy when the run started (size 1 measured fastest), quiet later (size 4): after every 3
+def test_a_measured_batch_size_is_measured_again_during_a_run(fresh_store, monkeypatch, remeasure: bool) -> None:
+    """The machine was busy when the size was measured and kept (1 measured fastest), quiet later (4): after every 3
     requests the size is measured again, and the rest run in batches of 4. Each request is answered once."""
     sizes, built = iter([1, 4, 4, 4]), []
     measured = []
@@ -31,6 +31,9 @@ def test_a_measured_batch_size_is_measured_again_during_a_run(monkeypatch, remea
             built.append(slots)
             super().__init__(model, proposer, slots, **kwargs)
 
+    monkeypatch.setattr(
+        batch_size_module, "fastest_batch_size", lambda model, largest, again=False: fastest(model, largest)
+    )
     monkeypatch.setattr(decode_module, "fastest_batch_size", fastest)
     monkeypatch.setattr(decode_module, "Decoder", Recording)
     monkeypatch.setattr(decode_module, "REMEASURE", 3)
@@ -64,15 +67,11 @@ def test_a_batch_size_given_is_never_measured(monkeypatch) -> None:
     assert len(list(answerer([parse_request({"prompt": f"hello {n}"}, n) for n in range(5)]))) == 5
 
 
-@pytest.mark.parametrize(
-    "dtype, exact, kept", [(torch.bfloat16, False, True), (torch.bfloat16, True, False), (torch.float32, None, False)]
-)
-def test_where_the_batch_size_changes_answers_it_is_measured_once_and_kept(
-    fresh_store, monkeypatch, tmp_path, dtype, exact, kept
-) -> None:
-    """A first run measures size 2 (the machine busy), a later process would measure 4 (quiet): in ordinary bf16,
-    where rows round by the size of their pass, every run takes the kept 2 and answers alike; where the size changes
-    nothing (row-exact, fp32), it is measured per run (the mutant measuring per run in ordinary bf16 fails)."""
+@pytest.mark.parametrize("dtype, exact", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, None)])
+def test_the_batch_size_is_measured_once_and_kept(fresh_store, monkeypatch, tmp_path, dtype, exact) -> None:
+    """A first run measures size 2 (the machine busy), a later process would measure 4 (quiet): every run takes the
+    kept 2 (a file of a few requests does not wait for a measurement each run; in ordinary bf16, where rows round by
+    the size of their pass, every run answers alike: the mutant measuring per run fails)."""
     sizes = iter([2, 4, 4, 4])
     monkeypatch.setattr(batch_size_module, "fastest_batch_size", lambda model, largest, **kwargs: next(sizes))
     monkeypatch.setattr(decode_module, "fastest_batch_size", lambda model, largest, **kwargs: next(sizes))
@@ -96,9 +95,7 @@ def test_where_the_batch_size_changes_answers_it_is_measured_once_and_kept(
                 answerer.slots,
             )
         )
-    assert [slots for _, slots in runs] == ([2, 2] if kept else [2, 4])
-    if kept:
-        assert runs[0][0] == runs[1][0]
+    assert [slots for _, slots in runs] == [2, 2] and runs[0][0] == runs[1][0]
     store.forget()
 
 
