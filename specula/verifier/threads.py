@@ -1,10 +1,12 @@
 """How many CPU threads an ordinary verification pass runs with: torch's, or one where that is faster now.
 
 On a machine another program keeps busy, torch's threads wait for the slowest of them at every operation, and a
-pass over several tokens loses most (one thread can then be several times faster than two: docs/hardware.md). So each
-ordinary pass over several tokens runs with
-the thread count whose recent passes of its shape were cheaper (:class:`ThreadChoice`), and every :data:`EVERY`-th
-pass of a shape runs with the other one, so that the choice follows the machine both ways at a bounded cost.
+pass over several tokens loses most (one thread can then be several times faster than two: docs/hardware.md). So
+while other programs take the CPUs (:mod:`specula.machine.load`, read every :data:`WINDOW` seconds), each ordinary
+pass over several tokens runs with the thread count whose recent passes of its shape were cheaper
+(:class:`ThreadChoice`), and every :data:`EVERY`-th pass of a shape runs with the other one, so that the choice
+follows the machine both ways at a bounded cost. On a quiet machine every pass keeps torch's count: exploring one
+thread there only costs (a file of a few requests has more shapes of pass than it has passes to learn them in).
 One-token steps and row-exact passes keep torch's thread count (their bits are ``model.generate``'s).
 """
 
@@ -18,26 +20,34 @@ from typing import Callable
 
 import torch
 
+from ..machine.load import BUSY, LoadMeter
 from ..machine.profile import profile_of
 from ..machine.timing import lower_median
 
 EVERY = 32  # one pass of a shape in this many runs with the thread count not chosen, to measure it again
 KEEP = 4  # recent passes kept per shape and thread count
+WINDOW = 2.0  # seconds over which what other programs take of the CPUs is read
 
 
 class ThreadChoice:
     """The thread count of each shape of pass (``(rows, tokens a row)``, tokens taken by powers of two: passes of
     4 to 7 tokens share one), from the recent times of both counts."""
 
-    def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, threads: int, clock: Callable[[], float] = time.perf_counter, busy: Callable[[], bool] | None = None
+    ) -> None:
         self.counts = (threads, 1)
         self.clock = clock
+        self.busy = busy or OthersBusy()  # whether other programs take the CPUs now
         self.seconds: dict[tuple, deque] = {}  # (shape, threads): recent seconds
         self.passes: dict[tuple, int] = {}  # passes per shape
 
     def pick(self, shape: tuple) -> int:
-        """The thread count for the next pass of ``shape``: each count until both were timed, then the cheaper by
-        the lower median of recent passes, but every :data:`EVERY`-th pass the other."""
+        """The thread count for the next pass of ``shape``: torch's on a quiet machine; while other programs take
+        the CPUs, each count until both were timed, then the cheaper by the lower median of recent passes, but every
+        :data:`EVERY`-th pass the other."""
+        if not self.busy():
+            return self.counts[0]
         shape = _bucket(shape)
         count = self.passes.get(shape, 0)
         self.passes[shape] = count + 1
@@ -60,6 +70,23 @@ class ThreadChoice:
         finally:
             torch.set_num_threads(before)
         self.seconds.setdefault((shape, threads), deque(maxlen=KEEP)).append(self.clock() - started)
+
+
+class OthersBusy:
+    """Whether other programs took :data:`~specula.machine.load.BUSY` of the CPUs over the last :data:`WINDOW`
+    seconds or so (quiet until the first window is read; busy where that cannot be read, so that the choice is
+    measured)."""
+
+    def __init__(self) -> None:
+        self.meter, self.since, self.state = LoadMeter(), time.monotonic(), False
+
+    def __call__(self) -> bool:
+        if time.monotonic() - self.since >= WINDOW:
+            others = self.meter.others()
+            self.state = others is None or others >= BUSY
+            self.meter.restart()
+            self.since = time.monotonic()
+        return self.state
 
 
 def _bucket(shape: tuple[int, int]) -> tuple[int, int]:

@@ -15,8 +15,9 @@ from specula.verifier.threads import EVERY, ThreadChoice
 
 
 def test_the_cheaper_count_is_chosen_both_ways_at_a_bounded_cost() -> None:
+    """While other programs take the CPUs (the load read says so throughout: ``busy``)."""
     now, busy = [0.0], [False]
-    choice = ThreadChoice(2, clock=lambda: now[0])
+    choice = ThreadChoice(2, clock=lambda: now[0], busy=lambda: True)
 
     def run_pass(shape=(1, 9)) -> int:
         with choice.applied(shape):
@@ -38,6 +39,41 @@ def test_the_cheaper_count_is_chosen_both_ways_at_a_bounded_cost() -> None:
     assert run_pass((4, 1)) in (1, 2) and choice.passes[(4, 1)] == 1  # shapes apart ...
     run_pass((1, 12))
     assert choice.passes[(1, 4)] == 30 * EVERY + 1  # ... but passes of 8 to 15 tokens share one
+
+
+def test_a_quiet_machine_keeps_torchs_count_and_explores_nothing() -> None:
+    """Where other programs take nothing, every pass runs with torch's threads, even where one thread timed cheaper
+    (a warm-up, noise): exploring there only costs. Once the load read says busy, the choice is measured (mutant:
+    the load ignored, passes on one thread at once)."""
+    now, others = [0.0], [False]
+    choice = ThreadChoice(2, clock=lambda: now[0], busy=lambda: others[0])
+
+    def run_pass(shape=(4, 1)) -> int:
+        with choice.applied(shape):
+            used = torch.get_num_threads()
+            now[0] += 1.0 if used == 1 else 3.0  # (one thread timed cheaper)
+        return used
+
+    assert [run_pass() for _ in range(3 * EVERY)] == [2] * 3 * EVERY and not choice.passes
+    others[0] = True
+    assert 1 in [run_pass() for _ in range(4)]
+
+
+def test_the_load_is_read_over_a_window(monkeypatch) -> None:
+    """``OthersBusy``: quiet until its first window was read, then what the load meter says, read again each window."""
+    readings, clock = iter([0.1, 0.9, None]), [0.0]
+    monkeypatch.setattr(threads_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(threads_module.LoadMeter, "others", lambda self: next(readings))
+    busy = threads_module.OthersBusy()
+    assert busy() is False
+    clock[0] += threads_module.WINDOW
+    assert busy() is False  # (0.1 of a CPU)
+    clock[0] += threads_module.WINDOW / 2
+    assert busy() is False  # (within the window: not read)
+    clock[0] += threads_module.WINDOW
+    assert busy() is True  # (0.9)
+    clock[0] += threads_module.WINDOW
+    assert busy() is True  # (unknown: measured)
 
 
 @pytest.fixture
