@@ -1,10 +1,11 @@
 """Speed and identity of specula on the forms users hold a model in: as loaded, with a LoRA adapter unmerged (PEFT),
-with int8 weight-only weights (torchao), with half its layers offloaded to disk (accelerate's ``device_map``), and as
-the module ``torch.compile`` returned. For each form, its own ``model.generate``, HF's prompt lookup and specula's
+with int8 or int4 weight-only weights (torchao; int4 in bf16, what its CPU kernel computes in: in fp32 it is tens of
+times slower), with half its layers offloaded to disk (accelerate's ``device_map``), and as the module
+``torch.compile`` returned. For each form, its own ``model.generate``, HF's prompt lookup and specula's
 PromptLookup decode the same code edits one at a time, interleaved in one process, medians of repeats
 (:func:`specula.tools.bench.run_bench`); outputs are compared with that form's own ``model.generate``.
 
-    python examples/forms.py [--workload FILE] [--limit 2] [--repeats 3] [--forms plain,lora,int8,offload,compiled]
+    python examples/forms.py [--workload FILE] [--limit 2] [--repeats 3] [--forms plain,lora,int8,int4,offload,compiled]
 
 Forms whose package is missing (peft, torchao, accelerate) are skipped, saying so. The default workload is the last
 ``--limit`` lines of ``../shared/workloads/code_edit.jsonl``.
@@ -25,7 +26,7 @@ from specula.jobs.requests import Request, read_requests
 from specula.tools.bench import format_table, one_at_a_time, run_bench
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "code_edit.jsonl"
-FORMS = ("plain", "lora", "int8", "offload", "compiled")
+FORMS = ("plain", "lora", "int8", "int4", "offload", "compiled")
 
 
 def form(name: str, dtype: torch.dtype, offload_to: Path) -> torch.nn.Module:
@@ -38,7 +39,7 @@ def form(name: str, dtype: torch.dtype, offload_to: Path) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, device_map=device_map, offload_folder=str(offload_to)
         ).eval()
-    model, _ = load_model(dtype=dtype)
+    model, _ = load_model(dtype=torch.bfloat16 if name == "int4" else dtype)
     if name == "lora":  # adapters as training starts them (B = 0): the model's output, the adapter layers' cost
         import peft
 
@@ -48,6 +49,12 @@ def form(name: str, dtype: torch.dtype, offload_to: Path) -> torch.nn.Module:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         quantize_(model, Int8WeightOnlyConfig())
+        return model
+    if name == "int4":  # (torchao's CPU layout: the tinygemm kernel for the CPU)
+        from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+        from torchao.quantization import quantize_
+
+        quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=64))
         return model
     if name == "compiled":
         return torch.compile(model)

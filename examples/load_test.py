@@ -6,18 +6,21 @@ A real server process on a loopback port, driven by the official ``openai`` clie
 1. ``--clients`` concurrent streamed chats of ``--max-tokens`` tokens (greedy), ``--hang-ups`` of them closing their
    stream after three chunks, while ``--bad`` malformed bodies are posted (each must be a 400 with OpenAI's error
    object); the whole answers are checked against ``model.generate`` in this process.
-2. ``--long`` concurrent requests without ``max_tokens`` whose prompts leave ``--tail`` tokens of the context: each
+2. One request that runs to the end of the context (below) beside ``--mixed`` short chats: rows that share passes
+   with a long one, each holding its own tokens.
+3. ``--long`` concurrent requests without ``max_tokens`` whose prompts leave ``--tail`` tokens of the context: each
    runs to the end of the context, so its row holds a whole context of keys and values.
-3. Idle again: the resident set after the load.
+4. Idle again: the resident set after the load.
 
 The resident set is sampled from ``/health`` every ``--every`` seconds throughout. The report (stdout, and
-``--json``) gives it idle, at its peak and after, the keys and values the long requests held (their tokens times
-the bytes a token takes, from ``/health``), and whether the peak stayed within idle + ``1.5x`` those and the level
-after within ``0.5 GB`` of idle. Exit status 1 where an answer differed, a bad body was not a 400, or a request
-failed (``--strict-memory``: also where a memory bound was missed).
+``--json``) gives it idle, at its peak (in step 2, and in all) and after, the keys and values the long requests
+held (their tokens times the bytes a token takes, from ``/health``; in step 2 the long one's and the short ones'),
+and whether the peak stayed within idle + ``1.5x`` those and the level after within ``0.5 GB`` of idle. Exit status
+1 where an answer differed, a bad body was not a 400, or a request failed (``--strict-memory``: also where a memory
+bound was missed).
 
 Usage: python examples/load_test.py [--model PATH] [--dtype fp32] [--clients 32] [--hang-ups 8] [--bad 12]
-       [--long 8] [--tail 256] [--max-tokens 48] [--max-memory SIZE] [--json FILE]
+       [--mixed 7] [--long 8] [--tail 256] [--max-tokens 48] [--max-memory SIZE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--hang-ups", type=int, default=8)
     parser.add_argument("--bad", type=int, default=12)
+    parser.add_argument("--mixed", type=int, default=7, help="short chats beside one long request (0: none)")
     parser.add_argument("--long", type=int, default=8)
     parser.add_argument("--tail", type=int, default=256, help="tokens a long request's prompt leaves of the context")
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -166,6 +170,29 @@ def main() -> None:
             chats, bodies = [c.result() for c in chats], [b.result() for b in bodies]
         limit = context_limit(model)
         text = long_prompt(tokenizer, limit - args.tail)
+        if args.mixed:
+            beside = Watch(url, args.every)
+            beside.start()
+            with concurrent.futures.ThreadPoolExecutor(args.mixed + 1) as pool:
+                first = pool.submit(chat, client, name, f"{text} (mixed)", None, False)
+                time.sleep(2.0)  # (the long one's prefill first: the short ones share its passes)
+                shorts = [
+                    pool.submit(chat, client, name, TOPICS[i % len(TOPICS)], args.max_tokens, False)
+                    for i in range(args.mixed)
+                ]
+                first.result(), [short.result() for short in shorts]
+            beside.done.set()
+            beside.join()
+            short_tokens = sum(
+                encode(tokenizer, user(TOPICS[i % len(TOPICS)])).shape[1] + args.max_tokens for i in range(args.mixed)
+            )
+            mixed = (limit + short_tokens) * memory["bytes_per_token"]
+            report["mixed"] = {
+                "peak_bytes": beside.peak,
+                "kv_bytes": mixed,
+                "peak_over_idle_in_kv": round((beside.peak - report["idle_bytes"]) / mixed, 2),
+                "peak_within_idle_plus_1.5x_kv": beside.peak <= report["idle_bytes"] + 1.5 * mixed,
+            }
         with concurrent.futures.ThreadPoolExecutor(max(args.long, 1)) as pool:
             longs = [
                 r.result()
@@ -215,7 +242,11 @@ def main() -> None:
         or report["health"]["failed"]
         or (
             args.strict_memory
-            and not (report["peak_within_idle_plus_1.5x_kv"] and report["after_within_0.5GB_of_idle"])
+            and not (
+                report["peak_within_idle_plus_1.5x_kv"]
+                and report["after_within_0.5GB_of_idle"]
+                and report.get("mixed", {}).get("peak_within_idle_plus_1.5x_kv", True)
+            )
         )
     )
     sys.exit(1 if failed else 0)

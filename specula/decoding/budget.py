@@ -1,11 +1,12 @@
 """A memory budget for the keys and values a run holds: requests join the batch only while its cache still fits.
 
-A batch's cache is a rectangle (:class:`~specula.verifier.cache_layers.PreallocatedLayer`): its rows in use, each as
-long as the longest of them may grow (its prompt, its ``max_new_tokens`` and room for a draft). So a request joins
-only where that rectangle, with it, stays within the budget; otherwise it waits, first in line, for rows to leave.
-A request that would not fit even alone is refused before any work (the server's 400, a file's skipped line).
-Worked example: 46,080 bytes a token (SmolLM2-135M in fp32) and a budget of 1 GB hold two rows of 8,192 tokens
-(0.75 GB), not three; eight rows of 2,048.
+Each row of a batch may grow to its room: its prompt, its ``max_new_tokens`` and room for a draft. On the CPU a row's
+memory is what it wrote (:class:`~specula.verifier.cache_layers.PreallocatedLayer`'s pages), so a request joins where
+the rows' rooms, with its own, add up to at most the budget. Elsewhere the cache is a rectangle of the rows in use,
+each as long as the longest may grow, and that rectangle must fit. Otherwise the request waits, first in line, for
+rows to leave. A request that would not fit even alone is refused before any work (the server's 400, a file's
+skipped line). Worked example: 46,080 bytes a token (SmolLM2-135M in fp32) and a budget of 1 GB hold two rows of
+8,192 tokens (0.75 GB), not three; beside one of them, on the CPU, 26 rows of 512 tokens, as a rectangle one.
 """
 
 from __future__ import annotations
@@ -61,20 +62,29 @@ class CacheBudget:
 
     limit: int
     per_token: int
+    per_row: bool = True  # each row's memory its own tokens (paged), not the longest row's (a rectangle)
+    page_tokens: int = 1  # ... in whole pages of this many tokens (a page of one key or value head)
 
     @classmethod
     def of(cls, model: torch.nn.Module, limit: int) -> CacheBudget:
-        from ..verifier.support import kv_bytes_per_token
+        from ..machine.memory import Pages
+        from ..verifier.cache_layers import PAGED
+        from ..verifier.support import kv_heads, model_device
 
-        return cls(limit, kv_bytes_per_token(model))
+        heads, head_bytes = kv_heads(model)
+        paged = model_device(model).type in PAGED
+        return cls(limit, heads * head_bytes, paged, Pages.whole(1, head_bytes) if paged else 1)
 
-    def fits(self, rows: int, tokens: int) -> bool:
-        """Whether ``rows`` rows of ``tokens`` tokens each fit."""
-        return rows * tokens * self.per_token <= self.limit
+    def fits(self, rooms: list[int], rows: int | None = None) -> bool:
+        """Whether rows that may grow to ``rooms`` tokens each fit (as a rectangle: ``rows`` rows, at least as many,
+        as long as the longest)."""
+        if self.per_row:
+            return sum(-(-room // self.page_tokens) * self.page_tokens for room in rooms) * self.per_token <= self.limit
+        return max(rows or 0, len(rooms)) * max(rooms) * self.per_token <= self.limit
 
     def refusal(self, tokens: int) -> str | None:
         """Why a request whose row may hold ``tokens`` tokens never fits; ``None`` where it fits alone."""
-        if self.fits(1, tokens):
+        if self.fits([tokens]):
             return None
         return (
             f"this request may hold {tokens} tokens of keys and values ({gigabytes(tokens * self.per_token)}), "
@@ -84,4 +94,10 @@ class CacheBudget:
 
     def report(self) -> dict:
         """What the budget admits (the server's /health)."""
-        return {"budget_bytes": self.limit, "bytes_per_token": self.per_token, "tokens": self.limit // self.per_token}
+        tokens = self.limit // self.per_token
+        return {
+            "budget_bytes": self.limit,
+            "bytes_per_token": self.per_token,
+            "tokens": tokens,
+            "per_row": self.per_row,
+        }

@@ -409,7 +409,7 @@ class Decoder:
         rooms = [room(row.job) for row in rows if row is not None]
         if not rooms and (why := self.budget.refusal(room(job))):
             raise ValueError(why)
-        if rooms and not self.budget.fits(max(len(rows), index + 1), max(rooms + [room(job)])):
+        if rooms and not self.budget.fits(rooms + [room(job)], max(len(rows), index + 1)):
             self._waiting = job
             return None
         return job

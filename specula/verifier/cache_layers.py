@@ -8,7 +8,9 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-from ..machine.memory import give_back_freed
+from ..machine.memory import Pages, give_back_freed
+
+PAGED = ("cpu",)  # devices where a buffer's memory is taken page by page as rows write it (machine.memory.Pages)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -19,12 +21,16 @@ class PreallocatedLayer(DynamicLayer):
     attention reads a view of the filled prefix: the same values, shapes and layout on the last two dimensions, so
     the same logits. A rollback only moves the end. The buffer doubles if ``capacity`` turns out too small.
 
-    A batch's buffers (``[rows, heads, capacity, dim]``) hold the rows in use, not every slot: they gain rows
-    (doubling, up to the slots) as requests join and give them back as they leave (:meth:`fit`), so a lone long
-    request takes one row's memory, not every slot's.
+    A batch's buffers are a rectangle (``[rows, heads, capacity, dim]``) that attention reads whole. On the CPU
+    (:data:`PAGED`) each row's memory is only what it wrote (:class:`~specula.machine.memory.Pages`): the rectangle
+    holds every slot from the start, a row that leaves or is taken by another request gives its pages back, and a
+    short row beside a long one costs its own tokens. Elsewhere the buffers hold the rows in use, not every slot:
+    they gain rows (doubling, up to the slots) as requests join and give them back as they leave (:meth:`fit`), so
+    a lone long request takes one row's memory, not every slot's.
     """
 
     follows_rows = True  # (static passes read every slot's rows: their buffers hold all from the start)
+    whole_pages = True  # paged: capacity rounded up so that each row's heads start on a page of their own
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
@@ -34,6 +40,7 @@ class PreallocatedLayer(DynamicLayer):
         self.sliding_window: int | None = None  # the window of a sliding-window layer it stands for (batches)
         self.row_starts: torch.Tensor | None = None  # [rows]: where each row writes its next block (batches)
         self.ceiling: tuple[int, int] | None = None  # (rows, tokens a row) a memory budget holds it to (batches)
+        self._pages: dict[str, Pages] = {}  # each buffer's pages, where paged
 
     def lazy_initialization(
         self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None
@@ -41,18 +48,22 @@ class PreallocatedLayer(DynamicLayer):
         self.device = key_states.device
         self.length = 0  # (also after transformers' reset())
         self.slots = slots or len(key_states)
-        rows = len(key_states) if self.follows_rows else self.slots
-        self._key_buffer = self._empty_like(key_states, self.capacity, rows)
-        self._value_buffer = self._empty_like(value_states, self.capacity, rows)
-        self._expose()
+        self.paged = self.device.type in PAGED
+        rows = len(key_states) if self.follows_rows and not self.paged else self.slots
+        self._replace(lambda name, buffer: self._zeros(name, buffer, self.capacity, rows), key_states, value_states)
         self.is_initialized = True
 
-    @staticmethod
-    def _empty_like(states: torch.Tensor, length: int, rows: int | None = None) -> torch.Tensor:
+    def _zeros(self, name: str, like: torch.Tensor, length: int, rows: int | None = None) -> torch.Tensor:
         # zeros, not garbage: in a batch a row's mask covers slots only longer rows wrote, and attention kernels
         # compute q.k before masking, so a NaN bit pattern there would poison the row
-        batch, heads, _, dim = states.shape
-        return torch.zeros(rows or batch, heads, length, dim, dtype=states.dtype, device=states.device)
+        batch, heads, _, dim = like.shape
+        shape = (rows or batch, heads, length, dim)
+        if self.paged:
+            if self.whole_pages:  # (a row gives back all it wrote)
+                shape = (rows or batch, heads, Pages.whole(length, dim * like.element_size()), dim)
+            self._pages[name] = Pages(shape, like.dtype)
+            return self._pages[name].tensor
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
     def hold_rows(self, count: int) -> None:
         """Room for ``count`` rows (doubling, up to the slots)."""
@@ -60,44 +71,73 @@ class PreallocatedLayer(DynamicLayer):
         if count > held:
             rows = max(count, min(self.slots, 2 * held, self.ceiling[0] if self.ceiling else self.slots))
 
-            def grown(buffer: torch.Tensor) -> torch.Tensor:
-                bigger = self._empty_like(buffer, self.capacity, rows)
+            def grown(name: str, buffer: torch.Tensor) -> torch.Tensor:
+                bigger = self._zeros(name, buffer, self.capacity, rows)
                 bigger[:held] = buffer
                 return bigger
 
             self._replace(grown)
 
-    def _replace(self, new: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Both buffers become ``new(buffer)``, and what the old ones held goes back to the system at once: freed
-        only, the C heap would keep it (buffers under glibc's mmap threshold), and every growth of a batch's cache
-        would leave the resident set at the old size plus the new one."""
-        for name in ("_key_buffer", "_value_buffer"):
-            setattr(self, name, new(getattr(self, name)))
+    def _replace(self, new: Callable[[str, torch.Tensor], torch.Tensor], *buffers: torch.Tensor) -> None:
+        """Both buffers become ``new(name, buffer)`` (of ``buffers`` where given), and what the old ones held goes
+        back to the system at once: freed only, the C heap would keep it (buffers under glibc's mmap threshold), and
+        every growth of a batch's cache would leave the resident set at the old size plus the new one."""
+        for name, buffer in zip(("_key_buffer", "_value_buffer"), buffers or (self._key_buffer, self._value_buffer)):
+            setattr(self, name, new(name, buffer))
+        self.capacity = self._key_buffer.shape[2]
         self._expose()
-        if self._key_buffer.device.type == "cpu":
+        if self.device.type == "cpu" and not self.paged:
             give_back_freed()
 
     def _expose(self) -> None:
         self.keys = self._key_buffer[: self.rows, :, : self.length]
         self.values = self._value_buffer[: self.rows, :, : self.length]
 
+    def _row_lengths(self) -> list[int]:
+        """The tokens each row of the buffers in use holds."""
+        return [self.length] if self.row_starts is None else self.row_starts.tolist()
+
     def _grow(self, end: int) -> None:
         """Make room for ``end`` tokens per row (doubling)."""
         if end > self.capacity:
-            self.capacity = max(end, min(2 * self.capacity, self.ceiling[1] if self.ceiling else 2 * self.capacity))
+            ceiling = self.ceiling[1] if self.ceiling and not self.paged else 2 * self.capacity
+            self.capacity, lengths = max(end, min(2 * self.capacity, ceiling)), self._row_lengths()
 
-            def grown(buffer: torch.Tensor) -> torch.Tensor:
-                longer = self._empty_like(buffer, self.capacity)
-                longer[:, :, : self.length] = buffer[:, :, : self.length]
+            def grown(name: str, buffer: torch.Tensor) -> torch.Tensor:
+                longer = self._zeros(name, buffer, self.capacity)
+                if self.paged:  # (each row its own tokens: what it did not write takes no memory)
+                    for row, length in enumerate(lengths):
+                        longer[row, :, :length] = buffer[row, :, :length]
+                else:
+                    longer[:, :, : self.length] = buffer[:, :, : self.length]
                 return longer
 
             self._replace(grown)
 
+    def _release(self, row: int, start: int = 0) -> None:
+        """Give back the memory of ``row``'s tokens from ``start`` on (paged buffers): they read as zeros again."""
+        for pages in self._pages.values():
+            _, heads, capacity, dim = pages.tensor.shape
+            for head in range(heads) if start else [None]:  # (from 0: the row's heads lie together)
+                if head is None:
+                    pages.release(row * heads * capacity * dim, (row + 1) * heads * capacity * dim)
+                else:
+                    first = (row * heads + head) * capacity
+                    pages.release((first + start) * dim, (first + capacity) * dim)
+
+    def held_bytes(self) -> int:
+        """The memory its buffers hold now (paged: the pages rows wrote and did not give back)."""
+        if not self.is_initialized:
+            return 0
+        if self.paged:
+            return sum(pages.resident() for pages in self._pages.values())
+        return self._key_buffer.nbytes + self._value_buffer.nbytes
+
     def fit(self, end: int) -> None:
         """Give back the room past ``end`` tokens a row, and the rows past those in use, where the buffers hold over
         twice that (a long request left its slot, requests left the batch), or over a budget's :attr:`ceiling`: the
-        memory follows the rows in use."""
-        if not self.is_initialized:
+        memory follows the rows in use. (Paged buffers gave back what rows left as they left.)"""
+        if not self.is_initialized or self.paged:
             return
         end, held = max(end, self.length), len(self._key_buffer)
         rows = held if self.rows is None or not self.follows_rows else max(self.rows, 1)
@@ -106,7 +146,7 @@ class PreallocatedLayer(DynamicLayer):
             tokens, kept = max(end, min(tokens, self.ceiling[1])), max(rows, min(kept, self.ceiling[0]))
         if (tokens, kept) != (self.capacity, held):
             self.capacity = tokens
-            self._replace(lambda buffer: buffer[:kept, :, :tokens].clone())
+            self._replace(lambda name, buffer: buffer[:kept, :, :tokens].clone())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, heads, n, dim]; each row's block goes at its own start in a batch
@@ -138,17 +178,43 @@ class PreallocatedLayer(DynamicLayer):
             self.lazy_initialization(keys, values, slots)
         self.hold_rows(index + 1)
         self._grow(end)
+        self._release(index)  # (what the request before it in this slot wrote)
         self._key_buffer[index, :, end - keys.shape[-2] : end] = keys[0]
         self._value_buffer[index, :, end - values.shape[-2] : end] = values[0]
 
+    def copy_row(self, source: int, index: int, length: int) -> None:
+        """Make row ``index`` hold the first ``length`` tokens of row ``source``."""
+        self.hold_rows(index + 1)
+        self._release(index)
+        for buffer in (self._key_buffer, self._value_buffer):
+            buffer[index, :, :length] = buffer[source, :, :length]
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows, moved to the front (finished requests leave the batch)."""
-        if self.is_initialized:
+        if not self.is_initialized:
+            return
+        if self.paged:  # (each row's own tokens moved, and what rows no longer hold given back)
+            lengths, order = self._row_lengths(), rows.tolist()
+            moved = [(row, source) for row, source in enumerate(order) if source != row]
+            taken = {
+                source: [
+                    buffer[source, :, : lengths[source]].clone() for buffer in (self._key_buffer, self._value_buffer)
+                ]
+                for _, source in moved
+            }
+            for row, source in moved:
+                self._release(row)
+                self._key_buffer[row, :, : lengths[source]], self._value_buffer[row, :, : lengths[source]] = taken[
+                    source
+                ]
+            for row in range(len(order), len(self._key_buffer)):
+                self._release(row)
+        else:
             for buffer in (self._key_buffer, self._value_buffer):
                 buffer[: len(rows)] = buffer[rows]
-            self.rows = len(rows)
-            self.length = self.length if len(rows) else 0
-            self._expose()
+        self.rows = len(rows)
+        self.length = self.length if len(rows) else 0
+        self._expose()
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:

@@ -483,9 +483,7 @@ class RaggedRows(CachedModel):
             )
         for layer in self.cache.layers:
             if isinstance(layer, PreallocatedLayer):
-                layer.hold_rows(index + 1)
-                for buffer in (layer._key_buffer, layer._value_buffer):
-                    buffer[index, :, :length] = buffer[source, :, :length]
+                layer.copy_row(source, index, length)
         self.starts[index], self.adapters[index] = length, self.adapters[source]
         self.batch = max(self.batch, index + 1)
         self._set_rows()
@@ -644,11 +642,11 @@ class RaggedRows(CachedModel):
         if rows == list(range(self.batch)):
             return
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.starts[: len(rows)] = self.starts[index]
-        self.adapters[: len(rows)] = [self.adapters[row] for row in rows]
         for layer in self.cache.layers:
             if isinstance(layer, PreallocatedLayer):
-                layer.select_rows(index)
+                layer.select_rows(index)  # (before the starts move: the layers read the rows' lengths from them)
+        self.starts[: len(rows)] = self.starts[index]
+        self.adapters[: len(rows)] = [self.adapters[row] for row in rows]
         if self.rows_state is not None:
             self.rows_state.select_rows(index)
         self.batch = len(rows)

@@ -59,6 +59,7 @@ class StaticLayer(PreallocatedLayer):
 
     static = False
     follows_rows = False
+    whole_pages = False  # (capacities stay powers of two: each is a compiled shape)
 
     def lazy_initialization(
         self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None

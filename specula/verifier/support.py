@@ -63,13 +63,20 @@ def context_limit(model: torch.nn.Module) -> int | None:
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
     """The bytes of keys and values one token of one request takes in the cache, by the model's config: every layer
     counted as full attention (an upper bound for models with sliding-window or recurrent layers)."""
+    heads, head_bytes = kv_heads(model)
+    return heads * head_bytes
+
+
+def kv_heads(model: torch.nn.Module) -> tuple[int, int]:
+    """The key and value heads one token has in the cache (both, in every layer, as :func:`kv_bytes_per_token`
+    counts them), and the bytes of one."""
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_attention_heads", None) or 1
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     dtype = next(model.parameters()).dtype
     dtype = dtype if dtype.is_floating_point else torch.get_default_dtype()  # (quantized weights: the compute dtype)
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+    return 2 * config.num_hidden_layers * kv_heads, head_dim * dtype.itemsize
 
 
 def fit_context(model: torch.nn.Module, context: int, after: int) -> int:

@@ -4,6 +4,7 @@ budget, answers stay model.generate's, and a request that could never fit is ref
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from specula import cli
 from specula.decoding.budget import CacheBudget, parse_size
 from specula.decoding.driver import finished_rows
 from specula.decoding.loop import room
+from specula.verifier import cache_layers
 from specula.verifier.cache_layers import PreallocatedLayer
 from specula.verifier.runner import CachedModel
 
@@ -23,22 +25,11 @@ NEW = 6
 
 
 def cache_bytes(target: CachedModel) -> int:
-    return sum(
-        buffer.nbytes
-        for layer in target.cache.layers
-        if isinstance(layer, PreallocatedLayer)
-        for buffer in (layer._key_buffer, layer._value_buffer)
-    )
+    return sum(layer.held_bytes() for layer in target.cache.layers if isinstance(layer, PreallocatedLayer))
 
 
-def test_requests_wait_for_room_and_the_cache_stays_within_the_budget(monkeypatch) -> None:
-    """Four slots, five requests, a budget of two rows: no pass holds more than two rows nor its buffers more than the
-    budget, and every request gets model.generate's tokens (mutant: no budget, four rows a pass)."""
-    model = tiny_model("llama")
-    prompts = [np.roll(np.array([1, 40, 3, 77, 12, 55, 23, 9, 60, 14]), shift) for shift in range(5)]
-    jobs = [specula.Job(prompt, NEW) for prompt in prompts]
-    budget = CacheBudget.of(model, 0)
-    budget = CacheBudget(2 * room(jobs[0]) * budget.per_token, budget.per_token)  # (two rows of these requests)
+def decode_watched(monkeypatch, model, jobs: list[specula.Job], budget: CacheBudget) -> tuple[list, list]:
+    """The finished rows of ``jobs`` decoded in 4 slots within ``budget``, and each pass's (rows, cache bytes)."""
     seen, forward_rows = [], CachedModel.forward_rows
 
     def watched(self, blocks, *args, **kwargs):
@@ -48,17 +39,50 @@ def test_requests_wait_for_room_and_the_cache_stays_within_the_budget(monkeypatc
     monkeypatch.setattr(CachedModel, "forward_rows", watched)
     decoder = specula.Decoder(model, specula.PromptLookup(), slots=4, budget=budget)
     rows = list(finished_rows(decoder, jobs))
-    assert max(rows for rows, _ in seen) == 2 and max(size for _, size in seen) <= budget.limit
     for row in rows:
-        expected = hf_greedy(model, torch.from_numpy(row.job.prompt)[None], NEW, eos_token_id=[])
+        expected = hf_greedy(model, torch.from_numpy(row.job.prompt)[None], row.job.max_new_tokens, eos_token_id=[])
         assert row.output.tolist() == expected[0, len(row.job.prompt) :].tolist()
-    assert len(rows) == 5
+    assert len(rows) == len(jobs)
+    return rows, seen
+
+
+def whole_pages(budget: CacheBudget, tokens: int) -> int:
+    return -(-tokens // budget.page_tokens) * budget.page_tokens
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_requests_wait_for_room_and_the_cache_stays_within_the_budget(monkeypatch, paged) -> None:
+    """Four slots, five requests, a budget of two rows: no pass holds more than two rows nor its buffers more than the
+    budget, and every request gets model.generate's tokens (mutant: no budget, four rows a pass)."""
+    if not paged:
+        monkeypatch.setattr(cache_layers, "PAGED", ())
+    model = tiny_model("llama")
+    prompts = [np.roll(np.array([1, 40, 3, 77, 12, 55, 23, 9, 60, 14]), shift) for shift in range(5)]
+    jobs = [specula.Job(prompt, NEW) for prompt in prompts]
+    budget = CacheBudget.of(model, 0)
+    assert budget.per_row == paged
+    budget = replace(budget, limit=2 * whole_pages(budget, room(jobs[0])) * budget.per_token)  # (two rows of these)
+    _, seen = decode_watched(monkeypatch, model, jobs, budget)
+    assert max(rows for rows, _ in seen) == 2 and max(size for _, size in seen) <= budget.limit
+
+
+def test_beside_a_long_request_short_ones_join_while_their_own_tokens_fit(monkeypatch) -> None:
+    """Paged (the CPU's cache), a budget of one long request's tokens and three short ones': all four decode in one
+    batch, within the budget (mutant: a rectangle's accounting, every row as long as the longest, admits two)."""
+    model = tiny_model("llama")
+    prompt = np.array([1, 40, 3, 77, 12, 55, 23, 9, 60, 14])
+    jobs = [specula.Job(prompt, 400)] + [specula.Job(np.roll(prompt, shift), NEW) for shift in range(1, 4)]
+    budget = CacheBudget.of(model, 0)
+    budget = replace(budget, limit=sum(whole_pages(budget, room(job)) for job in jobs) * budget.per_token)
+    _, seen = decode_watched(monkeypatch, model, jobs, budget)
+    assert max(rows for rows, _ in seen) == 4 and max(size for _, size in seen) <= budget.limit
 
 
 def test_a_request_that_could_never_fit_is_refused() -> None:
     model = tiny_model("llama")
     job = specula.Job(np.arange(3, 13), NEW)
-    budget = CacheBudget(room(job) * CacheBudget.of(model, 0).per_token - 1, CacheBudget.of(model, 0).per_token)
+    budget = CacheBudget.of(model, 0)
+    budget = replace(budget, limit=whole_pages(budget, room(job)) * budget.per_token - 1)
     with pytest.raises(ValueError, match="over the cache's memory budget"):
         list(specula.Decoder(model, None, slots=2, budget=budget).run([job]))
 

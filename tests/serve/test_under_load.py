@@ -31,6 +31,8 @@ def test_the_server_under_load_answers_right_and_gives_its_memory_back(model_fol
             "2",
             "--bad",
             "6",
+            "--mixed",
+            "2",
             "--long",
             "2",
             "--tail",
@@ -51,4 +53,4 @@ def test_the_server_under_load_answers_right_and_gives_its_memory_back(model_fol
     assert result["answers_identical"] == "4/4" and result["bad_bodies_400"] == "6/6" and result["hung_up"] == 2
     assert result["long_finished_at_length"] == "2/2" and result["budget_bytes"] == 1_000_000
     assert result["health"]["cancelled"] == 2 and result["health"]["failed"] == 0
-    assert result["after_within_0.5GB_of_idle"]
+    assert result["after_within_0.5GB_of_idle"] and result["mixed"]["kv_bytes"] > 0
