@@ -74,7 +74,7 @@ def main() -> None:
     loaded, tokenizer = load_model(dtype={"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
     dtype = loaded.dtype
     del loaded
-    print(f"SmolLM2-135M-Instruct, {dtype}, {len(requests)} requests of {args.workload.name}", flush=True)
+    print(f"SmolLM2-135M-Instruct, {dtype} (int4: bf16), {len(requests)} requests of {args.workload.name}", flush=True)
     with tempfile.TemporaryDirectory() as offload_to:
         for name in args.forms.split(","):
             try:
