@@ -114,16 +114,11 @@ class PreallocatedLayer(DynamicLayer):
 
             self._replace(grown)
 
-    def _release(self, row: int, start: int = 0) -> None:
-        """Give back the memory of ``row``'s tokens from ``start`` on (paged buffers): they read as zeros again."""
+    def _release(self, row: int) -> None:
+        """Give back the memory of ``row`` (paged buffers): it reads as zeros again."""
         for pages in self._pages.values():
-            _, heads, capacity, dim = pages.tensor.shape
-            for head in range(heads) if start else [None]:  # (from 0: the row's heads lie together)
-                if head is None:
-                    pages.release(row * heads * capacity * dim, (row + 1) * heads * capacity * dim)
-                else:
-                    first = (row * heads + head) * capacity
-                    pages.release((first + start) * dim, (first + capacity) * dim)
+            size = pages.tensor[0].numel()  # (a row's heads lie together)
+            pages.release(row * size, (row + 1) * size)
 
     def held_bytes(self) -> int:
         """The memory its buffers hold now (paged: the pages rows wrote and did not give back)."""
@@ -204,9 +199,8 @@ class PreallocatedLayer(DynamicLayer):
             }
             for row, source in moved:
                 self._release(row)
-                self._key_buffer[row, :, : lengths[source]], self._value_buffer[row, :, : lengths[source]] = taken[
-                    source
-                ]
+                for buffer, states in zip((self._key_buffer, self._value_buffer), taken[source]):
+                    buffer[row, :, : lengths[source]] = states
             for row in range(len(order), len(self._key_buffer)):
                 self._release(row)
         else:
