@@ -52,5 +52,6 @@ def test_the_server_under_load_answers_right_and_gives_its_memory_back(model_fol
     result = json.loads(report.read_text())
     assert result["answers_identical"] == "4/4" and result["bad_bodies_400"] == "6/6" and result["hung_up"] == 2
     assert result["long_finished_at_length"] == "2/2" and result["budget_bytes"] == 1_000_000
-    assert result["health"]["cancelled"] == 2 and result["health"]["failed"] == 0
+    # (a hang-up cancels its request unless the request's last tokens came first: 12 tokens, several a pass)
+    assert 1 <= result["health"]["cancelled"] <= 2 and result["health"]["failed"] == 0
     assert result["after_within_0.5GB_of_idle"] and result["mixed"]["kv_bytes"] > 0
