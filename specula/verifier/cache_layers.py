@@ -218,6 +218,26 @@ class PreallocatedLayer(DynamicLayer):
             self._expose()
 
 
+class RowPrefill(DynamicLayer):
+    """A request's prompt computed alone, its keys and values written straight into row ``index`` of a batch's
+    full-attention layer (of up to ``slots`` rows) as they are computed, not held apart and copied there: a long
+    prompt's states are never held twice. Attention reads that row, as a one-row :class:`PreallocatedLayer` does."""
+
+    def __init__(self, batch: PreallocatedLayer, index: int, slots: int) -> None:
+        super().__init__()
+        self.batch, self.index, self.slots = batch, index, slots
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states, value_states: [1, heads, n, dim], the whole prompt (a prefill is one pass)
+        n = key_states.shape[-2]
+        self.batch.put_row(self.index, key_states, value_states, self.slots, n)
+        self.keys, self.values = (
+            buffer[self.index : self.index + 1, :, :n] for buffer in (self.batch._key_buffer, self.batch._value_buffer)
+        )
+        self.is_initialized = True
+        return self.keys, self.values
+
+
 class PreallocatedHybridLayer(LinearAttentionLayer, PreallocatedLayer):
     """A batch's layer holding attention and recurrent state at once (Falcon-H1, Zamba's hybrid layers), as
     transformers' ``LinearAttentionAndFullAttentionLayer`` holds them: its attention a :class:`PreallocatedLayer`, its

@@ -22,7 +22,7 @@ from transformers.cache_utils import (
 from ..machine import store
 from ..machine.timing import lower_median, time_pass
 from .adapters import adapter_layers, per_row
-from .cache_layers import PreallocatedHybridLayer, PreallocatedLayer
+from .cache_layers import PreallocatedHybridLayer, PreallocatedLayer, RowPrefill
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
 from .packed import packed_for
@@ -453,13 +453,19 @@ class RaggedRows(CachedModel):
     def start_row(self, index: int, token_ids: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
         self.adapters[index] = adapter
         alone = DynamicCache(config=self.model.config.get_text_config(decoder=True))
+        alone.layers = [  # (full attention written straight into the row; other layers copied after)
+            RowPrefill(layer, index, self.slots)
+            if type(computed) is DynamicLayer and isinstance(layer, PreallocatedLayer)
+            else computed
+            for layer, computed in zip(self.cache.layers, alone.layers)
+        ]
         inputs = {"input_ids": token_ids[None], self.cache_argument: alone, "use_cache": True}
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = 1
         with per_row(self.adapter_layers, [adapter]):
             logits = self.model(**inputs).logits[0, -1:]
         for layer, computed in zip(self.cache.layers, alone.layers):
-            if isinstance(layer, PreallocatedLayer):
+            if isinstance(layer, PreallocatedLayer) and not isinstance(computed, RowPrefill):
                 layer.put_row(index, computed.keys, computed.values, self.slots, len(token_ids))
         if self.rows_state is not None:
             self.rows_state.put_row(index, alone)

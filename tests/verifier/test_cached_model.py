@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import ARCHITECTURES, VOCAB, tiny_model
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from specula.machine.memory import resident_bytes
 from specula.verifier import cache_layers, runner
@@ -82,6 +82,42 @@ def test_the_room_a_long_request_took_is_given_back_when_it_leaves(paged) -> Non
     target.start_row(1, ids[:12])
     alone.start_row(1, ids[:12])
     assert held(target) == held(alone) if paged else layer.capacity <= 32
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_a_prompt_is_written_straight_into_its_row(name, paged) -> None:
+    """A request's prompt, computed alone as ``model.generate`` computes it, writes its full-attention keys and
+    values into its row of the batch as they are computed: during the prefill no cache layer holds them apart
+    (mutant: computed into a DynamicCache, then copied); its logits are a DynamicCache's bit for bit, and the next
+    pass's too up to fp32 rounding (a batch's pass: other shapes). Sliding-window layers are computed apart and
+    copied, as before."""
+    model = tiny_model(name)
+    ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(0))
+    target = RaggedRows(model, rollback=True, capacity=16, slots=2)
+    target.start_row(0, ids[:7])
+    seen = []
+
+    def held_apart(module, args, kwargs, output) -> None:  # (the cache the prefill's last layer was given)
+        seen.extend(
+            layer.keys.untyped_storage().data_ptr() != batch._key_buffer.untyped_storage().data_ptr()
+            for cache in (*args, *kwargs.values())
+            if isinstance(cache, DynamicCache)
+            for layer, batch in zip(cache.layers, target.cache.layers)
+            if type(layer) is not DynamicSlidingWindowLayer and isinstance(batch, PreallocatedLayer)
+        )
+
+    last = model.base_model.layers[-1] if hasattr(model.base_model, "layers") else model.base_model.h[-1]
+    hook = last.register_forward_hook(held_apart, with_kwargs=True)
+    logits = target.start_row(1, ids[:30])
+    hook.remove()
+    full = [layer for layer in target.cache.layers if type(layer) is PreallocatedLayer and not layer.sliding_window]
+    assert len(seen) == len(full) and not any(seen)  # (Mistral's layers all slide: none)
+    alone = {target.cache_argument: DynamicCache(config=model.config), "use_cache": True}
+    with torch.inference_mode():
+        expected = model(ids[None, :30], logits_to_keep=1, **alone).logits[0]
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+        step = model(ids[None, 30:33], **alone).logits[0]
+    torch.testing.assert_close(target.forward_rows([ids[7:9], ids[30:33]], [2, 3])[1], step)  # (fp32: other shapes)
 
 
 def test_a_short_row_beside_a_long_one_holds_its_own_tokens() -> None:
