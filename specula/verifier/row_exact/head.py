@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .linear import _ExactLinear
+from .linear import _ExactLinear, _packed
 
 
 class _Head:
@@ -22,8 +22,8 @@ class _Head:
     ordinary argmax ``a`` is the exact one (the first of the maxima, as ``argmax`` takes it, with no tie) wherever
     ``z_a - z_j > D_a + D_j`` for every other ``j``; :meth:`certain` checks it in float32 with the norms rounded up.
     Only on CPUs and GPUs that sum in float32 (a GPU allowed reduced-precision reductions is not covered), for a
-    head without bias whose output the model returns as its logits (not softcapped or scaled: checked on the first
-    pass, where the head is still exact).
+    head without bias, its weight a plain tensor (not quantized), whose output the model returns as its logits (not
+    softcapped or scaled: checked on the first pass, where the head is still exact).
     """
 
     def __init__(self, exact: _ExactLinear) -> None:
@@ -40,8 +40,8 @@ class _Head:
         """The model's head where it is among the layers computed row-exactly and the bound covers it."""
         layer = model.get_output_embeddings()
         exact = next((linear for linear in linears if linear.layer is layer), None)
-        if exact is None or not isinstance(layer, torch.nn.Linear) or layer.bias is not None:
-            return None
+        if exact is None or not isinstance(layer, torch.nn.Linear) or layer.bias is not None or _packed(layer):
+            return None  # (a quantized head does not sum the stored numbers the bound is of)
         device, dtype = layer.weight.device, layer.weight.dtype
         if device.type == "cuda":
             matmul = torch.backends.cuda.matmul

@@ -87,6 +87,8 @@ def _calibrate(layer: torch.nn.Module) -> dict:
     found = {"rows": rows, "by_columns": False, "ordinary_ms": seconds_of(lambda: ordinary(x)) * 1e3}
     if rows == CALIBRATION_ROWS:
         return {**found, "exact_ms": found["ordinary_ms"]}
+    if _packed(layer):  # (a quantized weight's product is its own: in chunks as it is)
+        return {**found, "exact_ms": seconds_of(lambda: _in_chunks(ordinary, rows, x)) * 1e3}
     by_columns = functools.partial(_by_columns, _weight_t(layer), layer.bias)
     columns = exact_rows(layer, by_columns)
     strategies = {False: lambda: _in_chunks(ordinary, rows, x), True: lambda: _in_chunks(by_columns, columns, x)}
@@ -94,20 +96,29 @@ def _calibrate(layer: torch.nn.Module) -> dict:
     return {**found, "columns": columns, "by_columns": choice, "exact_ms": seconds_of(strategies[choice]) * 1e3}
 
 
-def _linear_calibration(layer: torch.nn.Module) -> dict:
-    """:func:`_calibrate` for ``layer``'s weight shape on this machine, made once and kept
-    (:mod:`specula.machine.store`)."""
+def _packed(layer: torch.nn.Module) -> bool:
+    """Whether ``layer``'s weight is a tensor subclass holding other numbers (torchao's quantized weights)."""
+    return type(layer.weight) not in (torch.Tensor, torch.nn.Parameter)
+
+
+def _weight_kind(layer: torch.nn.Module) -> tuple:
+    """What a linear layer's calibration depends on besides the machine: its type, its weight's shape, layout and
+    dtype (and type, where a subclass), and whether it has a bias."""
     weight = layer.weight
-    key = store.key(
-        weight.device,
-        "linear",
+    return (
         type(layer).__name__,
         tuple(weight.shape),
         weight.stride(),
         weight.dtype,
         layer.bias is not None,
+        *([type(weight).__name__] if _packed(layer) else []),
     )
-    return store.shared().get(key, lambda: _calibrate(layer))
+
+
+def _linear_calibration(layer: torch.nn.Module) -> dict:
+    """:func:`_calibrate` for ``layer``'s weight shape on this machine, made once and kept
+    (:mod:`specula.machine.store`)."""
+    return store.shared().get(store.key(layer.weight.device, "linear", *_weight_kind(layer)), lambda: _calibrate(layer))
 
 
 def _needs_copy(layer: torch.nn.Module) -> bool:
@@ -148,13 +159,7 @@ def exact_linears(model: torch.nn.Module) -> tuple[list[_ExactLinear], list[_Exa
     plans = []  # (layer, its calibration) of those a multi-row pass rounds otherwise
     plain = []  # the others
     for module in layers:
-        shape = (
-            module.weight.shape,
-            module.weight.stride(),
-            module.weight.dtype,
-            module.weight.device,
-            module.bias is not None,
-        )
+        shape = (*_weight_kind(module), module.weight.device)
         if shape not in by_shape:
             by_shape[shape] = _linear_calibration(module)
         if by_shape[shape]["rows"] < CALIBRATION_ROWS:
