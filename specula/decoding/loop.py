@@ -31,7 +31,7 @@ from ..verifier.packed import packed_for
 from ..verifier.row_exact import is_half_precision, row_exact_for
 from ..verifier.runner import CachedModel, cached_model
 from ..verifier.static import compiles
-from ..verifier.support import UnsupportedModelError, model_device, vocab_size
+from ..verifier.support import UnsupportedModelError, model_device, vocab_size, without_grad
 from .budget import CacheBudget
 from .estimate import PlainEstimate
 
@@ -359,8 +359,10 @@ class Decoder:
         """What logits processors read: the row's sequence followed by the draft it sends."""
         return row.sequence.with_draft(sent, self._target.device) if row.sampling.reads_tokens else None
 
-    @torch.inference_mode()
     def run(self, jobs: Iterable[Job | None]) -> Iterator[tuple[Row, list[int]]]:
+        return without_grad(self.model)(self._run)(jobs)
+
+    def _run(self, jobs: Iterable[Job | None]) -> Iterator[tuple[Row, list[int]]]:
         self.prepare()
         jobs, rows = iter(jobs), []  # rows[i]: row i of the target's batch (None: its request finished)
         try:

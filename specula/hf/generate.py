@@ -26,7 +26,7 @@ from .predictions import PredictionInput, checked_predictions
 from .wrapped import unwrapped
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def generate(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

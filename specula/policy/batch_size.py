@@ -13,7 +13,7 @@ from ..verifier.support import UnsupportedModelError, context_limit, model_devic
 from ..verifier.timed import BatchRates
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def fastest_batch_size(
     model: torch.nn.Module,
     largest: int = 32,

@@ -103,11 +103,11 @@ class SmallModelDrafter(RequestProposer):
         if state is not None and state.slot is not None:
             self.batch.release(state.slot)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def propose(self, context_ids: np.ndarray, max_tokens: int) -> Draft:
         return self.propose_requests([None], [context_ids], [max_tokens])[0]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def propose_requests(self, requests, contexts, max_tokens) -> list[Draft]:
         """All requests' drafts from batched passes of the draft model: each pass feeds every drafting request its
         next token (requests that catch up feed the tokens the verifier appended). Requests keep their own rows of

@@ -73,7 +73,7 @@ def drift(
     input_ids = input_ids.reshape(1, -1)
     start = input_ids.shape[1]
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
-    with torch.inference_mode():
+    with torch.no_grad():
         plain = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),

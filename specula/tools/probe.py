@@ -93,7 +93,7 @@ def _seq_rows(tensor: torch.Tensor | None, width: int) -> list[torch.Tensor] | N
     return [tensor[:, j] for j in range(width)]
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def probe(model: torch.nn.Module, input_ids: torch.Tensor, width: int = 8, exact: bool = True) -> ProbeReport:
     """Compare one-token steps over the last ``width`` tokens of ``input_ids`` with one pass over them.
 

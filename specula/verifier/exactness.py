@@ -26,7 +26,7 @@ from ..machine import store
 from ..machine.timing import lower_median, time_pass
 from .calibration import TIMED_ROWS
 from .row_exact import SUPPORTED_ATTENTION, is_half_precision
-from .support import UnsupportedModelError, fit_context, model_device, vocab_size
+from .support import UnsupportedModelError, fit_context, is_quantized, model_device, vocab_size
 
 THRESHOLD = 1.10  # exactness is chosen by default where a row-exact pass costs at most this many ordinary ones
 CONTEXT = 256  # tokens of cache the timed passes follow
@@ -77,7 +77,7 @@ def model_key(model: torch.nn.Module) -> str:
     ``meta`` for a hook to bring them): whatever makes its passes cost otherwise."""
     shapes = str(
         [
-            (name, tuple(p.shape), str(p.dtype), type(p.data).__name__, p.device.type)
+            (name, tuple(p.shape), str(p.dtype), type(p).__name__ if is_quantized(p) else "Tensor", p.device.type)
             for name, p in model.named_parameters()
         ]
     )
@@ -94,7 +94,7 @@ def measured_cost(model: torch.nn.Module) -> float | None:
     return store.shared().get(key, lambda: _measure(model))
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def _measure(model: torch.nn.Module) -> float | None:
     from .runner import CachedModel, OneSequence
 

@@ -59,7 +59,7 @@ def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None):
     return forward
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def _faster_packed(layer: nn.Linear, packed: torch.Tensor, rows: int = TIMED_ROWS) -> bool:
     """Whether ``rows`` rows through ``layer`` are faster packed (timed once per shape and dtype on this machine,
     remembered): ``TIMED_ROWS`` for a pass, 1 for a one-token step."""

@@ -44,6 +44,7 @@ from .support import (
     cache_argument,
     check_batchable,
     check_cache_length,
+    check_plain_states,
     check_recurrent_rows,
     check_rollback,
     check_split_independent,
@@ -121,6 +122,7 @@ class CachedModel(abc.ABC):
                 )
         # sparse attention: the keys of each query picked as its one-token step picks them
         self.indexers = PerQueryIndexers(model) if rollback and PerQueryIndexers.needed(self.cache) else None
+        check_plain_states(model)
         if rollback:
             check_split_independent(model, self.cache, self.indexers)
         self.forward_parameters = inspect.signature(model.forward).parameters

@@ -238,7 +238,7 @@ def pays_to_compile(host: float, wall: float) -> bool:
     return host > HOST_BOUND * wall
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def _host_share(model: torch.nn.Module) -> list[float]:
     """The seconds a one-token pass after :data:`CONTEXT` tokens takes to launch, and until its GPU is done: the
     lower medians of :data:`REPEATS`."""

@@ -10,7 +10,7 @@ from .runner import CachedModel, RaggedRows, cached_model
 from .support import UnsupportedModelError, fit_context, model_device, vocab_size
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def width_costs(
     model: torch.nn.Module,
     rows: int,

@@ -1,6 +1,7 @@
-"""A model whose weights torchao quantized (int8 and int4 weight-only) decodes as its own ``model.generate``: in fp32
-the ordinary way, and row-exactly (``exact=True``) bit for bit, its quantized layers computed in chunks of rows
-as they are (their products are their own: no column-major copy, no bound of the LM head's shortcut)."""
+"""A model whose weights torchao or optimum-quanto quantized decodes as its own ``model.generate``: in fp32 the
+ordinary way, and row-exactly (``exact=True``) bit for bit, its quantized layers computed in chunks of rows as they
+are (their products are their own: no column-major copy, no bound of the LM head's shortcut). A model quantizing its
+activations is refused before any pass."""
 
 from __future__ import annotations
 
@@ -11,32 +12,38 @@ from tiny_models import tiny_model
 
 import specula
 
-torchao = pytest.importorskip("torchao", reason="the torchao tests need torchao: pip install 'specula[test]'")
-
 PROMPT = torch.arange(3, 23).repeat(3)[None]
 
 
 def quantized(form: str) -> torch.nn.Module:
-    """A tiny Llama whose linear layers (the LM head too) hold ``form`` weights: int8 in fp32, int4 in bf16 (what
-    torchao's CPU int4 kernel computes in)."""
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
+    """A tiny Llama whose linear layers (the LM head too) hold ``form`` weights: torchao's int8 in fp32 and int4 in
+    bf16 (what its CPU int4 kernel computes in), optimum-quanto's int4 in bf16 (its weights subclasses of
+    ``nn.Linear`` with a forward of their own)."""
     model = tiny_model("llama")
-    if form == "int8":
-        quantize_(model, Int8WeightOnlyConfig())
-    else:
-        from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+    if form.startswith("torchao"):
+        pytest.importorskip("torchao", reason="the torchao tests need torchao: pip install 'specula[test]'")
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-        quantize_(model.to(torch.bfloat16), PrototypeInt4WeightOnlyConfig(group_size=32))
-    assert type(model.get_output_embeddings().weight) not in (torch.Tensor, torch.nn.Parameter)
+        if form == "torchao int8":
+            quantize_(model, Int8WeightOnlyConfig())
+        else:
+            from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+
+            quantize_(model.to(torch.bfloat16), PrototypeInt4WeightOnlyConfig(group_size=32))
+    else:
+        quanto = pytest.importorskip("optimum.quanto", reason="the quanto tests need optimum-quanto: 'specula[test]'")
+        quanto.quantize(model.to(torch.bfloat16), weights=quanto.qint4)
+        quanto.freeze(model)
     return model
 
 
-@pytest.mark.parametrize(("form", "exact"), [("int8", None), ("int8", True), ("int4", True)])
-def test_a_torchao_model_decodes_as_its_own_generate(form, exact) -> None:
+@pytest.mark.parametrize(
+    ("form", "exact"), [("torchao int8", None), ("torchao int8", True), ("torchao int4", True), ("quanto int4", True)]
+)
+def test_a_quantized_model_decodes_as_its_own_generate(form, exact) -> None:
     """Drafts right up to a point that moves, every one sent: ``model.generate``'s tokens, also through its
-    ``custom_generate`` (mutant: a quantized layer given the column-major product, or the head's bound, fails on
-    the quantized weight)."""
+    ``custom_generate`` (mutants: a quantized layer given the column-major product, or the head's bound, fails on
+    the quantized weight; passes under ``torch.inference_mode``, where quanto's int4 weights cannot be read)."""
     model = quantized(form)
     reference = hf_greedy(model, PROMPT, 24, eos_token_id=[])
     options = {"max_new_tokens": 24, "eos_token_id": [], "adaptive_draft": False, "exact": exact}
@@ -47,3 +54,14 @@ def test_a_torchao_model_decodes_as_its_own_generate(form, exact) -> None:
         PROMPT, custom_generate=specula.custom_generate, proposer=PartlyRight(reference, 4), do_sample=False, **options
     )
     assert torch.equal(through, reference)
+
+
+def test_a_model_quantizing_its_activations_is_refused_before_any_pass() -> None:
+    """optimum-quanto's ``activations=``: its keys and values are quantized tensors; refused, saying what to do
+    (mutant: the check off fails inside quanto, copying them into the cache)."""
+    quanto = pytest.importorskip("optimum.quanto", reason="the quanto tests need optimum-quanto: 'specula[test]'")
+    model = tiny_model("llama")
+    quanto.quantize(model, weights=quanto.qint8, activations=quanto.qint8)
+    quanto.freeze(model)
+    with pytest.raises(specula.UnsupportedModelError, match="quantizes its activations.*weights only"):
+        specula.generate(model, PROMPT, specula.PromptLookup(), max_new_tokens=8)

@@ -113,7 +113,7 @@ def test_a_prompt_is_written_straight_into_its_row(name, paged) -> None:
     full = [layer for layer in target.cache.layers if type(layer) is PreallocatedLayer and not layer.sliding_window]
     assert len(seen) == len(full) and not any(seen)  # (Mistral's layers all slide: none)
     alone = {target.cache_argument: DynamicCache(config=model.config), "use_cache": True}
-    with torch.inference_mode():
+    with torch.no_grad():
         expected = model(ids[None, :30], logits_to_keep=1, **alone).logits[0]
         torch.testing.assert_close(logits, expected, rtol=0, atol=0)
         step = model(ids[None, 30:33], **alone).logits[0]

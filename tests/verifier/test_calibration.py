@@ -128,6 +128,7 @@ def test_linear_layers_take_the_cheaper_exact_strategy(monkeypatch) -> None:
     layer = Timed(1536, 64, bias=False).to(torch.bfloat16)
     monkeypatch.setattr(timing, "CLOCK", clock)
     monkeypatch.setattr(linear, "exact_rows", lambda layer, compute=None: 1 if compute is None else 33)
+    monkeypatch.setattr(linear, "_packed", lambda layer: False)  # (its forward only counts: nn.Linear's product)
     for by_columns_cost, expected in ((1.0, True), (100.0, False)):
 
         def by_columns(weight_t, bias, x, cost=by_columns_cost):

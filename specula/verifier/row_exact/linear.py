@@ -20,9 +20,10 @@ from ...machine import store
 from ...machine.memory import spare_bytes
 from ...machine.timing import cheapest, seconds_of
 from ..calibration import CALIBRATION_ROWS, TIMED_ROWS, spread
+from ..support import is_quantized
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def exact_rows(layer: torch.nn.Module, compute: Callable | None = None, max_rows: int = CALIBRATION_ROWS) -> int:
     """The most rows (1..max_rows) that ``compute`` (default: ``layer`` itself) takes in one call and still gives
     each of them the bits ``layer`` gives that row alone, found on random rows.
@@ -97,8 +98,9 @@ def _calibrate(layer: torch.nn.Module) -> dict:
 
 
 def _packed(layer: torch.nn.Module) -> bool:
-    """Whether ``layer``'s weight is a tensor subclass holding other numbers (torchao's quantized weights)."""
-    return type(layer.weight) not in (torch.Tensor, torch.nn.Parameter)
+    """Whether ``layer`` computes its product its own way: its weight a tensor subclass holding other numbers
+    (torchao's, optimum-quanto's quantized weights), or a forward of its own (a subclass of ``nn.Linear``)."""
+    return type(layer).forward not in (torch.nn.Linear.forward, Conv1D.forward) or is_quantized(layer.weight)
 
 
 def _weight_kind(layer: torch.nn.Module) -> tuple:
@@ -111,7 +113,7 @@ def _weight_kind(layer: torch.nn.Module) -> tuple:
         weight.stride(),
         weight.dtype,
         layer.bias is not None,
-        *([type(weight).__name__] if _packed(layer) else []),
+        *([type(weight).__name__] if is_quantized(weight) else []),
     )
 
 
@@ -154,7 +156,7 @@ def exact_linears(model: torch.nn.Module) -> tuple[list[_ExactLinear], list[_Exa
     others (exact as they are for up to ``CALIBRATION_ROWS`` rows, chunked only in passes wider than calibrated:
     batches); the bytes of the column-major weight copies made for the first; and the milliseconds of a pass's
     linear layers, exact and ordinary. The calibrations are checked once per weight shape."""
-    layers = [module for module in model.modules() if type(module) in (torch.nn.Linear, Conv1D)]
+    layers = [module for module in model.modules() if isinstance(module, (torch.nn.Linear, Conv1D))]
     by_shape: dict[tuple, dict] = {}
     plans = []  # (layer, its calibration) of those a multi-row pass rounds otherwise
     plain = []  # the others
