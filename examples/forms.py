@@ -1,14 +1,15 @@
 """Speed and identity of specula on the forms users hold a model in: as loaded, with a LoRA adapter unmerged (PEFT),
 with int8 or int4 weight-only weights (torchao; int4 in bf16, what its CPU kernel computes in: in fp32 it is tens of
-times slower), with half its layers offloaded to disk (accelerate's ``device_map``), and as the module
-``torch.compile`` returned. For each form, its own ``model.generate``, HF's prompt lookup and specula's
-PromptLookup decode the same code edits one at a time, interleaved in one process, medians of repeats
-(:func:`specula.tools.bench.run_bench`); outputs are compared with that form's own ``model.generate``.
+times slower), with optimum-quanto's int8 weights (``quanto``), with half its layers offloaded to disk (accelerate's
+``device_map``), and as the module ``torch.compile`` returned. For each form, its own ``model.generate``, HF's prompt
+lookup and specula's PromptLookup decode the same code edits one at a time, interleaved in one process, medians of
+repeats (:func:`specula.tools.bench.run_bench`); outputs are compared with that form's own ``model.generate``.
 
-    python examples/forms.py [--workload FILE] [--limit 2] [--repeats 3] [--forms plain,lora,int8,int4,offload,compiled]
+    python examples/forms.py [--workload FILE] [--limit 2] [--repeats 3] \
+        [--forms plain,lora,int8,int4,quanto,offload,compiled]
 
-Forms whose package is missing (peft, torchao, accelerate) are skipped, saying so. The default workload is the last
-``--limit`` lines of ``../shared/workloads/code_edit.jsonl``.
+Forms whose package is missing (peft, torchao, optimum-quanto, accelerate) are skipped, saying so. The default
+workload is the last ``--limit`` lines of ``../shared/workloads/code_edit.jsonl``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from specula.jobs.requests import Request, read_requests
 from specula.tools.bench import format_table, one_at_a_time, run_bench
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "code_edit.jsonl"
-FORMS = ("plain", "lora", "int8", "int4", "offload", "compiled")
+FORMS = ("plain", "lora", "int8", "int4", "quanto", "offload", "compiled")
 
 
 def form(name: str, dtype: torch.dtype, offload_to: Path) -> torch.nn.Module:
@@ -55,6 +56,12 @@ def form(name: str, dtype: torch.dtype, offload_to: Path) -> torch.nn.Module:
         from torchao.quantization import quantize_
 
         quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=64))
+        return model
+    if name == "quanto":
+        from optimum.quanto import freeze, qint8, quantize
+
+        quantize(model, weights=qint8)
+        freeze(model)
         return model
     if name == "compiled":
         return torch.compile(model)
