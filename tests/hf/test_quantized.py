@@ -5,6 +5,8 @@ activations is refused before any pass."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from helpers import PartlyRight, hf_greedy
@@ -17,11 +19,11 @@ PROMPT = torch.arange(3, 23).repeat(3)[None]
 
 def quantized(form: str) -> torch.nn.Module:
     """A tiny Llama whose linear layers (the LM head too) hold ``form`` weights: torchao's int8 in fp32 and int4 in
-    bf16 (what its CPU int4 kernel computes in), optimum-quanto's int4 in bf16 (its weights subclasses of
+    bf16 (what its CPU int4 kernel computes in), optimum-quanto's int8 and int4 in bf16 (its layers subclasses of
     ``nn.Linear`` with a forward of their own)."""
     model = tiny_model("llama")
     if form.startswith("torchao"):
-        pytest.importorskip("torchao", reason="the torchao tests need torchao: pip install 'specula[test]'")
+        pytest.importorskip("torchao", reason="the torchao tests need torchao: pip install 'specula[quant]'")
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
         if form == "torchao int8":
@@ -31,14 +33,23 @@ def quantized(form: str) -> torch.nn.Module:
 
             quantize_(model.to(torch.bfloat16), PrototypeInt4WeightOnlyConfig(group_size=32))
     else:
-        quanto = pytest.importorskip("optimum.quanto", reason="the quanto tests need optimum-quanto: 'specula[test]'")
-        quanto.quantize(model.to(torch.bfloat16), weights=quanto.qint4)
+        quanto = pytest.importorskip("optimum.quanto", reason="the quanto tests need optimum-quanto: 'specula[quant]'")
+        if form == "quanto int4" and shutil.which("c++") is None:
+            pytest.skip("optimum-quanto's int4 weights compile a C++ extension on first use: no compiler here")
+        quanto.quantize(model.to(torch.bfloat16), weights=quanto.qint4 if form == "quanto int4" else quanto.qint8)
         quanto.freeze(model)
     return model
 
 
 @pytest.mark.parametrize(
-    ("form", "exact"), [("torchao int8", None), ("torchao int8", True), ("torchao int4", True), ("quanto int4", True)]
+    ("form", "exact"),
+    [
+        ("torchao int8", None),
+        ("torchao int8", True),
+        ("torchao int4", True),
+        ("quanto int8", True),
+        ("quanto int4", True),
+    ],
 )
 def test_a_quantized_model_decodes_as_its_own_generate(form, exact) -> None:
     """Drafts right up to a point that moves, every one sent: ``model.generate``'s tokens, also through its
@@ -59,7 +70,7 @@ def test_a_quantized_model_decodes_as_its_own_generate(form, exact) -> None:
 def test_a_model_quantizing_its_activations_is_refused_before_any_pass() -> None:
     """optimum-quanto's ``activations=``: its keys and values are quantized tensors; refused, saying what to do
     (mutant: the check off fails inside quanto, copying them into the cache)."""
-    quanto = pytest.importorskip("optimum.quanto", reason="the quanto tests need optimum-quanto: 'specula[test]'")
+    quanto = pytest.importorskip("optimum.quanto", reason="the quanto tests need optimum-quanto: 'specula[quant]'")
     model = tiny_model("llama")
     quanto.quantize(model, weights=quanto.qint8, activations=quanto.qint8)
     quanto.freeze(model)
