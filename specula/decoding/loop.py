@@ -422,10 +422,14 @@ class Decoder:
             self._target.hold(len(rows), max(room(row.job) for row in rows if row is not None))
 
     def _shrink(self, rows: list[Row | None]) -> list[Row]:
-        """No request is left to take the free slots: the batch loses those rows."""
+        """No request is left to take the free slots: the batch loses those rows, each free slot among the rows that
+        stay taken by one of the last rows (whose cache alone moves, not every row after the slot)."""
         if None in rows:
-            self._target.select_rows([i for i, row in enumerate(rows) if row is not None])
-        rows = [row for row in rows if row is not None]
+            staying = len(rows) - rows.count(None)
+            movers = iter(i for i in range(staying, len(rows)) if rows[i] is not None)
+            order = [i if rows[i] is not None else next(movers) for i in range(staying)]
+            self._target.select_rows(order)
+            rows = [rows[i] for i in order]
         self._hold(rows)
         return rows
 

@@ -188,9 +188,9 @@ class PreallocatedLayer(DynamicLayer):
         """Keep only these batch rows, moved to the front (finished requests leave the batch)."""
         if not self.is_initialized:
             return
+        moved = [(row, source) for row, source in enumerate(rows.tolist()) if source != row]
         if self.paged:  # (each row's own tokens moved, and what rows no longer hold given back)
-            lengths, order = self._row_lengths(), rows.tolist()
-            moved = [(row, source) for row, source in enumerate(order) if source != row]
+            lengths = self._row_lengths()
             taken = {
                 source: [
                     buffer[source, :, : lengths[source]].clone() for buffer in (self._key_buffer, self._value_buffer)
@@ -201,11 +201,12 @@ class PreallocatedLayer(DynamicLayer):
                 self._release(row)
                 for buffer, states in zip((self._key_buffer, self._value_buffer), taken[source]):
                     buffer[row, :, : lengths[source]] = states
-            for row in range(len(order), len(self._key_buffer)):
+            for row in range(len(rows), len(self._key_buffer)):
                 self._release(row)
-        else:
+        elif moved:  # (the rows that move only: where a row left, the last one takes its place)
+            to, source = (torch.tensor(side, device=rows.device) for side in zip(*moved))
             for buffer in (self._key_buffer, self._value_buffer):
-                buffer[: len(rows)] = buffer[rows]
+                buffer[to] = buffer[source]
         self.rows = len(rows)
         self.length = self.length if len(rows) else 0
         self._expose()

@@ -14,6 +14,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import specula
 from specula.decoding import estimate
 from specula.policy.adaptive import AdaptiveDrafts
+from specula.verifier.runner import RaggedRows
 
 NEW_TOKENS = 24
 PAD = 0  # the tiny models' pad_token_id
@@ -145,6 +146,29 @@ def test_stopping_criteria_end_rows_on_their_own() -> None:
         stopping_criteria=criteria,
     )
     assert new_tokens(out, ids.shape[1]) == expected
+
+
+def test_a_row_that_ends_leaves_its_slot_to_the_last_row(monkeypatch) -> None:
+    """Row 1 of 4 ends first: row 3 takes its slot, so only its cache moves (not row 2's and row 3's), and every row
+    still makes model.generate's tokens (mutant: the rows after the slot shifted down, [0, 2, 3])."""
+    rows = prompts()
+    stop = alone("llama", rows[1], eos_token_id=[])[3]
+    criteria = StoppingCriteriaList([StopOnToken(stop)])
+    expected = [alone("llama", row, eos_token_id=[], stopping_criteria=criteria) for row in rows]
+    orders = []
+    select_rows = RaggedRows.select_rows
+    monkeypatch.setattr(RaggedRows, "select_rows", lambda self, order: orders.append(order) or select_rows(self, order))
+    ids, mask = left_padded(rows)
+    out = specula.generate(
+        model("llama"),
+        ids,
+        specula.PromptLookup(),
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=[],
+        stopping_criteria=criteria,
+    )
+    assert new_tokens(out, ids.shape[1]) == expected and orders[0] == [0, 3, 2]
 
 
 def test_a_streamer_takes_one_row() -> None:
