@@ -190,12 +190,16 @@ class PreallocatedLayer(DynamicLayer):
             return
         moved = [(row, source) for row, source in enumerate(rows.tolist()) if source != row]
         if self.paged:  # (each row's own tokens moved, and what rows no longer hold given back)
-            lengths = self._row_lengths()
+            lengths, sources = self._row_lengths(), {source for _, source in moved}
+            chained = bool(sources & {row for row, _ in moved})  # (a row moves where another moves from: copy first)
             taken = {
                 source: [
-                    buffer[source, :, : lengths[source]].clone() for buffer in (self._key_buffer, self._value_buffer)
+                    states.clone() if chained else states
+                    for states in (
+                        buffer[source, :, : lengths[source]] for buffer in (self._key_buffer, self._value_buffer)
+                    )
                 ]
-                for _, source in moved
+                for source in sources
             }
             for row, source in moved:
                 self._release(row)

@@ -120,17 +120,19 @@ def test_a_prompt_is_written_straight_into_its_row(name, paged) -> None:
     torch.testing.assert_close(target.forward_rows([ids[7:9], ids[30:33]], [2, 3])[1], step)  # (fp32: other shapes)
 
 
-def test_the_last_row_takes_the_slot_of_one_that_left(paged) -> None:
-    """Row 1 of 3 left and row 2 took its slot (``select_rows([0, 2])``, as the loop asks): each row goes on as it
-    would alone (up to fp32 rounding: other shapes), paged or rectangle (mutant: the row's cache not moved)."""
+@pytest.mark.parametrize("order", [[0, 2], [2, 0]])
+def test_the_last_row_takes_the_slot_of_one_that_left(paged, order) -> None:
+    """Row 1 of 3 left and row 2 took its slot (``select_rows([0, 2])``, as the loop asks), or rows moved where
+    others moved from (``[2, 0]``): each row goes on as it would alone (up to fp32 rounding: other shapes), paged or
+    rectangle (mutants: the row's cache not moved; a chain's rows not copied first)."""
     model = tiny_model("llama")
     ids = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(0))
     prompts, step = [ids[:10], ids[10:40], ids[40:52]], [ids[:2], ids[5:8]]
     target = RaggedRows(model, rollback=True, capacity=16, slots=3)
     for row, prompt in enumerate(prompts):
         target.start_row(row, prompt)
-    target.select_rows([0, 2])
-    for row, (prompt, block) in enumerate(zip(prompts[::2], step)):
+    target.select_rows(order)
+    for row, (prompt, block) in enumerate(zip([prompts[i] for i in order], step)):
         alone = RaggedRows(model, rollback=True, capacity=16, slots=1)
         alone.start_row(0, prompt)
         torch.testing.assert_close(target.forward_rows(step, [2, 3])[row], alone.forward_rows([block], [len(block)])[0])
