@@ -15,6 +15,15 @@ import specula
 PROMPT = torch.arange(3, 23).repeat(3)[None]
 
 
+def optimum_quanto():
+    """optimum-quanto, or a skip where it is not installed (its own modules: a build folder an uninstall leaves
+    behind makes ``optimum.quanto`` an empty namespace)."""
+    pytest.importorskip("optimum.quanto.quantize", reason="the quanto tests need optimum-quanto: 'specula[quant]'")
+    import optimum.quanto
+
+    return optimum.quanto
+
+
 def quantized(form: str) -> torch.nn.Module:
     """A tiny Llama whose linear layers (the LM head too) hold ``form`` weights: torchao's int8 in fp32 and int4 in
     bf16 (what its CPU int4 kernel computes in), optimum-quanto's int8 and int4 in bf16 (its layers subclasses of
@@ -31,7 +40,7 @@ def quantized(form: str) -> torch.nn.Module:
 
             quantize_(model.to(torch.bfloat16), PrototypeInt4WeightOnlyConfig(group_size=32))
     else:
-        quanto = pytest.importorskip("optimum.quanto", reason="the quanto tests need optimum-quanto: 'specula[quant]'")
+        quanto = optimum_quanto()
         if form == "quanto int4":
             from optimum.quanto.library.extensions import get_extension
 
@@ -73,7 +82,7 @@ def test_a_quantized_model_decodes_as_its_own_generate(form, exact) -> None:
 def test_a_model_quantizing_its_activations_is_refused_before_any_pass() -> None:
     """optimum-quanto's ``activations=``: its keys and values are quantized tensors; refused, saying what to do
     (mutant: the check off fails inside quanto, copying them into the cache)."""
-    quanto = pytest.importorskip("optimum.quanto", reason="the quanto tests need optimum-quanto: 'specula[quant]'")
+    quanto = optimum_quanto()
     model = tiny_model("llama")
     quanto.quantize(model, weights=quanto.qint8, activations=quanto.qint8)
     quanto.freeze(model)
