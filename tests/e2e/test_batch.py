@@ -129,32 +129,15 @@ class StopOnToken(StoppingCriteria):
         return input_ids[:, -1] == self.token
 
 
-def test_stopping_criteria_end_rows_on_their_own() -> None:
+def test_stopping_criteria_end_rows_on_their_own(monkeypatch) -> None:
+    """Row 1 of 4 ends first, on its stopping criterion: every row makes model.generate's tokens, and row 3 takes
+    row 1's slot, so only its cache moves, not row 2's and row 3's (mutant: the rows after the slot shifted down,
+    [0, 2, 3])."""
     rows = prompts()
     stop = alone("llama", rows[1], eos_token_id=[])[3]
     criteria = StoppingCriteriaList([StopOnToken(stop)])
     expected = [alone("llama", row, eos_token_id=[], stopping_criteria=criteria) for row in rows]
     assert len(expected[1]) == 4 and max(map(len, expected)) == NEW_TOKENS
-    ids, mask = left_padded(rows)
-    out = specula.generate(
-        model("llama"),
-        ids,
-        specula.PromptLookup(),
-        attention_mask=mask,
-        max_new_tokens=NEW_TOKENS,
-        eos_token_id=[],
-        stopping_criteria=criteria,
-    )
-    assert new_tokens(out, ids.shape[1]) == expected
-
-
-def test_a_row_that_ends_leaves_its_slot_to_the_last_row(monkeypatch) -> None:
-    """Row 1 of 4 ends first: row 3 takes its slot, so only its cache moves (not row 2's and row 3's), and every row
-    still makes model.generate's tokens (mutant: the rows after the slot shifted down, [0, 2, 3])."""
-    rows = prompts()
-    stop = alone("llama", rows[1], eos_token_id=[])[3]
-    criteria = StoppingCriteriaList([StopOnToken(stop)])
-    expected = [alone("llama", row, eos_token_id=[], stopping_criteria=criteria) for row in rows]
     orders = []
     select_rows = RaggedRows.select_rows
     monkeypatch.setattr(RaggedRows, "select_rows", lambda self, order: orders.append(order) or select_rows(self, order))
