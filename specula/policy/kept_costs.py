@@ -13,17 +13,17 @@ between the tables of the rows around it.
 
 A table measured at a bad moment, or on passes unlike a run's (other contexts, other neighbours on the machine),
 may underprice wide passes, and drafts that do not pay would then be sent for good. So a run checks the table against
-its own passes (each width weighed against the plain passes timed nearest it, as :class:`~.costs.PassCosts` weighs
-them; the loop times a plain pass now and then): once :data:`CHECKED` passes of a width cost over
-:data:`UNDERPRICED` times what the table says, that width and every wider one are priced that much dearer, and the
-correction is kept for later runs (which then decide alike again), unless other programs took the CPUs meanwhile
-(:mod:`specula.machine.load`: then it holds for that run only). Short of that, noise in the run's timings changes
-nothing: decisions follow the table, not the clock.
+its own passes (the loop times a plain pass now and then; each width sent between two plain passes is weighed
+against them): once a width cost over :data:`UNDERPRICED` times what the table says in :data:`STRIKES` such spans in
+a row, that width and every wider one are priced that much dearer, and the correction is kept for later runs (which
+then decide alike again), unless other programs took the CPUs meanwhile (:mod:`specula.machine.load`: then it holds
+for that run only). Short of that, noise in the run's timings changes nothing, nor does a slow spell (another
+program's burst, which the load meter may not see: a virtual machine's neighbours) between two plain passes:
+decisions follow the table, not the clock.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..machine import store
@@ -31,7 +31,7 @@ from ..machine.load import LoadMeter
 from ..machine.timing import lower_median
 from ..verifier.exactness import model_key
 from ..verifier.timed import width_costs
-from .costs import PassCosts, nearest_plain
+from .costs import PassCosts
 
 CONTEXT = 256  # tokens of cache the timed passes of one row follow
 BATCH_CONTEXT = 1024  # ... of several rows (files' requests: retrieved passages, code to edit, articles)
@@ -40,7 +40,8 @@ ROWS = (1, 2, 4, 8)  # rows of the timed passes
 ROUNDS = 3
 MAX_WIDTH = 65  # tokens a row of the loop's widest pass: compiled passes measured in the loop's own buckets
 UNDERPRICED = 1.5  # a width costing this many times what the table says in a run is corrected ...
-CHECKED = 8  # ... once that many passes of it were timed
+STRIKES = 3  # ... once it did in that many spans between two plain passes in a row ...
+SPAN = 3  # ... each with at least that many passes of it
 CORRECTED = "pass cost corrections"  # what corrections are kept as, by rows
 
 
@@ -54,40 +55,69 @@ class KeptCosts(PassCosts):
         self.widest, self.kept = widest, kept  # (kept: the store's key of its corrections; None: not kept)
         self.run = PassCosts(rows, size)  # this run's passes, timed: what the table is checked against
         self.load = LoadMeter()  # what other programs took of the CPUs meanwhile (a busy run's correction is not kept)
+        self._strikes: dict[int, list[float]] = {}  # by tokens: its cost in plain passes in the last spans it was dear
 
     def explored_width(self, tree: bool = False) -> int:
         return min(super().explored_width(tree), self.widest - 1)
 
     def check(self, tokens: int, seconds: float, tree: bool = False) -> None:
-        """A pass of the run over ``tokens`` tokens took ``seconds``: where :data:`CHECKED` passes as wide cost over
-        :data:`UNDERPRICED` times what the table says, price it and every wider one dearer by what they cost over
-        it (:meth:`correct`), and keep that."""
+        """A pass of the run over ``tokens`` tokens took ``seconds``. At each plain pass, each width sent at least
+        :data:`SPAN` times since the plain pass before is weighed against the two (the lower median of its passes
+        over their mean): where it cost over :data:`UNDERPRICED` times what the table says in :data:`STRIKES` such
+        spans in a row, it and every wider one are priced dearer by what it cost over the table (the lower median of
+        those spans; :meth:`correct`), and that is kept. A slow spell between two plain passes is one span: it
+        corrects nothing."""
         if tree or tokens >= self.size:
             return
         self.run.record(tokens, seconds)
-        timed, plain = (
-            np.array(self.run.samples.get((width, False), [])).reshape(-1, 2)  # [passes, 2]
-            for width in (tokens, self.rows)
-        )
-        if tokens == self.rows or len(timed) < CHECKED or not len(plain):
+        plain = self.run.samples[tokens, False]
+        if tokens != self.rows or len(plain) < 2:
             return
-        measured = lower_median(timed[:, 1] / nearest_plain(timed[:, 0], plain[:, 0], plain[:, 1]))  # (its last KEEP)
-        said = self.seconds()[tokens - self.rows]
-        if measured > UNDERPRICED * said:
-            self.correct(tokens, measured / said)
-            if self.kept is not None and not self.load.disturbed():  # (on top of what earlier runs found)
-                kept = store.shared().known.get(self.kept, {})
-                store.shared().keep(
-                    self.kept, {**kept, str(tokens): round(kept.get(str(tokens), 1.0) * float(measured / said), 3)}
-                )
+        (start, before), (end, after) = plain[-2], plain[-1]
+        for (width, is_tree), samples in sorted(self.run.samples.items()):
+            span = [seconds for number, seconds in samples if start < number < end]
+            if is_tree or width == self.rows or len(span) < SPAN:
+                continue
+            said = self.seconds()[width - self.rows]
+            ratio = lower_median(span) / ((before + after) / 2)
+            strikes = self._strikes[width] = (
+                self._strikes.get(width, []) + [ratio] if ratio > UNDERPRICED * said else []
+            )
+            if len(strikes) >= STRIKES:
+                self.correct(width, lower_median(strikes) / said)
+                self._strikes = {other: kept for other, kept in self._strikes.items() if other < width}
+                self._keep(width, lower_median(strikes) / said)
+
+    def _keep(self, tokens: int, factor: float) -> None:
+        """Keep a correction of ``factor`` from ``tokens`` tokens on (on top of what earlier runs found), unless
+        other programs took the CPUs during the run."""
+        if self.kept is not None and not self.load.disturbed():
+            kept = store.shared().known.get(self.kept, {})
+            store.shared().keep(self.kept, {**kept, str(tokens): round(kept.get(str(tokens), 1.0) * float(factor), 3)})
 
     def correct(self, tokens: int, factor: float) -> None:
-        """Price passes over ``tokens`` tokens and more ``factor`` times dearer than the table said."""
+        """Price passes over ``tokens`` tokens and more ``factor`` times dearer than the table said, and narrower ones
+        as if what the table says they cost beyond a plain pass were too low in the same proportion as for
+        ``tokens`` (the table's shape is kept, its slope is what was wrong). Worked example: one row, the table says
+        9 tokens cost 2.0 plain passes and 5 tokens 1.5; 9 are 5 times dearer (10.0: 9 more than a plain pass, not
+        1), so 5 tokens cost 1 + 0.5 * 9 = 5.5."""
+        said = self.seconds()[tokens - self.rows]
+        slope = (factor * said - 1.0) / (said - 1.0) if said > 1.0 else None  # (None: no slope to scale)
         for (width, tree), samples in self.samples.items():
-            if width >= tokens:
-                self.samples[width, tree] = type(samples)(
-                    [(number, seconds * factor) for number, seconds in samples], maxlen=samples.maxlen
-                )
+            if width == self.rows:
+                continue
+            self.samples[width, tree] = type(samples)(
+                [
+                    (
+                        number,
+                        seconds * factor
+                        if width >= tokens or slope is None
+                        else max(seconds, 1.0 + (seconds - 1.0) * slope),
+                    )
+                    for number, seconds in samples
+                ],
+                maxlen=samples.maxlen,
+            )
         self._estimates.clear()
 
 

@@ -205,15 +205,17 @@ def _table(cost, rows: int = 1, max_draft: int = 32) -> kept_costs.KeptCosts:
     return table
 
 
-def _decide(machine, costs: kept_costs.KeptCosts, passes: int = 300, noise: float = 0.0) -> list[int]:
+def _decide(
+    machine, costs: kept_costs.KeptCosts, passes: int = 300, noise: float = 0.0, slow=lambda number: 1.0
+) -> list[int]:
     """The draft tokens each pass of one request sends (each right with chance 0.9 after the ones before it, the same
     draws whatever the clock), ordinary bf16 (untimed: a kept table, checked against the run), a plain pass
-    scheduled as the loop schedules them; a pass over n tokens takes ``machine(n)`` seconds times ``1 + noise * u``,
-    ``u`` uniform in [-1, 1]."""
+    scheduled as the loop schedules them; pass ``number`` over n tokens takes ``machine(n) * slow(number)`` seconds
+    times ``1 + noise * u``, ``u`` uniform in [-1, 1]."""
     draws, clock = np.random.default_rng(0), np.random.default_rng(1)
     policy = AdaptiveDrafts(32, timed=False, costs=lambda rows: costs)
     state, sent_lengths, since, plain = policy.start(), [], 0, False
-    for _ in range(passes):
+    for number in range(passes):
         due = since >= (estimate.PLAIN_EVERY if plain else estimate.PLAIN_FIRST)
         budget = 0 if due else policy.budgets([state], [1000])[0]
         proposed = Draft(np.arange(1, budget + 1)) if budget else Draft.empty()
@@ -224,7 +226,7 @@ def _decide(machine, costs: kept_costs.KeptCosts, passes: int = 300, noise: floa
         new = proposed.tokens[:accepted].tolist() + [
             int(proposed.tokens[accepted]) if accepted < min(right, budget) else 10_000
         ]
-        seconds = machine(len(sent) + 1) * (1 + noise * clock.uniform(-1, 1))
+        seconds = machine(len(sent) + 1) * slow(number) * (1 + noise * clock.uniform(-1, 1))
         policy.learn(Pass([state], [proposed], [sent], [new], len(sent) + 1, seconds))
         sent_lengths.append(len(sent))
         since, plain = (0, True) if not len(sent) else (since + 1, plain)
@@ -256,13 +258,33 @@ def test_noise_in_the_runs_timings_changes_no_decision() -> None:
     assert np.median(exact) >= 7
 
 
+def test_a_slow_spell_between_plain_passes_changes_no_decision() -> None:
+    """Passes that cost what the table says, but twice that for 16 passes in every 100 (another program's burst),
+    none of them a plain pass: the same decisions as on a quiet machine, as a table is corrected only where a width
+    costs more in several spans between plain passes in a row (mutant: its last passes' ratio to the plain passes
+    nearest them decides, and the spell's passes are all of them)."""
+    quiet = _decide(cheap, _table(cheap))
+    spells = _decide(cheap, _table(cheap), slow=lambda number: 2.0 if 15 <= number % 100 < 31 else 1.0)
+    assert spells == quiet and np.median(quiet) >= 7
+
+
 def test_a_correction_is_kept_for_later_runs(kept) -> None:
     """What a run found is kept with the table: the next process prices those widths as the run measured them."""
     table, _ = kept
     table[0] = [cheap(width) for width in kept_costs.WIDTHS]
     costs = kept_costs.kept_pass_costs(model("llama"), 32)
-    _decide(dear, costs, passes=100)
+    _decide(dear, costs, passes=150)
     store.forget()  # (a new process, reading the file)
     later = kept_costs.kept_pass_costs(model("llama"), 32)
     assert later.seconds()[8] == pytest.approx(costs.seconds()[8], rel=1e-3) and later.seconds()[8] > 3 * cheap(9)
     assert _decide(dear, later, passes=40)[5:] == [0] * 35
+
+
+def test_a_correction_scales_what_narrower_passes_cost_beyond_a_plain_one() -> None:
+    """correct()'s worked example: 9 tokens 5 times dearer than the table's 2.0, so 5 tokens (1.5) cost 5.5, a plain
+    pass still 1.0, 17 tokens 5 times the table."""
+    costs = kept_costs.KeptCosts(1, 34, 33)
+    for tokens, ratio in ((1, 1.0), (5, 1.5), (9, 2.0), (17, 3.0)):
+        costs.record(tokens, ratio)
+    costs.correct(9, 5.0)
+    assert costs.seconds()[[0, 4, 8, 16]] == pytest.approx([1.0, 5.5, 10.0, 15.0])
