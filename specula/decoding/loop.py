@@ -27,6 +27,7 @@ from ..policy.protocol import DraftPolicy, Pass
 from ..proposers.base import Proposer, RequestFailed, RequestProposer, for_requests
 from ..proposers.prediction import Prediction, with_prediction
 from ..verifier.exactness import Exactness, choose
+from ..verifier.invariant import holds as invariant_holds
 from ..verifier.packed import packed_for
 from ..verifier.row_exact import is_half_precision, row_exact_for
 from ..verifier.runner import CachedModel, cached_model
@@ -256,6 +257,10 @@ class Decoder:
         )
         self.row_exact = wide and self.exactness.exact
         self.compiles = compiles(model, self.compile, self.row_exact)
+        # ordinary bf16/fp16 passes that round every row as its one-token steps do, whatever the pass, where that
+        # holds for the model here (specula.verifier.invariant): output then follows neither drafts nor batches
+        if wide and not self.row_exact and not self.compiles and is_half_precision(model) and invariant_holds(model):
+            self.exactness = dataclasses.replace(self.exactness, invariant=True)
         if self.row_exact:  # (built here, kept with the model: no pass of the run measures them)
             row_exact_for(model)
         else:
@@ -266,7 +271,7 @@ class Decoder:
         # bf16/fp16 they follow pass costs measured once per machine and kept (by rows and tokens; corrected where a
         # run's passes cost far more: specula.policy.kept_costs), so that a request decodes the same on every run; a
         # pass with a row whose drafts are drawn at random (sampled, from a sampling drafter), acceptance alone.
-        timed = self.row_exact or not is_half_precision(model)
+        timed = self.row_exact or not is_half_precision(model) or self.exactness.invariant
         setting = (model_device(model), getattr(model, "dtype", None))
         stored_costs = functools.cache(functools.partial(kept_pass_costs, model, MAX_DRAFT, compiled=self.compiles))
         if self.adaptive_draft and not timed and wide:
@@ -309,6 +314,7 @@ class Decoder:
             row_exact=self.row_exact,
             slots=self.slots,
             cheap_steps=not self.exactness.exact,
+            invariant=self.exactness.invariant,
         )
         if self.compiles and job.padded is None:  # (a left-padded prompt alone: model.generate's positions, eager)
             return make(compiled=self.compiles, max_width=MAX_DRAFT + 1)

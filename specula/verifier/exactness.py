@@ -40,12 +40,14 @@ class Exactness:
     exact: bool  # row-exact: every token's bits those of its one-token step
     cost: float | None = None  # a row-exact pass's time over an ordinary one's, where measured
     reason: str = "asked"  # "asked", "measured", "fp32", "plain" (no pass over several tokens), or why not exact
+    invariant: bool = False  # ordinary passes that round every row alike whatever the pass (verifier.invariant)
 
     def __str__(self) -> str:
         cost = f"; a row-exact pass costs {self.cost:.2f}x an ordinary one here" if self.cost is not None else ""
         if self.exact:
             return f"exact (bitwise model.generate{cost})"
-        return f"ordinary verification ({self.reason}{cost})" if self.reason != "asked" else "ordinary verification"
+        kind = "ordinary verification" + (", invariant to drafts and batches" if self.invariant else "")
+        return f"{kind} ({self.reason}{cost})" if self.reason != "asked" else kind
 
 
 def choose(model: torch.nn.Module, exact: bool | None, verifies: bool = True) -> Exactness:

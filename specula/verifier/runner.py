@@ -25,6 +25,7 @@ from .adapters import adapter_layers, per_row
 from .cache_layers import PreallocatedHybridLayer, PreallocatedLayer, RowPrefill
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
+from .invariant import STEP_WIDTH, padded_attention
 from .packed import packed_for
 from .recurrent import (
     STEP_BY_STEP,
@@ -91,6 +92,8 @@ class CachedModel(abc.ABC):
         cheap_steps: one-token steps after a filled cache are computed the cheapest way on this machine, as
             ordinary passes are (attention: :mod:`specula.verifier.gqa`, weights: :mod:`specula.verifier.packed`),
             not as ``model.generate``'s: for ordinary verification, whose output need not have its bits.
+        invariant: ordinary passes and one-token steps after a filled cache round every row alike whatever the
+            pass's width and batch mates (:mod:`specula.verifier.invariant`; with ``cheap_steps``).
     """
 
     slots = 1  # requests held at once
@@ -105,6 +108,7 @@ class CachedModel(abc.ABC):
         capacity: int = 256,
         row_exact: bool = False,
         cheap_steps: bool = False,
+        invariant: bool = False,
     ) -> None:
         check_standard_cache(model)
         self.model, self.capacity, self.can_roll_back = model, capacity, rollback
@@ -137,6 +141,7 @@ class CachedModel(abc.ABC):
         self.threads = None if row_exact or is_half_precision(model) else thread_choice(model)
         self.unrepeated = model.config._attn_implementation == "sdpa" and self.device.type == "cpu"
         self.cheap_steps = cheap_steps and self.device.type == "cpu" and not row_exact
+        self.invariant = invariant and not row_exact and not self.recurrent
         self.compiled: CompiledPasses | None = None
         self.adapter_layers = adapter_layers(model)  # (LoRA layers: an adapter a row, specula.verifier.adapters)
         self._block_lengths: list[int] = []
@@ -177,6 +182,11 @@ class CachedModel(abc.ABC):
         :meth:`specula.verifier.row_exact.RowExact.applied`). ``trees[b]``, where given (:attr:`takes_trees`), makes
         row ``b``'s block a tree: ``trees[b][i]`` is the block index of token ``i``'s parent (``-1`` for the first),
         and each token sees the row's cache and its own ancestors only, at the position of its depth."""
+        if self.invariant and len(blocks) == 1 and len(blocks[0]) == 1 and self.cached_tokens and trees is None:
+            # (invariant: a single row's step as a pass over its token twice, the second position dropped)
+            blocks, num_logits = [blocks[0].repeat(STEP_WIDTH)], [STEP_WIDTH]
+            self._block_lengths, self._made = [STEP_WIDTH], store.shared().made
+            return [self._pass(blocks, num_logits, trees, argmax_only)[0][:1]]
         self._block_lengths, self._made = [len(block) for block in blocks], store.shared().made
         return self._pass(blocks, num_logits, trees, argmax_only)
 
@@ -224,7 +234,11 @@ class CachedModel(abc.ABC):
         step = shape == (1, 1)
         with (
             self.packed.applied(step) if self.packed else contextlib.nullcontext(),
-            unrepeated_kv_heads() if self.unrepeated else contextlib.nullcontext(),
+            padded_attention()
+            if self.invariant
+            else unrepeated_kv_heads()
+            if self.unrepeated
+            else contextlib.nullcontext(),
             self.threads.applied(shape) if self.threads and not step else contextlib.nullcontext(),
         ):
             yield
@@ -297,8 +311,16 @@ class OneSequence(CachedModel):
         inputs = {"input_ids": token_ids[None], self.cache_argument: self.cache, "use_cache": True}
         if self.positions is not None:
             inputs["position_ids"] = self.positions[:, start:end]
+            if inputs["position_ids"].shape[1] < end - start:  # (an invariant step past the last position kept)
+                inputs["position_ids"] = self.positions[:, start : start + 1] + torch.arange(
+                    end - start, device=self.device
+                )
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask[:, :end]
+            if inputs["attention_mask"].shape[1] < end:
+                inputs["attention_mask"] = torch.nn.functional.pad(
+                    inputs["attention_mask"], (0, end - self.attention_mask.shape[1]), value=1
+                )
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = num_logits
         verifies = start > 0 and token_ids.shape[0] > 1  # (a pass over several tokens after a filled cache)

@@ -1,0 +1,144 @@
+"""Ordinary passes whose every row rounds alike whatever the pass: verification invariant to widths and batches.
+
+In bf16 and fp16 an ordinary pass over several tokens rounds otherwise than one-token steps, and a batch's row
+otherwise than the row alone, so what a request decodes to would follow its draft lengths and batch mates, and they
+the clock. Traced on the AVX512_BF16 EPYC with torch 2.13's CPU kernels (docs/hardware.md), a row's result changes
+with the pass in three places only: how many keys an attention call reduces over (its blocks over the keys), how many
+queries share the call (its products block their rows), and a linear layer over one row (a matrix-vector kernel)
+against several. So, in these passes, every attention call after a filled cache covers its keys padded with masked
+ones to a multiple of :data:`KEY_BLOCK` and its queries to a multiple of :data:`QUERY_BLOCK` (the last repeated), and
+a single row's one-token step is computed as a pass over two tokens, its token again after it, whose second position
+is dropped (:data:`STEP_WIDTH`). A fully masked block of keys adds exactly nothing. Passes then round as one-token
+steps of this kind do, whatever their widths and batch mates: output no longer depends on draft lengths, the batch,
+or the clock that sizes them. Whether it holds for a model on a machine is checked on the live model (its passes of
+several widths, alone and in a batch, against its steps, bit for bit) once per machine and model and kept
+(:func:`holds`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..machine import store
+from .support import UnsupportedModelError, fit_context, model_device, vocab_size
+
+KEY_BLOCK = 512  # keys of an attention call, padded (masked) to a multiple of this
+QUERY_BLOCK = 4  # queries of an attention call, padded to a multiple of this
+STEP_WIDTH = 2  # tokens a single row's one-token step is computed over (its own token repeated)
+# Arguments of HF's SDPA function that change what it computes beyond masked attention: left to it (not invariant).
+_EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "sinks")
+
+
+@contextlib.contextmanager
+def padded_attention() -> Iterator[None]:
+    """Within the block, a model with ``sdpa`` attention attends in blocks of fixed size: each masked call, and each
+    one-query call without a mask, over its keys padded to a multiple of :data:`KEY_BLOCK` and its queries to a
+    multiple of :data:`QUERY_BLOCK`; a prefill (several queries, no mask) as transformers computes it."""
+    mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
+    saved = mapping.get("sdpa")
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+        # query: [B, heads, n, dim]; key, value: [B, kv_heads, keys, dim]; attention_mask: [B, 1, n, keys] or None
+        batch, _, n, _ = query.shape
+        if (
+            (attention_mask is None and n > 1)
+            or (attention_mask is not None and attention_mask.dtype != torch.bool)
+            or dropout
+            or any(kwargs.get(name) is not None for name in _EXTRAS)
+        ):
+            return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        keys = key.shape[2]
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, 1, n, keys, dtype=torch.bool, device=query.device)
+        padded_keys, padded_queries = -(-keys // KEY_BLOCK) * KEY_BLOCK, -(-n // QUERY_BLOCK) * QUERY_BLOCK
+        key, value = (torch.nn.functional.pad(t, (0, 0, 0, padded_keys - keys)) for t in (key, value))
+        mask = torch.nn.functional.pad(attention_mask, (0, padded_keys - keys), value=False)  # [B, 1, n, padded]
+        extra = padded_queries - n  # (the last query again, as many times as the padding takes)
+        query = torch.cat([query, query[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
+        mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        )
+        return out[:, :, :n].transpose(1, 2).contiguous(), None  # [B, n, heads, dim]
+
+    mapping["sdpa"] = attention
+    try:
+        yield
+    finally:
+        if saved is None:
+            del mapping["sdpa"]
+        else:
+            mapping["sdpa"] = saved
+
+
+def holds(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s invariant passes (:class:`~specula.verifier.runner.CachedModel` with ``invariant=True``)
+    give each row the bits of its one-token steps on this machine, whatever the pass's width and batch mates: checked
+    once per machine and model (:func:`_check`), kept."""
+    weight = next(model.parameters())
+    key = store.key(
+        weight.device,
+        "invariant passes",
+        _model_key(model),
+        weight.dtype,
+        model.config._attn_implementation,
+        KEY_BLOCK,
+        QUERY_BLOCK,
+    )
+    return store.shared().get(key, lambda: _check(model))
+
+
+def _model_key(model: torch.nn.Module) -> str:
+    from .exactness import model_key  # (exactness chooses between row-exact and these passes)
+
+    return model_key(model)
+
+
+@torch.no_grad()
+def _check(model: torch.nn.Module, steps: int = 12) -> bool:
+    """Two rows, one whose keys cross a multiple of :data:`KEY_BLOCK` within the check (fewer where the model's
+    positions end): the first row's logits over ``steps`` tokens as one-token steps, then again in passes of 5 and 7
+    tokens alone, then of 4 and 8 beside the second row's passes of other widths: ``True`` where every position's
+    logits are bit for bit the same."""
+    from .runner import RaggedRows  # (the runner takes these passes)
+
+    device = model_device(model)
+    contexts = [fit_context(model, KEY_BLOCK - steps // 2, steps + 2), fit_context(model, 37, steps + 2)]
+    text = torch.randint(
+        3, vocab_size(model), (max(contexts) + steps + 1,), generator=torch.Generator().manual_seed(0)
+    ).to(device)
+    try:
+        target = RaggedRows(
+            model, rollback=True, capacity=len(text) + 1, slots=2, cheap_steps=True, invariant=True, max_width=9
+        )
+        target.start_row(0, text[: contexts[0]])
+        first = contexts[0]  # (the first row's tokens after its context: text[first:first + steps])
+        target.select_rows([0])
+        alone = []  # [steps] logits of one-token steps
+        for at in range(first, first + steps):
+            alone.append(target.forward_rows([text[at : at + 1]], [1])[0][0])
+            target.keep_rows([1])
+        passes = []
+        for widths, beside in (((5, 7), None), ((4, 8), (3, 9))):
+            target.truncate_row(0, first)
+            if beside is not None:
+                target.start_row(1, text[: contexts[1]])
+            at, got = first, []
+            for index, width in enumerate(widths):
+                blocks = [text[at : at + width]]
+                if beside is not None:
+                    start = contexts[1] + sum(beside[:index])
+                    blocks.append(text[start : start + beside[index]])
+                logits = target.forward_rows(blocks, [len(block) for block in blocks])
+                got.extend(logits[0])
+                target.keep_rows([len(block) for block in blocks])
+                at += width
+            passes.append(got)
+    except UnsupportedModelError:
+        return False
+    return all(torch.equal(one, other) for got in passes for one, other in zip(alone, got))
