@@ -267,10 +267,11 @@ class Decoder:
             packed_for(model)
         # Draft lengths follow measured timings only where the output cannot depend on them: greedy decoding, and
         # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
-        # that round as one-token steps do (or in fp32, far below the gaps between logits). With ordinary passes in
-        # bf16/fp16 they follow pass costs measured once per machine and kept (by rows and tokens; corrected where a
-        # run's passes cost far more: specula.policy.kept_costs), so that a request decodes the same on every run; a
-        # pass with a row whose drafts are drawn at random (sampled, from a sampling drafter), acceptance alone.
+        # that round as one-token steps do (row-exact or invariant; or in fp32, far below the gaps between logits).
+        # With other ordinary passes in bf16/fp16 they follow pass costs measured once per machine and kept (by rows
+        # and tokens; corrected where a run's passes cost far more: specula.policy.kept_costs), so that a request
+        # decodes the same on every run; a pass with a row whose drafts are drawn at random (sampled, from a sampling
+        # drafter), acceptance alone.
         timed = self.row_exact or not is_half_precision(model) or self.exactness.invariant
         setting = (model_device(model), getattr(model, "dtype", None))
         stored_costs = functools.cache(functools.partial(kept_pass_costs, model, MAX_DRAFT, compiled=self.compiles))

@@ -1,0 +1,93 @@
+"""Invariant ordinary passes (bf16): where the live check finds that every row of a pass rounds as its one-token steps
+do, whatever the pass's width and batch mates, output follows neither the draft lengths nor the batch, and draft
+lengths may follow the clock."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bf16_cases import CONFIGS, NEW_TOKENS, model, prompt, reference
+from helpers import Oracle
+
+import specula
+from specula.verifier import invariant
+
+
+def _decode(name: str, draft: int, adaptive: bool = False) -> specula.GenerateOutput:
+    return specula.generate(
+        model(name),
+        prompt(),
+        Oracle(reference(name), draft),
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=[],
+        exact=False,
+        adaptive_draft=adaptive,
+    )
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_where_the_check_holds_output_follows_no_draft_length(fresh_store, name) -> None:
+    """Drafts of 1, 5 and 16 tokens every pass, and as the cost model sizes them: the same tokens where the check
+    holds (on the AVX512_BF16 EPYC it holds for all four models); where it does not, the loop does not claim it."""
+    runs = [_decode(name, draft) for draft in (1, 5, 16)] + [_decode(name, 8, adaptive=True)]
+    holds = invariant.holds(model(name))
+    assert all(run.stats.exactness.invariant is holds for run in runs)
+    assert all(run.stats.drafted for run in runs)
+    if holds:
+        assert all(run.sequences.tolist() == runs[0].sequences.tolist() for run in runs)
+        assert "invariant to drafts and batches" in str(runs[0].stats.exactness)
+
+
+def test_where_the_check_holds_a_row_decodes_as_alone_whatever_its_batch(fresh_store) -> None:
+    """Three requests of different lengths in one batch, each also alone: the same tokens, where the check holds."""
+    model_ = model("llama")
+    prompts = [prompt()[0, :length] for length in (300, 217, 120)]
+    decoder = specula.Decoder(model_, Oracle([reference("llama")] * 3, 6), slots=3, exact=False)
+    together = {
+        row.job.key: row.output.tolist()
+        for row, _ in decoder.run([specula.Job(p.numpy(), NEW_TOKENS, key=k) for k, p in enumerate(prompts)])
+        if row.finished
+    }
+    alone = [
+        specula.generate(model_, p[None], Oracle(reference("llama"), 3), max_new_tokens=NEW_TOKENS, eos_token_id=[])
+        for p in prompts
+    ]
+    if invariant.holds(model_):
+        assert decoder.policy.timed  # (draft lengths may follow the clock: output does not depend on them)
+        assert [together[k] for k in range(3)] == [
+            run.sequences[0, len(p) :].tolist() for run, p in zip(alone, prompts)
+        ]
+
+
+def test_a_pass_whose_rows_follow_its_width_fails_the_check(fresh_store, monkeypatch) -> None:
+    """A stand-in attention whose result for a query depends on how many queries share its call (as unpadded kernels'
+    may): the check finds it (mutant: the check compares nothing)."""
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def width_dependent(query, key, value, *args, **kwargs):
+        return real(query, key, value, *args, **kwargs) * (1.0 + 0.01 * (query.shape[2] % 3 == 0))
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", width_dependent)
+    assert not invariant.holds(model("qwen2"))
+
+
+def test_the_padding_and_the_two_token_step_remove_what_kernels_round_by(fresh_store, monkeypatch) -> None:
+    """Stand-ins for the kernels traced on the AVX512_BF16 EPYC: attention whose result depends on its call's keys
+    modulo 512 and queries modulo 4, and linear layers whose one-row products round otherwise than several rows'. The
+    invariant passes give every row its steps' bits anyway (mutants: keys or queries not padded, a single row's step
+    computed over one token)."""
+    from specula.verifier import runner
+
+    real_attention, real_linear = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.linear
+
+    def blocked_attention(query, key, value, *args, **kwargs):
+        skew = key.shape[2] % 512 + query.shape[2] % 4
+        return real_attention(query, key, value, *args, **kwargs) * (1.0 + 0.01 * skew)
+
+    def matrix_vector(x, weight, bias=None):
+        return real_linear(x, weight, bias) * (1.0 + 0.01 * (x.dim() > 1 and x.shape[-2] * x[..., 0, 0].numel() == 1))
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", blocked_attention)
+    monkeypatch.setattr(torch.nn.functional, "linear", matrix_vector)
+    monkeypatch.setattr(runner, "packed_for", lambda model: None)  # (every product through the stand-in)
+    assert invariant.holds(model("llama"))
