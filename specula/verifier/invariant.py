@@ -121,7 +121,7 @@ def _check(model: torch.nn.Module, steps: int = 12) -> bool:
         target.select_rows([0])
         alone = []  # [steps] logits of one-token steps
         for at in range(first, first + steps):
-            alone.append(target.forward_rows([text[at : at + 1]], [1])[0][0])
+            alone.append(target.forward_rows([text[at : at + 1]], [1], [None])[0][0])  # (as the loop calls it)
             target.keep_rows([1])
         passes = []
         for widths, beside in (((5, 7), None), ((4, 8), (3, 9))):
@@ -134,7 +134,7 @@ def _check(model: torch.nn.Module, steps: int = 12) -> bool:
                 if beside is not None:
                     start = contexts[1] + sum(beside[:index])
                     blocks.append(text[start : start + beside[index]])
-                logits = target.forward_rows(blocks, [len(block) for block in blocks])
+                logits = target.forward_rows(blocks, [len(block) for block in blocks], [None] * len(blocks))
                 got.extend(logits[0])
                 target.keep_rows([len(block) for block in blocks])
                 at += width

@@ -182,7 +182,13 @@ class CachedModel(abc.ABC):
         :meth:`specula.verifier.row_exact.RowExact.applied`). ``trees[b]``, where given (:attr:`takes_trees`), makes
         row ``b``'s block a tree: ``trees[b][i]`` is the block index of token ``i``'s parent (``-1`` for the first),
         and each token sees the row's cache and its own ancestors only, at the position of its depth."""
-        if self.invariant and len(blocks) == 1 and len(blocks[0]) == 1 and self.cached_tokens and trees is None:
+        if (
+            self.invariant
+            and len(blocks) == 1
+            and len(blocks[0]) == 1
+            and self.cached_tokens
+            and not (trees or [None])[0]
+        ):
             # (invariant: a single row's step as a pass over its token twice, the second position dropped)
             blocks, num_logits = [blocks[0].repeat(STEP_WIDTH)], [STEP_WIDTH]
             self._block_lengths, self._made = [STEP_WIDTH], store.shared().made
