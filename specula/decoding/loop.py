@@ -8,6 +8,7 @@ import itertools
 import time
 import warnings
 from collections.abc import Iterable, Iterator
+from typing import Literal
 
 import numpy as np
 import torch
@@ -214,7 +215,7 @@ class Decoder:
         proposer: Proposer | None,
         slots: int = 1,
         adaptive_draft: bool = True,
-        exact: bool | None = None,
+        exact: bool | Literal["invariant"] | None = None,
         predictions: bool = False,
         compile: bool | None = None,
         budget: CacheBudget | None = None,
@@ -250,17 +251,26 @@ class Decoder:
         if self.policy is not None:
             return self
         model, slots, wide = self.model, self.slots, self.wide_passes
+        invariant = self.exact == "invariant"
         self.exactness = (
             Exactness(False, reason="compiled passes verify the ordinary way")
             if self.compile and self.exact is None and wide
-            else choose(model, self.exact, wide)
+            else choose(model, False if invariant else self.exact, wide)
         )
         self.row_exact = wide and self.exactness.exact
         self.compiles = compiles(model, self.compile, self.row_exact)
-        # ordinary bf16/fp16 passes that round every row as its one-token steps do, whatever the pass, where that
-        # holds for the model here (specula.verifier.invariant): output then follows neither drafts nor batches
-        if wide and not self.row_exact and not self.compiles and is_half_precision(model) and invariant_holds(model):
-            self.exactness = dataclasses.replace(self.exactness, invariant=True)
+        # asked: ordinary bf16/fp16 passes that round every row as its one-token steps do, whatever the pass, where
+        # that holds for the model here (specula.verifier.invariant): output then follows neither drafts nor batches
+        if invariant and wide and is_half_precision(model) and not self.compiles:
+            if invariant_holds(model):
+                self.exactness = dataclasses.replace(self.exactness, invariant=True)
+            else:
+                warnings.warn(
+                    "exact='invariant': this model's ordinary passes do not round alike whatever the pass on this "
+                    "machine (checked: specula.verifier.invariant), so they verify the ordinary way; exact=True "
+                    "answers alike everywhere.",
+                    stacklevel=3,
+                )
         if self.row_exact:  # (built here, kept with the model: no pass of the run measures them)
             row_exact_for(model)
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Literal
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ def decode(
     stopping_criteria: StoppingCriteriaList | None = None,
     streamer: BaseStreamer | None = None,
     adaptive_draft: bool = True,
-    exact: bool | None = None,
+    exact: bool | Literal["invariant"] | None = None,
     row_generators: list[torch.Generator] | None = None,
     predictions: list[np.ndarray | None] | None = None,
     compile: bool | None = None,

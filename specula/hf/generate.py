@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -44,7 +44,7 @@ def generate(
     stopping_criteria: StoppingCriteriaList | None = None,
     streamer: BaseStreamer | None = None,
     adaptive_draft: bool = True,
-    exact: bool | None = None,
+    exact: bool | Literal["invariant"] | None = None,
     prediction: PredictionInput = None,
     compile: bool | None = None,
     **generation_kwargs: Any,
@@ -90,7 +90,10 @@ def generate(
             reproducible but may leave ``model.generate``'s at a near-tie: ``specula drift`` shows where). ``None``
             (the default) chooses: in bf16 and fp16, exact where a row-exact pass costs at most 1.1x an ordinary one
             on this machine and model (measured once, kept: :mod:`specula.verifier.exactness`), in fp32 ordinary
-            (its rounding is far below the gaps between logits). ``stats.exactness`` says what was chosen and why.
+            (its rounding is far below the gaps between logits). ``"invariant"``: ordinary passes (bf16/fp16) that
+            round every row alike whatever its draft lengths and batch, where a check on the live model finds it holds
+            (:mod:`specula.verifier.invariant`): output then follows neither. ``stats.exactness`` says what was
+            chosen and why.
         prediction: the output the request expects back, drafted from wherever the output follows it (the file
             being edited, last run's answer; :mod:`specula.proposers.prediction`): text (with ``tokenizer=``), token
             ids,
@@ -166,7 +169,7 @@ def custom_generate(
     tokenizer=None,
     generator: torch.Generator | list[torch.Generator] | None = None,
     adaptive_draft: bool = True,
-    exact: bool | None = None,
+    exact: bool | Literal["invariant"] | None = None,
     prediction: PredictionInput = None,
     compile: bool | None = None,
     **model_kwargs,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 from jinja2 import TemplateError
@@ -36,7 +37,7 @@ class Settings:
     max_new_tokens: int | None = 256  # None: as many as the model's context leaves after the prompt (OpenAI's API)
     sampling: dict = field(default_factory=dict)  # do_sample / temperature / top_k / top_p, as generate() takes them
     seed: int | None = None  # a request on line n without its own "seed" draws from a generator seeded ``seed + n``
-    exact: bool | None = None
+    exact: bool | Literal["invariant"] | None = None
     compile: bool | None = None  # compiled passes (None: where a pass is mostly launching kernels, specula.generate)
     batch_size: int | None = None  # None: the size measured fastest on this machine
     predictions: bool = False  # whether requests may bring predictions ("prediction")

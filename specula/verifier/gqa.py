@@ -97,8 +97,6 @@ def unrepeated_kv_heads() -> Iterator[None]:
     docstring) in masked calls over several queries and in one-token steps without a mask; otherwise (a batch's
     one-token steps, which transformers folds itself, and every call with extras such as a position bias,
     softcapping or sinks) transformers' own SDPA function."""
-    mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
-    saved = mapping.get("sdpa")
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -118,6 +116,15 @@ def unrepeated_kv_heads() -> Iterator[None]:
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return _grouped(way, query, key, value, attention_mask, scaling), None
 
+    with sdpa_as(attention):
+        yield
+
+
+@contextlib.contextmanager
+def sdpa_as(attention: Callable) -> Iterator[None]:
+    """Within the block, ``attention`` is the attention function of models with ``sdpa`` attention."""
+    mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
+    saved = mapping.get("sdpa")
     mapping["sdpa"] = attention
     try:
         yield

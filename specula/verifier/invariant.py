@@ -24,13 +24,12 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..machine import store
+from .gqa import _EXTRAS, sdpa_as
 from .support import UnsupportedModelError, fit_context, model_device, vocab_size
 
 KEY_BLOCK = 512  # keys of an attention call, padded (masked) to a multiple of this
 QUERY_BLOCK = 4  # queries of an attention call, padded to a multiple of this
 STEP_WIDTH = 2  # tokens a single row's one-token step is computed over (its own token repeated)
-# Arguments of HF's SDPA function that change what it computes beyond masked attention: left to it (not invariant).
-_EXTRAS = ("position_bias", "cache", "softcap", "s_aux", "sinks")
 
 
 @contextlib.contextmanager
@@ -38,8 +37,6 @@ def padded_attention() -> Iterator[None]:
     """Within the block, a model with ``sdpa`` attention attends in blocks of fixed size: each masked call, and each
     one-query call without a mask, over its keys padded to a multiple of :data:`KEY_BLOCK` and its queries to a
     multiple of :data:`QUERY_BLOCK`; a prefill (several queries, no mask) as transformers computes it."""
-    mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
-    saved = mapping.get("sdpa")
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -66,14 +63,8 @@ def padded_attention() -> Iterator[None]:
         )
         return out[:, :, :n].transpose(1, 2).contiguous(), None  # [B, n, heads, dim]
 
-    mapping["sdpa"] = attention
-    try:
+    with sdpa_as(attention):
         yield
-    finally:
-        if saved is None:
-            del mapping["sdpa"]
-        else:
-            mapping["sdpa"] = saved
 
 
 def holds(model: torch.nn.Module) -> bool:

@@ -11,7 +11,7 @@ from helpers import Oracle
 
 import specula
 from specula import Draft
-from specula.decoding import estimate, loop
+from specula.decoding import estimate
 from specula.machine import store, timing
 from specula.policy import kept_costs
 from specula.policy.acceptance import RequestAcceptance
@@ -22,11 +22,9 @@ from specula.verifier.runner import CachedModel
 
 @pytest.fixture
 def kept(fresh_store, monkeypatch, tmp_path):
-    """Kept tables come from ``table[0]`` (ratios by :data:`kept_costs.WIDTHS`); counts the measurements. On a machine
-    whose ordinary passes are not invariant to drafts and batches (where they are, lengths are timed instead)."""
+    """Kept tables come from ``table[0]`` (ratios by :data:`kept_costs.WIDTHS`); counts the measurements."""
     table, measured = [None], []
     monkeypatch.setattr(kept_costs, "_measure", lambda m, rows=1, compiled=None: measured.append(m) or table[0])
-    monkeypatch.setattr(loop, "invariant_holds", lambda model: False)
     yield table, measured
     store.forget()
 
