@@ -140,7 +140,7 @@ _EXACT_HELP = (
 _INVARIANT_HELP = (
     "ordinary verification (bf16/fp16) whose passes round every row alike whatever the draft lengths and batch, where "
     "a check on the live model finds it holds: answers then follow neither drafts, batches, load nor the measurement "
-    "store (docs/exactness.md); it costs 10-40%% on long prompts on the AVX512_BF16 EPYC"
+    "store (docs/exactness.md); it costs about 5-15%% on long prompts on the AVX512_BF16 EPYC"
 )
 _COMPILE_HELP = (
     "--compile: every pass after a prompt's prefill compiled at static shapes (CUDA graphs on a GPU, inductor on a "

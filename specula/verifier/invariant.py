@@ -6,7 +6,8 @@ the clock. Traced on the AVX512_BF16 EPYC with torch 2.13's CPU kernels (docs/ha
 with the pass in three places only: how many keys an attention call reduces over (its blocks over the keys), how many
 queries share the call (its products block their rows), and a linear layer over one row (a matrix-vector kernel)
 against several. So, in these passes, every attention call after a filled cache covers its keys padded with masked
-ones to a multiple of :data:`KEY_BLOCK` and its queries to a multiple of :data:`QUERY_BLOCK` (the last repeated), and
+ones to a multiple of :data:`KEY_BLOCK` and its queries, the query heads of a key/value head folded into one head, to a
+multiple of :data:`QUERY_BLOCK` rows (the last repeated), and
 a single row's one-token step is computed as a pass over two tokens, its token again after it, whose second position
 is dropped (:data:`STEP_WIDTH`). A fully masked block of keys adds exactly nothing. Passes then round as one-token
 steps of this kind do, whatever their widths and batch mates: output no longer depends on draft lengths, the batch,
@@ -28,20 +29,21 @@ from .gqa import _EXTRAS, sdpa_as
 from .support import UnsupportedModelError, fit_context, model_device, vocab_size
 
 KEY_BLOCK = 512  # keys of an attention call, padded (masked) to a multiple of this
-QUERY_BLOCK = 4  # queries of an attention call, padded to a multiple of this
+QUERY_BLOCK = 4  # query rows of an attention call (its query heads folded), padded to a multiple of this
 STEP_WIDTH = 2  # tokens a single row's one-token step is computed over (its own token repeated)
 
 
 @contextlib.contextmanager
 def padded_attention() -> Iterator[None]:
     """Within the block, a model with ``sdpa`` attention attends in blocks of fixed size: each masked call, and each
-    one-query call without a mask, over its keys padded to a multiple of :data:`KEY_BLOCK` and its queries to a
-    multiple of :data:`QUERY_BLOCK`; a prefill (several queries, no mask) as transformers computes it."""
+    one-query call without a mask, with the query heads of each key/value head folded into one head of their queries
+    (each key/value head read once), those rows padded to a multiple of :data:`QUERY_BLOCK` and the keys to a
+    multiple of :data:`KEY_BLOCK`; a prefill (several queries, no mask) as transformers computes it."""
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         # query: [B, heads, n, dim]; key, value: [B, kv_heads, keys, dim]; attention_mask: [B, 1, n, keys] or None
-        batch, _, n, _ = query.shape
+        batch, heads, n, dim = query.shape
         if (
             (attention_mask is None and n > 1)
             or (attention_mask is not None and attention_mask.dtype != torch.bool)
@@ -49,19 +51,20 @@ def padded_attention() -> Iterator[None]:
             or any(kwargs.get(name) is not None for name in _EXTRAS)
         ):
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        keys = key.shape[2]
+        keys, group = key.shape[2], heads // key.shape[1]
         if attention_mask is None:
             attention_mask = torch.ones(batch, 1, n, keys, dtype=torch.bool, device=query.device)
-        padded_keys, padded_queries = -(-keys // KEY_BLOCK) * KEY_BLOCK, -(-n // QUERY_BLOCK) * QUERY_BLOCK
+        padded_keys = -(-keys // KEY_BLOCK) * KEY_BLOCK
         key, value = (torch.nn.functional.pad(t, (0, 0, 0, padded_keys - keys)) for t in (key, value))
-        mask = torch.nn.functional.pad(attention_mask, (0, padded_keys - keys), value=False)  # [B, 1, n, padded]
-        extra = padded_queries - n  # (the last query again, as many times as the padding takes)
-        query = torch.cat([query, query[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
-        mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-        )
-        return out[:, :, :n].transpose(1, 2).contiguous(), None  # [B, n, heads, dim]
+        mask = torch.nn.functional.pad(attention_mask, (0, padded_keys - keys), value=False).repeat(1, 1, group, 1)
+        # folded: query i of head kv * group + g is row g * n + i of head kv (the mask repeats whole, group times)
+        rows = group * n
+        extra = -(-rows // QUERY_BLOCK) * QUERY_BLOCK - rows  # (the last row again, as many times as it takes)
+        folded = query.reshape(batch, key.shape[1], rows, dim)
+        folded = torch.cat([folded, folded[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
+        mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)  # [B, 1, rows + extra, padded]
+        out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+        return out[:, :, :rows].reshape(batch, heads, n, dim).transpose(1, 2).contiguous(), None  # [B, n, heads, dim]
 
     with sdpa_as(attention):
         yield
@@ -74,7 +77,7 @@ def holds(model: torch.nn.Module) -> bool:
     weight = next(model.parameters())
     key = store.key(
         weight.device,
-        "invariant passes",
+        "invariant passes, query heads folded",
         _model_key(model),
         weight.dtype,
         model.config._attn_implementation,
