@@ -251,20 +251,27 @@ class Decoder:
         if self.policy is not None:
             return self
         model, slots, wide = self.model, self.slots, self.wide_passes
-        invariant = self.exact == "invariant"
+        asked = self.exact == "invariant"
         self.exactness = (
             Exactness(False, reason="compiled passes verify the ordinary way")
             if self.compile and self.exact is None and wide
-            else choose(model, False if invariant else self.exact, wide)
+            else choose(model, False if asked else self.exact, wide)
         )
         self.row_exact = wide and self.exactness.exact
         self.compiles = compiles(model, self.compile, self.row_exact)
-        # asked: ordinary bf16/fp16 passes that round every row as its one-token steps do, whatever the pass, where
-        # that holds for the model here (specula.verifier.invariant): output then follows neither drafts nor batches
-        if invariant and wide and is_half_precision(model) and not self.compiles:
+        # ordinary bf16/fp16 passes that round every row as its one-token steps do, whatever the pass, where that
+        # holds for the model here (specula.verifier.invariant): output then follows neither drafts, batches nor the
+        # clock. Asked for, or by default where verification is not exact.
+        if (
+            (asked or self.exact is None)
+            and wide
+            and not self.row_exact
+            and is_half_precision(model)
+            and not self.compiles
+        ):
             if invariant_holds(model):
                 self.exactness = dataclasses.replace(self.exactness, invariant=True)
-            else:
+            elif asked:
                 warnings.warn(
                     "exact='invariant': this model's ordinary passes do not round alike whatever the pass on this "
                     "machine (checked: specula.verifier.invariant), so they verify the ordinary way; exact=True "

@@ -55,7 +55,7 @@ def padded_attention() -> Iterator[None]:
         if attention_mask is None:
             attention_mask = torch.ones(batch, 1, n, keys, dtype=torch.bool, device=query.device)
         padded_keys = -(-keys // KEY_BLOCK) * KEY_BLOCK
-        key, value = (torch.nn.functional.pad(t, (0, 0, 0, padded_keys - keys)) for t in (key, value))
+        key, value = (_padded(t, padded_keys) for t in (key, value))
         mask = torch.nn.functional.pad(attention_mask, (0, padded_keys - keys), value=False).repeat(1, 1, group, 1)
         # folded: query i of head kv * group + g is row g * n + i of head kv (the mask repeats whole, group times)
         rows = group * n
@@ -68,6 +68,19 @@ def padded_attention() -> Iterator[None]:
 
     with sdpa_as(attention):
         yield
+
+
+def _padded(states: torch.Tensor, keys: int) -> torch.Tensor:
+    """``states`` (``[B, heads, length, dim]``) with ``keys`` positions: a view of the buffer it is a view of, where
+    that holds them (what lies past ``length`` there is zeros or states a rollback forgot, finite, and masked: a
+    masked key adds exactly nothing), else padded with zeros (a copy)."""
+    batch, heads, length, dim = states.shape
+    stride = states.stride()
+    if stride[3] == 1 and stride[2] == dim and stride[1] >= keys * dim and stride[0] >= heads * stride[1]:
+        end = states.storage_offset() + (batch - 1) * stride[0] + (heads - 1) * stride[1] + keys * dim
+        if end <= states.untyped_storage().nbytes() // states.element_size():
+            return states.as_strided((batch, heads, keys, dim), stride)
+    return torch.nn.functional.pad(states, (0, 0, 0, keys - length))
 
 
 def holds(model: torch.nn.Module) -> bool:

@@ -25,7 +25,7 @@ from .adapters import adapter_layers, per_row
 from .cache_layers import PreallocatedHybridLayer, PreallocatedLayer, RowPrefill
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
-from .invariant import STEP_WIDTH, padded_attention
+from .invariant import KEY_BLOCK, STEP_WIDTH, padded_attention
 from .packed import packed_for
 from .recurrent import (
     STEP_BY_STEP,
@@ -111,6 +111,8 @@ class CachedModel(abc.ABC):
         invariant: bool = False,
     ) -> None:
         check_standard_cache(model)
+        if invariant:  # (attention then reads its padded keys from the buffers as they are: no copy)
+            capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
         self.model, self.capacity, self.can_roll_back = model, capacity, rollback
         self.stepwise: Stepwise | None = None  # recurrent layers computed one token at a time (else fed again)
         self.cache = self._new_cache()
