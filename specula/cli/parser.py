@@ -133,14 +133,16 @@ def _add_decoding_arguments(
 # The options that force a measured choice either way (--X / --no-X; default: measured on this machine)
 _EXACT_HELP = (
     "--exact: verification passes bit for bit as model.generate's one-token steps (greedy output is model.generate's "
-    "in bf16/fp16 too), whatever it costs; --no-exact: the ordinary way, cheaper, but output may leave "
-    "model.generate's at a near-tie. Default: exact in bf16/fp16 where it costs at most 1.1x an ordinary pass on this "
-    "machine (measured once, kept), ordinary in fp32 (see README, 'What is guaranteed')"
+    "in bf16/fp16 too), whatever it costs; --no-exact: plainly ordinary passes, the cheapest, but output may leave "
+    "model.generate's at a near-tie and follow the draft lengths and batch. Default: exact in bf16/fp16 where it "
+    "costs at most 1.1x an ordinary pass on this machine (measured once, kept), else ordinary passes invariant to "
+    "drafts and batches where a check on the live model finds they hold; ordinary in fp32 (see README, 'What is "
+    "guaranteed')"
 )
 _INVARIANT_HELP = (
     "ordinary verification (bf16/fp16) whose passes round every row alike whatever the draft lengths and batch, where "
-    "a check on the live model finds it holds: answers then follow neither drafts, batches, load nor the measurement "
-    "store (docs/exactness.md); it costs about 5-15%% on long prompts on the AVX512_BF16 EPYC"
+    "a check on the live model finds it holds (the default where exactness is dear): answers then follow neither "
+    "drafts, batches, load nor the measurement store (docs/exactness.md)"
 )
 _COMPILE_HELP = (
     "--compile: every pass after a prompt's prefill compiled at static shapes (CUDA graphs on a GPU, inductor on a "

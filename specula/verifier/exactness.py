@@ -7,8 +7,9 @@ specula measures it, once per machine
 and model: a pass over ``TIMED_ROWS`` tokens after :data:`CONTEXT` tokens, row-exact against ordinary, interleaved
 (a busy moment slows both), the lower median of the ratios. Exactness is chosen where it costs at most
 :data:`THRESHOLD` times an ordinary pass. The measurement is kept with the calibrations (:mod:`.calibration`), so
-a machine keeps its choice and a request decodes the same on every run. ``exact=True`` forces exactness whatever it
-costs, ``exact=False`` never pays for it.
+a machine keeps its choice and a request decodes the same on every run (where exactness is not chosen, the loop takes
+passes invariant to drafts and batches where they hold: :mod:`.invariant`). ``exact=True`` forces exactness whatever
+it costs, ``exact=False`` never pays for it.
 
 In fp32, passes of other shapes round differently too, but far below the gaps between logits: the default there is
 ordinary verification, unmeasured (``exact=True`` makes it bitwise).
