@@ -135,9 +135,9 @@ _EXACT_HELP = (
     "--exact: verification passes bit for bit as model.generate's one-token steps (greedy output is model.generate's "
     "in bf16/fp16 too), whatever it costs; --no-exact: plainly ordinary passes, the cheapest, but output may leave "
     "model.generate's at a near-tie and follow the draft lengths and batch. Default: exact in bf16/fp16 where it "
-    "costs at most 1.1x an ordinary pass on this machine (measured once, kept), else ordinary passes invariant to "
-    "drafts and batches where a check on the live model finds they hold; ordinary in fp32 (see README, 'What is "
-    "guaranteed')"
+    "costs at most 1.1x an ordinary pass on this machine (measured once, kept), else (on a CPU) ordinary passes "
+    "invariant to drafts and batches where a check on the live model finds they hold; ordinary in fp32 (see "
+    "README, 'What is guaranteed')"
 )
 _INVARIANT_HELP = (
     "ordinary verification (bf16/fp16) whose passes round every row alike whatever the draft lengths and batch, where "

@@ -90,11 +90,12 @@ def generate(
             output may then leave ``model.generate``'s at a near-tie, ``specula drift`` shows where, and follow the
             draft lengths and batch). ``None``
             (the default) chooses: in bf16 and fp16, exact where a row-exact pass costs at most 1.1x an ordinary one
-            on this machine and model (measured once, kept: :mod:`specula.verifier.exactness`), else ``"invariant"``
-            where it holds; in fp32 ordinary (its rounding is far below the gaps between logits). ``"invariant"``:
-            ordinary passes (bf16/fp16) that round every row alike whatever its draft lengths and batch, where a check
-            on the live model finds it holds (:mod:`specula.verifier.invariant`): output then follows neither (nor the
-            load, nor the measurement store). ``stats.exactness`` says what was chosen and why.
+            on this machine and model (measured once, kept: :mod:`specula.verifier.exactness`), else on a CPU
+            ``"invariant"`` where it holds; in fp32 ordinary (its rounding is far below the gaps between logits).
+            ``"invariant"``: ordinary passes (bf16/fp16) that round every row alike whatever its draft lengths and
+            batch, where a check on the live model finds it holds (:mod:`specula.verifier.invariant`): output then
+            follows neither (nor the load, nor the measurement store). ``stats.exactness`` says what was chosen and
+            why.
         prediction: the output the request expects back, drafted from wherever the output follows it (the file
             being edited, last run's answer; :mod:`specula.proposers.prediction`): text (with ``tokenizer=``), token
             ids,
