@@ -131,3 +131,18 @@ def test_padded_keys_are_read_from_the_cache_buffer_as_they_are(monkeypatch) -> 
         copied = attention(None, query, key.clone(), value.clone(), mask)[0]
     assert seen[0] == buffers[0].data_ptr() and seen[1] != seen[0]
     assert torch.equal(in_place, copied)
+
+
+def test_by_default_only_a_cpu_takes_them(fresh_store, monkeypatch) -> None:
+    """The default takes invariant passes on a CPU only (a GPU's attention kernels are not traced); asked for, any
+    device where the check holds (mutant: the device not looked at)."""
+    from specula.decoding import loop
+
+    model_ = model("llama")
+    if not invariant.holds(model_):
+        pytest.skip("the check does not hold for this model on this machine")
+    monkeypatch.setattr(loop, "model_device", lambda model: torch.device("cuda"))  # (as a GPU's model says)
+    default, asked = (
+        specula.Decoder(model_, specula.PromptLookup(), slots=2, exact=e).prepare() for e in (None, "invariant")
+    )
+    assert not default.exactness.invariant and asked.exactness.invariant
