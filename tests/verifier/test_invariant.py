@@ -44,6 +44,30 @@ def test_where_the_check_holds_output_follows_no_draft_length(fresh_store, name)
     assert not ordinary.stats.exactness.invariant  # (exact=False: the cheapest passes)
 
 
+def test_seeded_sampling_follows_no_draft_length(fresh_store) -> None:
+    """Sampled with a seed, drafts of 1, 5 and 16 tokens every pass draw the same tokens where the check holds (each
+    token drawn from the same logits, as model.generate draws it)."""
+    model_, prompt_, reference_ = model("llama"), prompt(), reference("llama")  # (built before the seed: not drawn)
+    runs = []
+    for draft in (1, 5, 16):
+        torch.manual_seed(3)
+        runs.append(
+            specula.generate(
+                model_,
+                prompt_,
+                Oracle(reference_, draft),
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=[],
+                do_sample=True,
+                temperature=1.5,
+                exact="invariant",
+                adaptive_draft=False,
+            ).sequences.tolist()
+        )
+    if invariant.holds(model_):
+        assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
 def test_where_the_check_holds_a_row_decodes_as_alone_whatever_its_batch(fresh_store) -> None:
     """Three requests of different lengths in one batch, each also alone: the same tokens, where the check holds."""
     model_ = model("llama")
