@@ -1,6 +1,6 @@
-"""Invariant ordinary passes (bf16; the default where verification is not exact, or ``exact="invariant"``): where the live check finds that every row of a pass rounds
-as its one-token steps do, whatever the pass's width and batch mates, output follows neither the draft lengths nor the
-batch, and draft lengths may follow the clock."""
+"""Invariant ordinary passes (bf16; the default on a CPU where verification is not exact, or ``exact="invariant"``):
+where the live check finds that every row of a pass rounds as its one-token steps do, whatever the pass's width and
+batch mates, output follows neither the draft lengths nor the batch, and draft lengths may follow the clock."""
 
 from __future__ import annotations
 
