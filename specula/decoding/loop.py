@@ -485,6 +485,7 @@ class Decoder:
             for row, draft in zip(rows, sent)
         ]
         argmax_only = all(row.sampling.greedy and not row.sampling.processors for row in rows)  # (logits unused)
+        keys = self._target.cached_tokens
         logits = self._target.forward_rows(
             blocks, [len(block) for block in blocks], [_tree(d) for d in sent], argmax_only
         )
@@ -503,7 +504,7 @@ class Decoder:
             seconds = None
         width = max(map(len, blocks))  # (every row is computed this wide)
         self.policy.learn(
-            Pass([row.policy_state for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds)
+            Pass([row.policy_state for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds, keys)
         )
         self.estimate.record(len(rows), width, seconds)
         if seconds is not None and self._guard is not None:

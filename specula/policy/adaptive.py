@@ -18,7 +18,7 @@ remembered
 per target model (and its device and dtype) and later generations start from them
 (:func:`specula.policy.costs.shared_pass_costs`):
 only the first generation with a model explores; later ones send what pays from their first pass (later processes
-too: the costs are kept with the calibrations as their prior). The machine's
+too: the costs are kept with the calibrations as their prior, taken near the context it was measured at). The machine's
 load is not a fact to remember: costs are weighed against plain passes timed about when they were, and a length
 whose cost was not measured for a while is sent again now and then (:class:`specula.policy.costs.PassCosts`).
 
@@ -169,10 +169,11 @@ class AdaptiveDrafts:
         """The pass's time goes into the costs of its number of rows (a tree pass's where one row sent a tree; a kept
         table's check), each row's outcome into its acceptance and the pool's."""
         costs = self.costs(len(done.states)) if done.seconds is not None else None
-        if costs is not None:  # (timed: the costs decisions follow; else a kept table, checked against the run)
-            (costs.record if self.timed else costs.check)(
-                done.tokens, done.seconds, tree=any(draft.is_tree for draft in done.sent)
-            )
+        tree = any(draft.is_tree for draft in done.sent)
+        if costs is not None and self.timed:  # (the costs decisions follow)
+            costs.record(done.tokens, done.seconds, tree, done.keys)
+        elif costs is not None:  # (a kept table, checked against the run)
+            costs.check(done.tokens, done.seconds, tree)
         for state, draft, verified, new in zip(done.states, done.proposed, done.sent, done.new_tokens):
             for learner in (state, self.pool):
                 if verified.is_tree:

@@ -29,31 +29,40 @@ RECENT = 32  # passes after which a width's last sample is stale
 FORGET = 4 * RECENT  # passes after which a width not sent again is forgotten (plain passes: never)
 EXPLORE = 0.02  # share of the decoding time that measuring stale widths again may cost
 CONTRADICTED = 1.5  # a prior is dropped once a width timed here costs this many times what it said
+CONTEXTS = 2.0  # a prior is taken at contexts within this factor of the one it was measured at
 KEPT = "timed pass costs"  # what the costs one process measured are kept as, for the next (a calibration)
+KEYS = "keys"  # ... with the keys a row their plain passes followed
 
 
 class PassCosts:
     """What passes of ``rows`` rows cost, by the tokens they compute in all (their rows padded to the widest; fewer
     than ``size``), passes with trees apart from chain passes (a tree pass costs more than a chain as wide)."""
 
-    def __init__(self, rows: int, size: int, prior: dict[int, float] | None = None) -> None:
+    def __init__(
+        self, rows: int, size: int, prior: dict[int, float] | None = None, prior_keys: int | None = None
+    ) -> None:
         self.rows, self.size = rows, size
         # by tokens: a chain pass's cost in plain passes as an earlier process measured it, until this one times it
-        # (a stale estimate, forgotten after FORGET passes as any is)
+        # (a stale estimate, forgotten after FORGET passes as any is), at contexts near the one it was measured at
+        # (prior_keys: the keys a row of its plain passes followed; None: not known, taken at any)
         self.prior = {tokens: ratio for tokens, ratio in (prior or {}).items() if rows < tokens < size}
+        self.prior_keys = prior_keys
         self._given = dict(sorted(self.prior.items()))  # (the prior as given: what this process's timings test)
         self.samples: dict[tuple[int, bool], deque] = {}  # (tokens, tree): (pass number, seconds), newest last
+        self.keys: deque = deque(maxlen=KEEP)  # the keys a row of the last plain passes recorded followed
         self.passes = 0  # passes recorded
         self.credit = 0.0  # what measuring stale widths may still cost, in plain passes
         self._estimates: dict[bool, np.ndarray] = {}  # (cached until the next record)
 
-    def record(self, tokens: int, seconds: float, tree: bool = False) -> None:
-        """A pass over ``tokens`` tokens took ``seconds``."""
+    def record(self, tokens: int, seconds: float, tree: bool = False, keys: int | None = None) -> None:
+        """A pass over ``tokens`` tokens took ``seconds`` (``keys``: the most its rows' caches held before it)."""
         if tokens >= self.size:
             return
         self.passes += 1
         keep = FORGET if tokens == self.rows else KEEP  # (plain passes: what the others are weighed against)
         self.samples.setdefault((tokens, tree), deque(maxlen=keep)).append((self.passes, seconds))
+        if keys is not None and tokens == self.rows and not tree:
+            self.keys.append(keys)
         if not tree:
             self.prior.pop(tokens, None)
         self._estimates.clear()
@@ -92,13 +101,32 @@ class PassCosts:
             unit = (self.rows, False) in self.samples  # (without a plain pass, ratios are seconds)
             if unit and self.prior and self._contradicted(ratios):
                 self.prior.clear()
-            for tokens, ratio in self.prior.items() if (unit or not widths) and self.passes <= FORGET else ():
+            prior = self._prior() if unit or not widths else {}
+            for tokens, ratio in prior.items():
                 if np.isnan(ratios[tokens - self.rows]):
                     ratios[tokens - self.rows] = ratio
-            if unit or (self.prior and not widths):
+            if unit or prior:
                 ratios[0] = 1.0
             self._estimates[tree] = ratios
         return self._estimates[tree]
+
+    def _prior(self) -> dict[int, float]:
+        """The prior where it still holds: within :data:`FORGET` passes, and where the last plain pass recorded
+        followed about as many keys a row as the prior's (within :data:`CONTEXTS` times; before any, or where either
+        is not known, taken as it is). A wide pass costs more plain passes after a short context than after a long
+        one (attention is less of either), so a prior kept from other contexts would misprice every width.
+
+        >>> costs = PassCosts(1, 10, {5: 1.4}, prior_keys=1000)
+        >>> costs.record(1, 0.1, keys=900); costs._prior()
+        {5: 1.4}
+        >>> costs.record(1, 0.1, keys=100); costs._prior()
+        {}
+        """
+        if self.passes > FORGET:
+            return {}
+        if self.prior_keys and self.keys and not 1 / CONTEXTS <= self.keys[-1] / self.prior_keys <= CONTEXTS:
+            return {}
+        return self.prior
 
     def _contradicted(self, ratios: np.ndarray) -> bool:
         """Whether a width timed here cost over :data:`CONTRADICTED` times what the prior says (between its widths,
@@ -152,7 +180,7 @@ class PassCosts:
             tokens = self.rows * (width + 1)
             last = self.samples.get((tokens, False))
             if width == best or (
-                tokens not in self.prior or self.passes > FORGET
+                tokens not in self._prior()
                 if last is None
                 else (last[-1][0] > self.passes - RECENT or (width and last[-1][0] <= self.passes - FORGET))
             ):
@@ -197,9 +225,10 @@ def shared_pass_costs(owner: torch.nn.Module, setting: Hashable, max_draft: int,
     model's profile."""
     tables = profile_of(owner).pass_costs
     if (setting, max_draft, rows) not in tables:
-        prior = store.shared().known.get(_kept_key(owner, rows), {})
+        kept = dict(store.shared().known.get(_kept_key(owner, rows), {}))
+        keys = kept.pop(KEYS, None)
         tables[setting, max_draft, rows] = PassCosts(
-            rows, rows * (max_draft + 1) + 1, {int(tokens): ratio for tokens, ratio in prior.items()}
+            rows, rows * (max_draft + 1) + 1, {int(tokens): ratio for tokens, ratio in kept.items()}, keys
         )
     return tables[setting, max_draft, rows]
 
@@ -210,7 +239,8 @@ def keep_pass_costs(owner: torch.nn.Module, setting: Hashable, max_draft: int, r
     exploration credit where it says they do not)."""
     costs = profile_of(owner).pass_costs.get((setting, max_draft, rows))
     if costs is not None and (table := costs.table()):
-        store.shared().keep(_kept_key(owner, rows), {str(tokens): ratio for tokens, ratio in table.items()})
+        context = {KEYS: int(np.median(costs.keys))} if costs.keys else {}
+        store.shared().keep(_kept_key(owner, rows), {**{str(t): ratio for t, ratio in table.items()}, **context})
 
 
 def _kept_key(owner: torch.nn.Module, rows: int) -> str:

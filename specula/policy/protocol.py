@@ -29,6 +29,7 @@ class Pass:
     new_tokens: Sequence[list[int]]  # [R] what the pass gave each row: its accepted drafts, then the target's token
     tokens: int  # tokens the pass computed in all (its rows padded to the widest)
     seconds: float | None  # what the pass took; None: not a measure of what such a pass costs (it calibrated)
+    keys: int | None = None  # the most tokens a row's cache held before it (what its attention read)
 
 
 class DraftPolicy(Protocol):

@@ -286,6 +286,7 @@ def test_a_new_process_starts_from_the_costs_a_run_kept() -> None:
     store.forget()  # a new process
     primed = shared_pass_costs(target, (target.device, target.dtype), MAX_DRAFT)
     assert measured and primed.prior == measured
+    assert len(PROMPT) <= primed.prior_keys <= len(PROMPT) + 12  # (the context it was measured at, kept with it)
     assert primed.explored_width() > 0 == PassCosts(1, primed.size).explored_width()
     second = specula.generate(target, prompt, Oracle(expected, 8), max_new_tokens=12, eos_token_id=[])
     assert torch.equal(first.sequences, expected) and torch.equal(second.sequences, expected)

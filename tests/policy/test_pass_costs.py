@@ -162,6 +162,21 @@ def test_a_process_starts_from_the_costs_an_earlier_one_kept() -> None:
     assert max(primed[:3]) >= 7 > max(fresh[:3])
 
 
+def test_costs_kept_at_another_context_are_not_taken_there() -> None:
+    """A prior kept after about 1,000 keys a row prices widths a run after 900 takes at once, but once a plain pass
+    shows a context ten times shorter (where a wide pass costs more plain passes: attention is less of either) the run
+    sends only what its own timings reach, one token after a plain pass, and probes none of the prior's widths
+    (mutant: the context not looked at lets drafts of 65 tokens through)."""
+    prior = {3: 1.2, 9: 1.6, 17: 2.2, 33: 3.4}
+    near, far = (PassCosts(1, MAX_DRAFT + 2, prior, prior_keys=1000) for _ in range(2))
+    near.record(1, 0.1, keys=900)
+    far.record(1, 0.1, keys=100)
+    assert near.explored_width() == 65 and far.explored_width() == 1
+    even = np.ones(MAX_DRAFT + 1)  # (every width as good as sending none: the likeliest to pay of the stale ones)
+    near.credit = far.credit = 100.0  # (credit enough to measure any stale width again)
+    assert near.probe(0, even, even) in (2, 8, 16, 32) and far.probe(0, even, even) == 0
+
+
 def test_costs_kept_from_a_busy_process_do_not_switch_drafts_off_for_good() -> None:
     """Kept from a busy spell (every width dear), the prior sends nothing at first on a quiet machine, but its widths
     are timed again out of the exploration credit and the rest forgotten as any stale estimate, and long drafts resume
