@@ -40,6 +40,24 @@ def padded_attention() -> Iterator[None]:
     (each key/value head read once), those rows padded to a multiple of :data:`QUERY_BLOCK` and the keys to a
     multiple of :data:`KEY_BLOCK`; a prefill (several queries, no mask) as transformers computes it."""
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    masks: dict[tuple, tuple[torch.Tensor | None, torch.Tensor]] = {}  # key: (the mask it pads, the padded one)
+
+    def padded_mask(attention_mask: torch.Tensor | None, query: torch.Tensor, keys: int, group: int) -> torch.Tensor:
+        """``attention_mask`` (``[B, 1, n, keys]``, ``None``: every key) for the folded queries, padded rows and
+        keys, additive (what the kernel turns a boolean mask into): built once for all the layers of a pass."""
+        batch, _, n, _ = query.shape
+        memo = (id(attention_mask), batch, n, keys, group, query.dtype)
+        if memo not in masks:
+            mask = attention_mask
+            if mask is None:
+                mask = torch.ones(batch, 1, n, keys, dtype=torch.bool, device=query.device)
+            padded_keys = -(-keys // KEY_BLOCK) * KEY_BLOCK
+            mask = torch.nn.functional.pad(mask, (0, padded_keys - keys), value=False).repeat(1, 1, group, 1)
+            extra = -(-group * n // QUERY_BLOCK) * QUERY_BLOCK - group * n  # (the last row again)
+            mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)  # [B, 1, rows + extra, padded]
+            additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+            masks[memo] = (attention_mask, additive.masked_fill_(~mask, float("-inf")))
+        return masks[memo][1]
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         # query: [B, heads, n, dim]; key, value: [B, kv_heads, keys, dim]; attention_mask: [B, 1, n, keys] or None
@@ -52,17 +70,12 @@ def padded_attention() -> Iterator[None]:
         ):
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         keys, group = key.shape[2], heads // key.shape[1]
-        if attention_mask is None:
-            attention_mask = torch.ones(batch, 1, n, keys, dtype=torch.bool, device=query.device)
-        padded_keys = -(-keys // KEY_BLOCK) * KEY_BLOCK
-        key, value = (_padded(t, padded_keys) for t in (key, value))
-        mask = torch.nn.functional.pad(attention_mask, (0, padded_keys - keys), value=False).repeat(1, 1, group, 1)
+        mask = padded_mask(attention_mask, query, keys, group)  # [B, 1, rows + extra, padded keys]
+        key, value = (_padded(t, mask.shape[3]) for t in (key, value))
         # folded: query i of head kv * group + g is row g * n + i of head kv (the mask repeats whole, group times)
         rows = group * n
-        extra = -(-rows // QUERY_BLOCK) * QUERY_BLOCK - rows  # (the last row again, as many times as it takes)
         folded = query.reshape(batch, key.shape[1], rows, dim)
-        folded = torch.cat([folded, folded[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
-        mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)  # [B, 1, rows + extra, padded]
+        folded = torch.cat([folded, folded[:, :, -1:].expand(-1, -1, mask.shape[2] - rows, -1)], dim=2)
         out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
         return out[:, :, :rows].reshape(batch, heads, n, dim).transpose(1, 2).contiguous(), None  # [B, n, heads, dim]
 
