@@ -29,6 +29,7 @@ from ..machine.memory import spare_bytes
 from ..machine.profile import profile_of
 from ..machine.timing import cheapest
 from .calibration import TIMED_ROWS
+from .support import weight_state
 
 
 def _packable(module: nn.Module) -> bool:
@@ -76,11 +77,6 @@ def _faster_packed(layer: nn.Linear, packed: torch.Tensor, rows: int = TIMED_ROW
     return store.shared().get(key, calibrate)
 
 
-def _state(weight: torch.Tensor) -> tuple[int, int]:
-    """What changes when a weight's values may have: its storage, and its version (bumped by in-place changes)."""
-    return weight.data_ptr(), weight._version
-
-
 class PackedLinears:
     """The linear layers of ``model`` that a verification pass or a one-token step computes with prepacked weights
     (packed again where a weight changed since)."""
@@ -108,7 +104,7 @@ class PackedLinears:
             if packed_by_weight[id(weight)] is not None:
                 packed, uses = packed_by_weight[id(weight)]
                 self.layers.append(
-                    [module, weight, module.bias, _state(weight), _packed_forward(packed, module.bias), uses]
+                    [module, weight, module.bias, weight_state(weight), _packed_forward(packed, module.bias), uses]
                 )
 
     @contextlib.contextmanager
@@ -121,10 +117,10 @@ class PackedLinears:
             if not uses[step]:
                 continue
             now, bias_now = layer._parameters.get("weight"), layer._parameters.get("bias")  # (not Module.__getattr__)
-            if now is not weight or bias_now is not bias or _state(now) != state:
+            if now is not weight or bias_now is not bias or weight_state(now) != state:
                 packed = _pack(now) if now is not None else None
                 forward = None if packed is None else _packed_forward(packed, bias_now)
-                entry[1:5] = [now, bias_now, None if now is None else _state(now), forward]
+                entry[1:5] = [now, bias_now, None if now is None else weight_state(now), forward]
             if forward is not None:
                 layer.__dict__["forward"] = forward  # (not Module.__setattr__: slow)
         try:

@@ -34,6 +34,17 @@ def is_quantized(tensor: torch.Tensor) -> bool:
     return type(tensor) not in (torch.Tensor, torch.nn.Parameter)
 
 
+def weight_state(weight: torch.Tensor) -> tuple[int, object]:
+    """What changes when ``weight``'s values may have, for copies made of it (packed, column-major): its storage and
+    its version, which in-place changes bump. A tensor made under ``torch.inference_mode`` keeps no version, so 64
+    of its values, spread over it, stand in (a weight loaded or merged in place is seen; an edit that spares all 64
+    is not)."""
+    if weight.is_inference():
+        flat = weight.detach().reshape(-1)
+        return weight.data_ptr(), tuple(flat[:: max(1, len(flat) // 64)].tolist())
+    return weight.data_ptr(), weight._version
+
+
 def without_grad(model: torch.nn.Module) -> torch.autograd.grad_mode._DecoratorContextManager:
     """How specula computes ``model``'s passes without autograd: ``torch.inference_mode()`` (the cheapest: ~5% of a
     decoding run of SmolLM2-135M fp32 on a CPU against ``no_grad``), or ``torch.no_grad()``, as ``model.generate``

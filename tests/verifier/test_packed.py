@@ -51,11 +51,16 @@ def test_packed_weights_serve_ordinary_passes_only(always_packed) -> None:
     assert len(always_packed) == seen  # plain decoding: the model's own one-token steps; exact: row-exact passes
 
 
-def test_a_weight_changed_in_place_or_replaced_is_packed_again(always_packed) -> None:
-    model = copy.deepcopy(tiny_model("llama"))
+@pytest.mark.parametrize("inference", [False, True], ids=["plain", "made-under-inference-mode"])
+def test_a_weight_changed_in_place_or_replaced_is_packed_again(always_packed, inference) -> None:
+    """Also for a model made under ``torch.inference_mode`` (its weights keep no version: sampled values tell)."""
+    with torch.inference_mode(inference):
+        model = copy.deepcopy(tiny_model("llama"))
+    assert model.model.layers[0].mlp.down_proj.weight.is_inference() == inference
     expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
-    specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[], adaptive_draft=False)
-    with torch.no_grad():
+    out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[], adaptive_draft=False)
+    assert out.sequences.tolist() == expected.tolist() and always_packed
+    with torch.inference_mode() if inference else torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.down_proj.weight.mul_(-1.5)
     expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])

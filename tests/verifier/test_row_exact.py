@@ -110,9 +110,12 @@ def test_row_by_row_where_column_major_copies_do_not_fit(monkeypatch) -> None:
     assert out.sequences.tolist() == ref.tolist()
 
 
-def test_weights_changed_in_place_are_copied_again() -> None:
-    """Column-major copies follow the weights: after an in-place change, output is the changed model's."""
-    changed = copy.deepcopy(model("llama"))
+@pytest.mark.parametrize("inference", [False, True], ids=["plain", "made-under-inference-mode"])
+def test_weights_changed_in_place_are_copied_again(inference) -> None:
+    """Column-major copies follow the weights: after an in-place change, output is the changed model's (also of a
+    model made under ``torch.inference_mode``, whose weights keep no version)."""
+    with torch.inference_mode(inference):
+        changed = copy.deepcopy(model("llama"))
     ref = hf_greedy(changed, prompt(), NEW_TOKENS, eos_token_id=[])
 
     def speculate_with(m):
@@ -126,7 +129,7 @@ def test_weights_changed_in_place_are_copied_again() -> None:
         )
 
     assert speculate_with(changed).sequences.tolist() == ref.tolist()
-    with torch.no_grad():
+    with torch.inference_mode() if inference else torch.no_grad():
         for layer in changed.model.layers:
             layer.mlp.down_proj.weight.mul_(-1.5)
     ref = hf_greedy(changed, prompt(), NEW_TOKENS, eos_token_id=[])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..support import weight_state
 from .linear import _ExactLinear, _packed
 
 
@@ -57,7 +58,7 @@ class _Head:
 
     def norms(self) -> tuple[torch.Tensor, float]:
         """``|W_j|`` per token (float32, rounded up) and their largest, kept until the weight changes."""
-        version = (self.layer.weight.data_ptr(), self.layer.weight._version)
+        version = weight_state(self.layer.weight)
         if self._norms is None or self._norms[0] != version:
             norms = torch.linalg.vector_norm(self.layer.weight.detach().float(), dim=-1) * (1 + 2**-10)
             self._norms = (version, norms, float(norms.max()))

@@ -20,7 +20,7 @@ from ...machine import store
 from ...machine.memory import spare_bytes
 from ...machine.timing import cheapest, seconds_of
 from ..calibration import CALIBRATION_ROWS, TIMED_ROWS, spread
-from ..support import is_quantized
+from ..support import is_quantized, weight_state
 
 
 @torch.no_grad()
@@ -135,18 +135,15 @@ class _ExactLinear:
     def __init__(self, layer: torch.nn.Module, rows: int, by_columns: bool) -> None:
         self.layer, self.rows = layer, rows
         self.weight_t = _weight_t(layer) if by_columns else None
-        self._source = self._version()
-
-    def _version(self) -> tuple[int, int]:
-        return self.layer.weight.data_ptr(), self.layer.weight._version
+        self._source = weight_state(layer.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(1, -1, x.shape[-1])  # [1, rows of every batch row, in]
         if self.weight_t is None:
             out = _in_chunks(functools.partial(type(self.layer).forward, self.layer), self.rows, flat)
         else:
-            if self._version() != self._source:
-                self.weight_t, self._source = _weight_t(self.layer), self._version()
+            if weight_state(self.layer.weight) != self._source:
+                self.weight_t, self._source = _weight_t(self.layer), weight_state(self.layer.weight)
             out = _in_chunks(functools.partial(_by_columns, self.weight_t, self.layer.bias), self.rows, flat)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
