@@ -4,6 +4,7 @@ in specula.generate."""
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import itertools
 
@@ -233,3 +234,17 @@ def test_what_custom_generate_cannot_do_is_refused(kwargs, message) -> None:
     kwargs.pop("return_dict_in_generate", None)  # (specula.generate always asks for it)
     with pytest.raises(ValueError, match=message):
         specula.generate(model(), PROMPT, specula.PromptLookup(), max_new_tokens=4, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_model_made_under_inference_mode_decodes_as_its_own_generate(dtype) -> None:
+    """Its weights are inference tensors, which keep no version (the copies specula keeps follow sampled values):
+    before, torch's error at the first pass."""
+    with torch.inference_mode():
+        made = copy.deepcopy(model()).to(dtype)
+    assert made.lm_head.weight.is_inference()
+    mask = torch.ones_like(PROMPT)
+    expected = made.generate(PROMPT, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    for exact in (True, False) if dtype == torch.float32 else (True,):
+        out = specula.generate(made, PROMPT, specula.PromptLookup(), max_new_tokens=NEW_TOKENS, exact=exact)
+        assert out.sequences.tolist() == expected.tolist() and out.stats.accepted > 0
