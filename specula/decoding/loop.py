@@ -506,7 +506,7 @@ class Decoder:
         self.policy.learn(
             Pass([row.policy_state for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds, keys)
         )
-        self.estimate.record(len(rows), width, seconds)
+        self.estimate.record(len(rows), width, seconds, keys)
         if seconds is not None and self._guard is not None:
             self._guard.record(
                 len(rows),
@@ -525,7 +525,7 @@ class Decoder:
                 self._finish(row)
 
     def _finish(self, row: Row) -> None:
-        self.estimate.finished(row.request_id, len(row.output) - 1)
+        self.estimate.finished(row.request_id, len(row.output) - 1, len(row.job.prompt))
         if self.proposer is not None:
             self.proposer.stop_request(row.request_id)
 

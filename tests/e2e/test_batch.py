@@ -300,22 +300,46 @@ def test_the_decoder_estimates_its_speedup_over_plain_decoding(monkeypatch, draf
     assert sampled.plain_speedup() is not None  # (under sampling too)
 
 
+def timed_plain_passes(decoder: specula.Decoder, passes: dict[int, list[tuple[float, int]]]) -> None:
+    """The run's plain passes, by rows: (seconds, tokens the longest row held)."""
+    decoder.estimate.plain, decoder.estimate.plain_keys = {}, {}
+    for rows, timed in passes.items():
+        for seconds, keys in timed:
+            decoder.estimate.record(rows, 1, seconds, keys)
+
+
 def test_the_estimate_replays_plain_decoding_of_the_same_requests() -> None:
     """Known stats: requests needing 4, 1, 4 and 2 passes after their prefills, two slots. Plain decoding takes
     passes of 2 rows (4|1, then 3|4 ... ) and a last one of 1 row; a pass of 2 rows is priced at 2 s (the mean of
-    the run's plain passes of 2 rows), of 1 row at 1 s. Where under half of those passes are priced by plain passes
-    of their own rows, there is no estimate."""
+    the run's plain passes of 2 rows, all after about as many tokens), of 1 row at 1 s. Where under half of those
+    passes are priced by plain passes of their own rows, there is no estimate."""
     decoder = specula.Decoder(model("llama"), None, slots=2)
-    decoder.estimate.needs = {0: 4, 1: 1, 2: 4, 3: 2}
-    assert estimate.plain_passes(list(decoder.estimate.needs.values()), 2) == {2: 5, 1: 1}
-    decoder.estimate.plain = {1: [1.0, 0.5, 1.5], 2: [2.0, 3.5, 0.5]}
+    decoder.estimate.needs = {0: (4, 10), 1: (1, 12), 2: (4, 9), 3: (2, 10)}
+    passes = estimate.plain_passes(list(decoder.estimate.needs.values()), 2)
+    assert {rows: sum(n for (r, _), n in passes.items() if r == rows) for rows, _ in passes} == {2: 5, 1: 1}
+    timed_plain_passes(decoder, {1: [(1.0, 10), (0.5, 11), (1.5, 12)], 2: [(2.0, 10), (3.5, 11), (0.5, 12)]})
     decoder.prefill_seconds, decoder.pass_seconds = 2.0, 4.0
     assert decoder.plain_comparison() == pytest.approx((2.0 + 5 * 2.0 + 1 * 1.0, 2.0 + 4.0))
     assert decoder.plain_speedup() == pytest.approx(13 / 6)
-    decoder.estimate.plain = {2: [2.0]}  # (the pass of 1 row priced as the nearest rows timed)
+    timed_plain_passes(decoder, {2: [(2.0, 10)]})  # (the pass of 1 row priced as the nearest rows timed)
     assert decoder.plain_comparison() == pytest.approx((2.0 + 6 * 2.0, 2.0 + 4.0))
-    decoder.estimate.plain = {1: [1.0], 3: [3.0]}  # (none of the 5 passes of 2 rows priced by their own)
+    timed_plain_passes(decoder, {1: [(1.0, 10)], 3: [(3.0, 10)]})  # (none of the 5 passes of 2 rows by their own)
     assert decoder.plain_comparison() is None
+
+
+def test_plain_passes_are_priced_by_the_tokens_their_rows_hold() -> None:
+    """A plain pass costs more as its rows hold more (1 s + 10 ms a token here), and a run's plain passes cluster
+    where drafts did not pay (five of six late): each replayed pass is priced on the line through them at its own
+    tokens, not at their mean (2.75 s, 10% over plain decoding's 249.5 s)."""
+    decoder = specula.Decoder(model("llama"), None, slots=1)
+    decoder.estimate.needs = {0: (100, 100)}  # (passes after 100, 101, ... 199 tokens)
+    cost = lambda keys: 1.0 + keys / 100  # noqa: E731
+    timed_plain_passes(decoder, {1: [(cost(keys), keys) for keys in (100, 180, 185, 190, 195, 199)]})
+    decoder.prefill_seconds, decoder.pass_seconds = 0.0, 100.0
+    plain, _ = decoder.plain_comparison()
+    assert plain == pytest.approx(sum(cost(keys) for keys in range(100, 200)))
+    timed_plain_passes(decoder, {1: [(cost(keys), keys) for keys in (180, 190, 199)]})  # (a span too short for a line)
+    assert decoder.plain_comparison()[0] == pytest.approx(100 * (cost(180) + cost(190) + cost(199)) / 3)
 
 
 def test_a_pass_with_a_row_whose_drafts_are_drawn_at_random_is_sized_without_measured_costs(monkeypatch) -> None:
