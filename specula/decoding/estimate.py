@@ -52,7 +52,7 @@ class PlainEstimate:
         timed."""
         lines = {}  # rows: (seconds at the fewest keys timed, seconds more a key, fewest keys, most keys)
         for count, seconds in sorted(self.plain.items()):
-            at = np.array(self.plain_keys.get(count, [0] * len(seconds)), dtype=float)
+            at = np.array(self.plain_keys[count], dtype=float)
             slope = 0.0
             if at.max() - at.min() >= SPAN:
                 slope = max(0.0, float(np.polyfit(at, seconds, 1)[0]))

@@ -283,7 +283,7 @@ def test_the_decoder_estimates_its_speedup_over_plain_decoding(monkeypatch, draf
     assert decoder.plain_speedup() is not None and 2 in decoder.estimate.plain  # (a plain pass of two rows was timed)
     # Were every pass to cost a second whatever its rows and tokens, the estimate would be plain decoding's passes
     # (a token a row a pass, two rows at a time) over the passes the run took.
-    decoder.estimate.plain = {2: [1.0]}
+    timed_plain_passes(decoder, {2: [(1.0, 0)]})
     decoder.prefill_seconds, decoder.pass_seconds = 0.0, float(decoder.passes - len(rows))
     plain_passes = sum(len(out) - 1 for out in expected) / 2
     assert decoder.plain_speedup() == pytest.approx(plain_passes / (decoder.passes - len(rows)))
