@@ -13,12 +13,14 @@ model's own).
 
 The packed copies cost memory (as much as the weights they copy): layers are packed only while the copies take at
 most an eighth of the free memory. Where oneDNN cannot pack a dtype (bf16 without AVX512-BW or AVX-NE-CONVERT),
-nothing is packed.
+nothing is packed. torchao's int8 weight-only weights are not copied: their int8 numbers are read as they are
+(:mod:`specula.verifier.int8`), where that is faster, for passes up to the most rows it is faster for.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -29,7 +31,10 @@ from ..machine.memory import spare_bytes
 from ..machine.profile import profile_of
 from ..machine.timing import cheapest
 from .calibration import TIMED_ROWS
-from .support import weight_state
+from .int8 import Int8Weight, int8_forward, int8_weight
+from .support import is_quantized, weight_state
+
+WIDER_ROWS = (16, 32, 64, 128)  # rows at which int8 weights, faster at TIMED_ROWS, are timed again
 
 
 def _packable(module: nn.Module) -> bool:
@@ -45,15 +50,21 @@ def _packable(module: nn.Module) -> bool:
     )
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` reordered for oneDNN's linear, ``None`` where oneDNN cannot on this CPU."""
+def _pack(weight: torch.Tensor) -> torch.Tensor | Int8Weight | None:
+    """``weight`` reordered for oneDNN's linear (torchao's int8 weights: their numbers and scales), ``None`` where
+    neither applies on this CPU."""
+    if is_quantized(weight):
+        return int8_weight(weight)
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     except (RuntimeError, AttributeError):
         return None
 
 
-def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None):
+def _packed_forward(packed: torch.Tensor | Int8Weight, bias: torch.Tensor | None, layer: nn.Linear):
+    if isinstance(packed, Int8Weight):
+        return int8_forward(packed, bias, functools.partial(nn.Linear.forward, layer))
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -61,20 +72,34 @@ def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None):
 
 
 @torch.no_grad()
-def _faster_packed(layer: nn.Linear, packed: torch.Tensor, rows: int = TIMED_ROWS) -> bool:
+def _faster_packed(layer: nn.Linear, packed: torch.Tensor | Int8Weight, rows: int = TIMED_ROWS) -> bool:
     """Whether ``rows`` rows through ``layer`` are faster packed (timed once per shape and dtype on this machine,
     remembered): ``TIMED_ROWS`` for a pass, 1 for a one-token step."""
     weight = layer.weight
 
     def calibrate() -> bool:
         x = torch.randn((1, rows, weight.shape[1]), generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        packed_forward = _packed_forward(packed, layer.bias)
+        packed_forward = _packed_forward(packed, layer.bias, layer)
         return (
             cheapest({"ordinary": lambda: nn.Linear.forward(layer, x), "packed": lambda: packed_forward(x)}) == "packed"
         )
 
-    key = store.key(weight.device, "packed linear", tuple(weight.shape), weight.dtype, layer.bias is not None, rows)
+    kind = [type(weight).__name__] if is_quantized(weight) else []
+    key = store.key(
+        weight.device, "packed linear", tuple(weight.shape), weight.dtype, layer.bias is not None, rows, *kind
+    )
     return store.shared().get(key, calibrate)
+
+
+def _limited(layer: nn.Linear, packed: Int8Weight) -> Int8Weight:
+    """``packed`` computing up to the most rows of :data:`WIDER_ROWS` that ``layer`` computes faster from its int8
+    numbers than as it is (``TIMED_ROWS`` where none; its cost grows with the rows, a matrix product's hardly)."""
+    most = TIMED_ROWS
+    for rows in WIDER_ROWS:
+        if not _faster_packed(layer, packed, rows):
+            break
+        most = rows
+    return packed._replace(most_rows=most)
 
 
 class PackedLinears:
@@ -92,20 +117,22 @@ class PackedLinears:
                 continue
             weight = module.weight
             if id(weight) not in packed_by_weight:
-                packed = _pack(weight) if budget is None or weight.nbytes <= budget else None
+                copies = 0 if int8_weight(weight) else weight.nbytes  # (int8 numbers are read where they are)
+                packed = _pack(weight) if budget is None or copies <= budget else None
                 uses = (
                     (False, False)
                     if packed is None
                     else (_faster_packed(module, packed), _faster_packed(module, packed, rows=1))
                 )
+                if uses[0] and isinstance(packed, Int8Weight):
+                    packed = _limited(module, packed)
                 if any(uses) and budget is not None:
-                    budget -= weight.nbytes
+                    budget -= copies
                 packed_by_weight[id(weight)] = (packed, uses) if any(uses) else None
             if packed_by_weight[id(weight)] is not None:
                 packed, uses = packed_by_weight[id(weight)]
-                self.layers.append(
-                    [module, weight, module.bias, weight_state(weight), _packed_forward(packed, module.bias), uses]
-                )
+                forward = _packed_forward(packed, module.bias, module)
+                self.layers.append([module, weight, module.bias, weight_state(weight), forward, uses])
 
     @contextlib.contextmanager
     def applied(self, step: bool = False) -> Iterator[None]:
@@ -119,7 +146,9 @@ class PackedLinears:
             now, bias_now = layer._parameters.get("weight"), layer._parameters.get("bias")  # (not Module.__getattr__)
             if now is not weight or bias_now is not bias or weight_state(now) != state:
                 packed = _pack(now) if now is not None else None
-                forward = None if packed is None else _packed_forward(packed, bias_now)
+                if isinstance(packed, Int8Weight):
+                    packed = _limited(layer, packed)
+                forward = None if packed is None else _packed_forward(packed, bias_now, layer)
                 entry[1:5] = [now, bias_now, None if now is None else weight_state(now), forward]
             if forward is not None:
                 layer.__dict__["forward"] = forward  # (not Module.__setattr__: slow)

@@ -34,11 +34,13 @@ def is_quantized(tensor: torch.Tensor) -> bool:
     return type(tensor) not in (torch.Tensor, torch.nn.Parameter)
 
 
-def weight_state(weight: torch.Tensor) -> tuple[int, object]:
+def weight_state(weight: torch.Tensor) -> tuple:
     """What changes when ``weight``'s values may have, for copies made of it (packed, column-major): its storage and
-    its version, which in-place changes bump. A tensor made under ``torch.inference_mode`` keeps no version, so 64
-    of its values, spread over it, stand in (a weight loaded or merged in place is seen; an edit that spares all 64
-    is not)."""
+    its version, which in-place changes bump (a quantized weight: its inner tensors'). A tensor made under
+    ``torch.inference_mode`` keeps no version, so 64 of its values, spread over it, stand in (a weight loaded or
+    merged in place is seen; an edit that spares all 64 is not)."""
+    if is_quantized(weight) and hasattr(weight, "__tensor_flatten__"):
+        return tuple(weight_state(getattr(weight, name)) for name in weight.__tensor_flatten__()[0])
     if weight.is_inference():
         flat = weight.detach().reshape(-1)
         return weight.data_ptr(), tuple(flat[:: max(1, len(flat) // 64)].tolist())

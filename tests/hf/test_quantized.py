@@ -1,16 +1,22 @@
 """A model whose weights torchao or optimum-quanto quantized decodes as its own ``model.generate``: in fp32 the
-ordinary way, and row-exactly (``exact=True``) bit for bit, its quantized layers computed in chunks of rows as they
-are (their products are their own: no column-major copy, no bound of the LM head's shortcut). A model quantizing its
-activations is refused before any pass."""
+ordinary way (torchao's int8 layers from their int8 numbers where that is faster: :mod:`specula.verifier.int8`), and
+row-exactly (``exact=True``) bit for bit, its quantized layers computed in chunks of rows as they are (their products
+are their own: no column-major copy, no bound of the LM head's shortcut). A model quantizing its activations is
+refused before any pass."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from helpers import PartlyRight, hf_greedy
+from helpers import Oracle, PartlyRight, hf_greedy
 from tiny_models import tiny_model
 
 import specula
+from specula.machine.profile import profile_of
+from specula.verifier import int8, packed
+from specula.verifier.support import weight_state
 
 PROMPT = torch.arange(3, 23).repeat(3)[None]
 
@@ -88,3 +94,60 @@ def test_a_model_quantizing_its_activations_is_refused_before_any_pass() -> None
     quanto.freeze(model)
     with pytest.raises(specula.UnsupportedModelError, match="quantizes its activations.*weights only"):
         specula.generate(model, PROMPT, specula.PromptLookup(), max_new_tokens=8)
+
+
+@pytest.fixture
+def int8_calls(monkeypatch):
+    """torchao's int8 layers computed from their int8 numbers in every pass and step up to 16 rows (whatever the
+    clock finds here); counts the kernel's calls by rows."""
+    calls = []
+    monkeypatch.setattr(packed, "_faster_packed", lambda layer, weight, rows=9: rows <= 16)
+    kernel = int8.int8_matmul
+    monkeypatch.setattr(int8, "int8_matmul", lambda x, *args: calls.append(len(x)) or kernel(x, *args))
+    return calls
+
+
+def test_the_int8_kernel_computes_torchaos_product() -> None:
+    """Rows of every count (in fours and a tail), a bias, batch dimensions: torchao's own product within fp32's
+    rounding of another order of sums (mutant: a scale left out, or the tail rows skipped, fails)."""
+    pytest.importorskip("torchao", reason="the torchao tests need torchao: pip install 'specula[quant]'")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    layer = torch.nn.Linear(96, 40)
+    quantize_(torch.nn.Sequential(layer), Int8WeightOnlyConfig())
+    weight = int8.int8_weight(layer.weight)
+    assert weight is not None and weight.numbers.dtype == torch.int8
+    forward = int8.int8_forward(weight, layer.bias, layer.forward)
+    for rows in (1, 3, 4, 7, 13):
+        x = torch.randn(2, rows, 96, generator=torch.Generator().manual_seed(rows))
+        assert torch.allclose(forward(x), layer(x), rtol=1e-5, atol=1e-5)
+    assert int8.int8_weight(torch.nn.Linear(4, 4).weight) is None  # (a plain weight: oneDNN's packing)
+    quantize_(torch.nn.Sequential(bf16 := torch.nn.Linear(8, 8).to(torch.bfloat16)), Int8WeightOnlyConfig())
+    assert int8.int8_weight(bf16.weight) is None  # (bf16 activations: torchao's own product)
+
+
+def test_int8_layers_decode_from_their_numbers_as_their_own_generate(int8_calls) -> None:
+    """Passes and ordinary steps take the kernel, wider passes than it is faster for and prefills torchao's product;
+    the output is ``model.generate``'s, also after a weight changed in place, which its state shows (mutants: the
+    kernel for every width, or a quantized weight's state not read from its inner tensors, fail)."""
+    model = copy.deepcopy(quantized("torchao int8"))
+    reference = hf_greedy(model, PROMPT, 24, eos_token_id=[])
+    options = {"max_new_tokens": 24, "eos_token_id": [], "adaptive_draft": False}
+    out = specula.generate(model, PROMPT, Oracle(reference, 6), **options)
+    assert torch.equal(out.sequences, reference) and out.stats.accepted > 12
+    assert int8_calls and max(int8_calls) == 7  # (passes of 7 tokens, never the prefill's 60)
+    int8_calls.clear()
+    steps = specula.generate(model, PROMPT, Oracle(reference, 0), **{**options, "max_new_tokens": 8})
+    assert torch.equal(steps.sequences, reference[:, : PROMPT.shape[1] + 8]) and set(int8_calls) == {1}
+    int8_calls.clear()
+    wide = specula.generate(model, PROMPT, Oracle(reference, 20), **options)
+    assert torch.equal(wide.sequences, reference) and max(int8_calls) <= 16  # (21 tokens: torchao's own product)
+    before = weight_state(model.model.layers[0].mlp.down_proj.weight)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.qdata.mul_(-1)
+    assert weight_state(model.model.layers[0].mlp.down_proj.weight) != before
+    reference = hf_greedy(model, PROMPT, 24, eos_token_id=[])
+    out = specula.generate(model, PROMPT, Oracle(reference, 6), **options)
+    assert torch.equal(out.sequences, reference)
+    profile_of(model).packed = None

@@ -26,8 +26,8 @@ def always_packed(monkeypatch):
     monkeypatch.setattr(packed_module, "_faster_packed", lambda layer, packed, rows=9: True)
     forward = packed_module._packed_forward
 
-    def counting(packed, bias):
-        inner = forward(packed, bias)
+    def counting(packed, bias, layer):
+        inner = forward(packed, bias, layer)
         return lambda x: calls.append(x.shape[-2]) or inner(x)
 
     monkeypatch.setattr(packed_module, "_packed_forward", counting)
