@@ -4,9 +4,9 @@ torchao's ``Int8WeightOnlyConfig`` keeps a linear layer's weight as int8 rows wi
 product by first converting the whole weight to the activations' dtype, at each call: on a CPU, where decoding is
 bound by reading weights, a one-token step then reads and writes five bytes a weight where one holds its number.
 :func:`int8_matmul` reads each weight once, as int8, and sums in fp32: the products torchao computes, summed in
-another order (as another BLAS would; fp32, so ordinary verification's rounding: docs/exactness.md). Verification
-passes and ordinary decoding's steps take it where it is faster on the machine (:mod:`specula.verifier.packed`);
-prefills and the model's own ``generate`` keep torchao's product.
+another order (as another BLAS would: ordinary verification's rounding, docs/exactness.md; bf16 and fp16 activations
+summed in fp32). Verification passes and ordinary decoding's steps take it where it is faster on the machine
+(:mod:`specula.verifier.packed`); prefills and the model's own ``generate`` keep torchao's product.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from numba import njit, prange
 
 _LOCK = threading.Lock()  # (numba's fallback threading layer takes one parallel call at a time)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the activations (summed in fp32)
 
 
 class Int8Weight(NamedTuple):
@@ -34,14 +35,15 @@ class Int8Weight(NamedTuple):
 
 def int8_weight(weight: torch.Tensor) -> Int8Weight | None:
     """``weight``'s int8 numbers and scales where it is torchao's int8 weight-only weight (``Int8Tensor``: one scale
-    a row, zero points none or 0, activations not quantized) of an fp32 layer on the CPU; ``None`` for any other."""
+    a row, zero points none or 0, activations not quantized) of an fp32, bf16 or fp16 layer on the CPU; ``None`` for
+    any other."""
     kind = type(weight)
     if kind.__name__ != "Int8Tensor" or not kind.__module__.startswith("torchao."):
         return None
     numbers, scales = getattr(weight, "qdata", None), getattr(weight, "scale", None)
     zero = getattr(weight, "zero_point", None)
     if (
-        weight.dtype != torch.float32
+        weight.dtype not in DTYPES
         or not isinstance(numbers, torch.Tensor)
         or numbers.dtype != torch.int8
         or numbers.dim() != 2
@@ -59,18 +61,19 @@ def int8_weight(weight: torch.Tensor) -> Int8Weight | None:
 def int8_forward(
     weight: Int8Weight, bias: torch.Tensor | None, own: Callable[[torch.Tensor], torch.Tensor]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A linear layer's forward computing fp32 rows (up to ``weight.most_rows`` of them) with :func:`int8_matmul`,
-    else as ``own``, the layer's own forward."""
+    """A linear layer's forward computing its rows (up to ``weight.most_rows`` of them) with :func:`int8_matmul`,
+    else as ``own``, the layer's own forward (bf16 and fp16 rows summed in fp32, rounded once)."""
     numbers, scales = weight.numbers.numpy(), weight.scales.numpy()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [rows, in]
-        if x.dtype != torch.float32 or (weight.most_rows is not None and len(rows) > weight.most_rows):
+        if x.dtype not in DTYPES or (weight.most_rows is not None and len(rows) > weight.most_rows):
             return own(x)
         out = torch.empty(len(rows), len(numbers))  # [rows, out]
         with _LOCK:
             numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-            int8_matmul(rows.contiguous().numpy(), numbers, scales, out.numpy())
+            int8_matmul(rows.float().contiguous().numpy(), numbers, scales, out.numpy())
+        out = out.to(x.dtype)
         if bias is not None:
             out += bias
         return out.reshape(*x.shape[:-1], len(numbers))

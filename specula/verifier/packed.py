@@ -93,7 +93,10 @@ def _faster_packed(layer: nn.Linear, packed: torch.Tensor | Int8Weight, rows: in
 
 def _limited(layer: nn.Linear, packed: Int8Weight) -> Int8Weight:
     """``packed`` computing up to the most rows of :data:`WIDER_ROWS` that ``layer`` computes faster from its int8
-    numbers than as it is (``TIMED_ROWS`` where none; its cost grows with the rows, a matrix product's hardly)."""
+    numbers than as it is (``TIMED_ROWS`` where none; its cost grows with the rows, a matrix product's hardly); in bf16
+    and fp16, every width (a row must round alike in every pass: invariant passes, which time the wide ones)."""
+    if layer.weight.dtype != torch.float32:
+        return packed
     most = TIMED_ROWS
     for rows in WIDER_ROWS:
         if not _faster_packed(layer, packed, rows):

@@ -109,7 +109,8 @@ def int8_calls(monkeypatch):
 
 def test_the_int8_kernel_computes_torchaos_product() -> None:
     """Rows of every count (in fours and a tail), a bias, batch dimensions: torchao's own product within fp32's
-    rounding of another order of sums (mutant: a scale left out, or the tail rows skipped, fails)."""
+    rounding of another order of sums, and within bf16's for bf16 rows (mutant: a scale left out, or the tail rows
+    skipped, fails)."""
     pytest.importorskip("torchao", reason="the torchao tests need torchao: pip install 'specula[quant]'")
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
@@ -122,8 +123,10 @@ def test_the_int8_kernel_computes_torchaos_product() -> None:
         x = torch.randn(2, rows, 96, generator=torch.Generator().manual_seed(rows))
         assert torch.allclose(forward(x), layer(x), rtol=1e-5, atol=1e-5)
     assert int8.int8_weight(torch.nn.Linear(4, 4).weight) is None  # (a plain weight: oneDNN's packing)
-    quantize_(torch.nn.Sequential(bf16 := torch.nn.Linear(8, 8).to(torch.bfloat16)), Int8WeightOnlyConfig())
-    assert int8.int8_weight(bf16.weight) is None  # (bf16 activations: torchao's own product)
+    layer.to(torch.bfloat16)  # (bf16 rows: summed in fp32, rounded once; torchao rounds its sums, then scales)
+    half = int8.int8_forward(int8.int8_weight(layer.weight), layer.bias, layer.forward)
+    x = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert half(x).dtype == torch.bfloat16 and torch.allclose(half(x).float(), layer(x).float(), rtol=2e-2, atol=2e-2)
 
 
 def test_int8_layers_decode_from_their_numbers_as_their_own_generate(int8_calls) -> None:
@@ -150,4 +153,31 @@ def test_int8_layers_decode_from_their_numbers_as_their_own_generate(int8_calls)
     reference = hf_greedy(model, PROMPT, 24, eos_token_id=[])
     out = specula.generate(model, PROMPT, Oracle(reference, 6), **options)
     assert torch.equal(out.sequences, reference)
+    profile_of(model).packed = None
+
+
+def test_bf16_int8_layers_take_the_kernel_at_every_width_and_follow_no_draft_length(int8_calls, fresh_store) -> None:
+    """In bf16 a row must round alike in every pass (invariant passes): the kernel takes passes wider than it is
+    faster for too, and drafts of 1, 5 and 24 tokens give the same tokens (mutant: the fp32 row limit in bf16 sends
+    passes over 16 tokens to torchao's product)."""
+    pytest.importorskip("torchao", reason="the torchao tests need torchao: pip install 'specula[quant]'")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
+    quantize_(model, Int8WeightOnlyConfig())
+    reference = hf_greedy(model, PROMPT, 24, eos_token_id=[])
+    runs = [
+        specula.generate(
+            model,
+            PROMPT,
+            Oracle(reference, draft),
+            max_new_tokens=24,
+            eos_token_id=[],
+            exact="invariant",
+            adaptive_draft=False,
+        )
+        for draft in (1, 5, 24)
+    ]
+    assert all(run.stats.exactness.invariant for run in runs) and max(int8_calls) > 16
+    assert all(torch.equal(run.sequences, runs[0].sequences) for run in runs)
     profile_of(model).packed = None
