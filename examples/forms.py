@@ -6,10 +6,12 @@ lookup and specula's PromptLookup decode the same code edits one at a time, inte
 repeats (:func:`specula.tools.bench.run_bench`); outputs are compared with that form's own ``model.generate``.
 
     python examples/forms.py [--workload FILE] [--limit 2] [--repeats 3] \
-        [--forms plain,lora,int8,int4,quanto,offload,compiled]
+        [--forms plain,lora,int8,int4,quanto,offload,compiled] [--model DIR] [--proposers prompt-lookup,draft:DIR]
 
 Forms whose package is missing (peft, torchao, optimum-quanto, accelerate) are skipped, saying so. The default
-workload is the last ``--limit`` lines of ``../shared/workloads/code_edit.jsonl``.
+workload is the last ``--limit`` lines of ``../shared/workloads/code_edit.jsonl``; the default model the embedded
+SmolLM2-135M-Instruct, the default proposer PromptLookup (``draft:DIR``: a small model drafting, loaded as the form's
+dtype, never offloaded: what offloading a large model pairs with).
 """
 
 from __future__ import annotations
@@ -30,17 +32,18 @@ WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "code_
 FORMS = ("plain", "lora", "int8", "int4", "quanto", "offload", "compiled")
 
 
-def form(name: str, dtype: torch.dtype, offload_to: Path) -> torch.nn.Module:
-    """The default model in form ``name`` (an ``ImportError`` where its package is missing)."""
+def form(name: str, dtype: torch.dtype, offload_to: Path, path: str | None = None) -> torch.nn.Module:
+    """The model at ``path`` (default: the embedded one) in form ``name`` (an ``ImportError`` where its package is
+    missing)."""
     if name == "offload":  # the first half of the layers on the CPU, the second on disk
-        folder = resolve_model(None)
+        folder = resolve_model(path)
         layers = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).config.num_hidden_layers
         device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
         device_map |= {f"model.layers.{i}": "cpu" if i < layers // 2 else "disk" for i in range(layers)}
         return AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, device_map=device_map, offload_folder=str(offload_to)
         ).eval()
-    model, _ = load_model(dtype=torch.bfloat16 if name == "int4" else dtype)
+    model, _ = load_model(path, dtype=torch.bfloat16 if name == "int4" else dtype)
     if name == "lora":  # adapters as training starts them (B = 0): the model's output, the adapter layers' cost
         import peft
 
@@ -76,20 +79,25 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--forms", default=",".join(FORMS))
     parser.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: load_model's choice")
+    parser.add_argument("--model", help="an HF folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--proposers", default="prompt-lookup", help="specula's, comma-separated (draft:DIR too)")
     args = parser.parse_args()
     requests = [request for _, request in read_requests(args.workload) if isinstance(request, Request)][-args.limit :]
-    loaded, tokenizer = load_model(dtype={"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
+    dtypes = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16}
+    loaded, tokenizer = load_model(args.model, dtype=dtypes[args.dtype])
     dtype = loaded.dtype
     del loaded
-    print(f"SmolLM2-135M-Instruct, {dtype} (int4: bf16), {len(requests)} requests of {args.workload.name}", flush=True)
+    named = Path(resolve_model(args.model)).name
+    print(f"{named}, {dtype} (int4: bf16), {len(requests)} requests of {args.workload.name}", flush=True)
     with tempfile.TemporaryDirectory() as offload_to:
         for name in args.forms.split(","):
             try:
-                model = form(name, dtype, Path(offload_to))
+                model = form(name, dtype, Path(offload_to), args.model)
             except ImportError as error:
                 print(f"{name}: skipped ({error})", file=sys.stderr)
                 continue
-            methods = one_at_a_time(model, tokenizer, ["prompt-lookup"], {}, "hf-greedy", oracle=False)
+            proposers = args.proposers.split(",")
+            methods = one_at_a_time(model, tokenizer, proposers, {}, "hf-greedy", oracle=False)
             rows = run_bench(methods, tokenizer, {name: requests}, args.max_new_tokens, args.repeats)
             print(format_table(rows), flush=True)
             del model, methods
