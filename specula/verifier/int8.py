@@ -1,7 +1,9 @@
-"""Linear layers holding torchao's int8 weight-only weights, computed from their int8 numbers on a CPU.
+"""Linear layers holding int8 weight-only weights (torchao's, optimum-quanto's), computed from their int8 numbers on a
+CPU.
 
 torchao's ``Int8WeightOnlyConfig`` keeps a linear layer's weight as int8 rows with a scale each, and computes every
-product by first converting the whole weight to the activations' dtype, at each call: on a CPU, where decoding is
+product by first converting the whole weight to the activations' dtype, at each call (optimum-quanto's ``qint8``
+likewise in fp32, scaled first): on a CPU, where decoding is
 bound by reading weights, a one-token step then reads and writes five bytes a weight where one holds its number.
 :func:`int8_matmul` reads each weight once, as int8, and sums in fp32: the products torchao computes, summed in
 another order (as another BLAS would: ordinary verification's rounding, docs/exactness.md; bf16 and fp16 activations
@@ -26,7 +28,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the activations (s
 
 class Int8Weight(NamedTuple):
     """A weight's int8 numbers (``[out, in]``, contiguous) and fp32 scales (``[out]``), and its most rows: wider
-    products are torchao's own (the kernel's cost grows with the rows, a matrix product's hardly)."""
+    products are the layer's own (the kernel's cost grows with the rows, a matrix product's hardly)."""
 
     numbers: torch.Tensor
     scales: torch.Tensor
@@ -35,13 +37,24 @@ class Int8Weight(NamedTuple):
 
 def int8_weight(weight: torch.Tensor) -> Int8Weight | None:
     """``weight``'s int8 numbers and scales where it is torchao's int8 weight-only weight (``Int8Tensor``: one scale
-    a row, zero points none or 0, activations not quantized) of an fp32, bf16 or fp16 layer on the CPU; ``None`` for
-    any other."""
+    a row, zero points none or 0, activations not quantized) or optimum-quanto's (``WeightQBytesTensor`` of
+    ``qint8``, a scale a row) of an fp32, bf16 or fp16 layer on the CPU; ``None`` for any other."""
     kind = type(weight)
-    if kind.__name__ != "Int8Tensor" or not kind.__module__.startswith("torchao."):
+    if kind.__name__ == "Int8Tensor" and kind.__module__.startswith("torchao."):
+        numbers, scales = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+        zero = getattr(weight, "zero_point", None)
+        if (
+            list(getattr(weight, "block_size", [])) != [1, weight.shape[-1]]
+            or any(getattr(weight, name, None) is not None for name in ("act_quant_kwargs", "act_pre_scale"))
+            or (zero is not None and bool(torch.any(zero)))
+        ):
+            return None
+    elif kind.__name__ == "WeightQBytesTensor" and kind.__module__.startswith("optimum.quanto."):
+        numbers, scales = getattr(weight, "_data", None), getattr(weight, "_scale", None)
+        if str(getattr(weight, "qtype", None)) != "quanto.qint8" or getattr(weight, "axis", None) != 0:
+            return None
+    else:
         return None
-    numbers, scales = getattr(weight, "qdata", None), getattr(weight, "scale", None)
-    zero = getattr(weight, "zero_point", None)
     if (
         weight.dtype not in DTYPES
         or not isinstance(numbers, torch.Tensor)
@@ -50,9 +63,6 @@ def int8_weight(weight: torch.Tensor) -> Int8Weight | None:
         or numbers.device.type != "cpu"
         or not isinstance(scales, torch.Tensor)
         or scales.numel() != numbers.shape[0]
-        or list(getattr(weight, "block_size", [])) != [1, numbers.shape[1]]
-        or any(getattr(weight, name, None) is not None for name in ("act_quant_kwargs", "act_pre_scale"))
-        or (zero is not None and bool(torch.any(zero)))
     ):
         return None
     return Int8Weight(numbers.contiguous(), scales.detach().reshape(-1).float().contiguous())

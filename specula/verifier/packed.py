@@ -13,8 +13,9 @@ model's own).
 
 The packed copies cost memory (as much as the weights they copy): layers are packed only while the copies take at
 most an eighth of the free memory. Where oneDNN cannot pack a dtype (bf16 without AVX512-BW or AVX-NE-CONVERT),
-nothing is packed. torchao's int8 weight-only weights are not copied: their int8 numbers are read as they are
-(:mod:`specula.verifier.int8`), where that is faster, for passes up to the most rows it is faster for.
+nothing is packed. Int8 weight-only weights (torchao's, optimum-quanto's) are not copied: their int8 numbers are read
+as they are (:mod:`specula.verifier.int8`), where that is faster, in fp32 for passes up to the most rows it is
+faster for.
 """
 
 from __future__ import annotations
@@ -38,11 +39,16 @@ WIDER_ROWS = (16, 32, 64, 128)  # rows at which int8 weights, faster at TIMED_RO
 
 
 def _packable(module: nn.Module) -> bool:
-    """An ``nn.Linear`` computed by ``nn.Linear.forward`` itself, with a floating-point weight on the CPU."""
+    """An ``nn.Linear`` computed by ``nn.Linear.forward`` itself (or optimum-quanto's ``QLinear`` of int8 weights,
+    frozen, its activations not quantized: ``F.linear`` over them too), with a floating-point weight on the CPU."""
     weight = getattr(module, "weight", None)
+    quanto = type(module).__module__.startswith("optimum.quanto.") and type(module).__name__ == "QLinear"
     return (
         isinstance(module, nn.Linear)
-        and type(module).forward is nn.Linear.forward
+        and (
+            type(module).forward is nn.Linear.forward
+            or (quanto and module.activation_qtype is None and int8_weight(weight) is not None)
+        )
         and isinstance(weight, torch.Tensor)
         and weight.device.type == "cpu"
         and weight.dim() == 2
@@ -63,7 +69,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | Int8Weight | None:
 
 def _packed_forward(packed: torch.Tensor | Int8Weight, bias: torch.Tensor | None, layer: nn.Linear):
     if isinstance(packed, Int8Weight):
-        return int8_forward(packed, bias, functools.partial(nn.Linear.forward, layer))
+        return int8_forward(packed, bias, functools.partial(type(layer).forward, layer))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -81,7 +87,8 @@ def _faster_packed(layer: nn.Linear, packed: torch.Tensor | Int8Weight, rows: in
         x = torch.randn((1, rows, weight.shape[1]), generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         packed_forward = _packed_forward(packed, layer.bias, layer)
         return (
-            cheapest({"ordinary": lambda: nn.Linear.forward(layer, x), "packed": lambda: packed_forward(x)}) == "packed"
+            cheapest({"ordinary": lambda: type(layer).forward(layer, x), "packed": lambda: packed_forward(x)})
+            == "packed"
         )
 
     kind = [type(weight).__name__] if is_quantized(weight) else []

@@ -129,6 +129,21 @@ def test_the_int8_kernel_computes_torchaos_product() -> None:
     assert half(x).dtype == torch.bfloat16 and torch.allclose(half(x).float(), layer(x).float(), rtol=2e-2, atol=2e-2)
 
 
+def test_quanto_int8_layers_decode_from_their_numbers_as_their_own_generate(int8_calls) -> None:
+    """optimum-quanto's int8 ``QLinear``s in fp32 (its activations not quantized): the kernel in passes, the output
+    ``model.generate``'s (mutant: quanto's layers not packable, no kernel call)."""
+    quanto = optimum_quanto()
+    model = copy.deepcopy(tiny_model("llama"))
+    quanto.quantize(model, weights=quanto.qint8)
+    quanto.freeze(model)
+    reference = hf_greedy(model, PROMPT, 24, eos_token_id=[])
+    out = specula.generate(
+        model, PROMPT, Oracle(reference, 6), max_new_tokens=24, eos_token_id=[], adaptive_draft=False
+    )
+    assert torch.equal(out.sequences, reference) and out.stats.accepted > 12 and max(int8_calls) == 7
+    profile_of(model).packed = None
+
+
 def test_int8_layers_decode_from_their_numbers_as_their_own_generate(int8_calls) -> None:
     """Passes and ordinary steps take the kernel, wider passes than it is faster for and prefills torchao's product;
     the output is ``model.generate``'s, also after a weight changed in place, which its state shows (mutants: the
