@@ -87,7 +87,7 @@ def main() -> None:
     loaded, tokenizer = load_model(args.model, dtype=dtypes[args.dtype])
     dtype = loaded.dtype
     del loaded
-    named = Path(resolve_model(args.model)).name
+    named = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     print(f"{named}, {dtype} (int4: bf16), {len(requests)} requests of {args.workload.name}", flush=True)
     with tempfile.TemporaryDirectory() as offload_to:
         for name in args.forms.split(","):
