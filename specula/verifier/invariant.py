@@ -26,6 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..machine import store
 from .gqa import _EXTRAS, sdpa_as
+from .int8 import int8_weight
 from .support import UnsupportedModelError, fit_context, model_device, vocab_size
 
 KEY_BLOCK = 512  # keys of an attention call, padded (masked) to a multiple of this
@@ -99,8 +100,9 @@ def _padded(states: torch.Tensor, keys: int) -> torch.Tensor:
 def holds(model: torch.nn.Module) -> bool:
     """Whether ``model``'s invariant passes (:class:`~specula.verifier.runner.CachedModel` with ``invariant=True``)
     give each row the bits of its one-token steps on this machine, whatever the pass's width and batch mates: checked
-    once per machine and model (:func:`_check`), kept."""
+    once per machine and model (:func:`_check`; with int8 weights, as :mod:`.int8` computes them), kept."""
     weight = next(model.parameters())
+    int8 = any(int8_weight(parameter) is not None for parameter in model.parameters())
     key = store.key(
         weight.device,
         "invariant passes, query heads folded",
@@ -109,6 +111,7 @@ def holds(model: torch.nn.Module) -> bool:
         model.config._attn_implementation,
         KEY_BLOCK,
         QUERY_BLOCK,
+        *(["int8 numbers read"] if int8 else []),
     )
     return store.shared().get(key, lambda: _check(model))
 
