@@ -196,3 +196,29 @@ def test_bf16_int8_layers_take_the_kernel_at_every_width_and_follow_no_draft_len
     assert all(run.stats.exactness.invariant for run in runs) and max(int8_calls) > 16
     assert all(torch.equal(run.sequences, runs[0].sequences) for run in runs)
     profile_of(model).packed = None
+
+
+def test_a_bf16_int8_model_is_checked_for_invariance_apart_from_what_torchaos_products_gave(fresh_store) -> None:
+    """A store kept from passes of torchao's own products (before the kernel read the int8 numbers) does not answer
+    for passes with it: the check runs again (mutant: the key without the int8 mark answers the kept ``False``)."""
+    pytest.importorskip("torchao", reason="the torchao tests need torchao: pip install 'specula[quant]'")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    from specula.machine import store
+    from specula.verifier import invariant
+
+    model = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
+    quantize_(model, Int8WeightOnlyConfig())
+    weight = next(model.parameters())
+    before = store.key(
+        weight.device,
+        "invariant passes, query heads folded",
+        invariant._model_key(model),
+        weight.dtype,
+        model.config._attn_implementation,
+        invariant.KEY_BLOCK,
+        invariant.QUERY_BLOCK,
+    )
+    store.shared().keep(before, False)
+    assert invariant.holds(model)
+    profile_of(model).packed = None
