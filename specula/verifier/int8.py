@@ -3,12 +3,12 @@ CPU.
 
 torchao's ``Int8WeightOnlyConfig`` keeps a linear layer's weight as int8 rows with a scale each, and computes every
 product by first converting the whole weight to the activations' dtype, at each call (optimum-quanto's ``qint8``
-likewise in fp32, scaled first): on a CPU, where decoding is
-bound by reading weights, a one-token step then reads and writes five bytes a weight where one holds its number.
-:func:`int8_matmul` reads each weight once, as int8, and sums in fp32: the products torchao computes, summed in
-another order (as another BLAS would: ordinary verification's rounding, docs/exactness.md; bf16 and fp16 activations
-summed in fp32). Verification passes and ordinary decoding's steps take it where it is faster on the machine
-(:mod:`specula.verifier.packed`); prefills and the model's own ``generate`` keep torchao's product.
+likewise in fp32, scaled first): on a CPU, where decoding is bound by reading weights, a one-token step then reads
+and writes five bytes a weight where one holds its number. :func:`int8_matmul` reads each weight once, as int8, and
+sums in fp32: the products the layer computes, summed in another order (as another BLAS would: ordinary
+verification's rounding, docs/exactness.md; bf16 and fp16 activations summed in fp32). Verification passes and
+ordinary decoding's steps take it where it is faster on the machine (:mod:`specula.verifier.packed`); prefills,
+row-exact passes and the model's own ``generate`` keep the layer's product.
 """
 
 from __future__ import annotations
