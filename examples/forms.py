@@ -6,7 +6,8 @@ lookup and specula's PromptLookup decode the same code edits one at a time, inte
 repeats (:func:`specula.tools.bench.run_bench`); outputs are compared with that form's own ``model.generate``.
 
     python examples/forms.py [--workload FILE] [--limit 2] [--repeats 3] \
-        [--forms plain,lora,int8,int4,quanto,offload,compiled] [--model DIR] [--proposers prompt-lookup,draft:DIR]
+        [--forms plain,lora,int8,int4,quanto,offload,compiled] [--model DIR] [--proposers prompt-lookup,draft:DIR] \
+        [--device cpu]
 
 Forms whose package is missing (peft, torchao, optimum-quanto, accelerate) are skipped, saying so. The default
 workload is the last ``--limit`` lines of ``../shared/workloads/code_edit.jsonl``; the default model the embedded
@@ -32,18 +33,22 @@ WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "code_
 FORMS = ("plain", "lora", "int8", "int4", "quanto", "offload", "compiled")
 
 
-def form(name: str, dtype: torch.dtype, offload_to: Path, path: str | None = None) -> torch.nn.Module:
-    """The model at ``path`` (default: the embedded one) in form ``name`` (an ``ImportError`` where its package is
-    missing)."""
-    if name == "offload":  # the first half of the layers on the CPU, the second on disk
+def form(
+    name: str, dtype: torch.dtype, offload_to: Path, path: str | None = None, device: str = "cpu"
+) -> torch.nn.Module:
+    """The model at ``path`` (default: the embedded one) on ``device`` in form ``name`` (an ``ImportError`` where its
+    package is missing, or the form has no such device here)."""
+    if name == "offload":  # the first half of the layers on the device, the second on disk
         folder = resolve_model(path)
         layers = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).config.num_hidden_layers
-        device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
-        device_map |= {f"model.layers.{i}": "cpu" if i < layers // 2 else "disk" for i in range(layers)}
+        device_map = {part: device for part in ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head")}
+        device_map |= {f"model.layers.{i}": device if i < layers // 2 else "disk" for i in range(layers)}
         return AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, device_map=device_map, offload_folder=str(offload_to)
         ).eval()
-    model, _ = load_model(path, dtype=torch.bfloat16 if name == "int4" else dtype)
+    if name == "int4" and device != "cpu":
+        raise ImportError("the int4 form is torchao's CPU layout")
+    model, _ = load_model(path, dtype=torch.bfloat16 if name == "int4" else dtype, device=device)
     if name == "lora":  # adapters as training starts them (B = 0): the model's output, the adapter layers' cost
         import peft
 
@@ -81,10 +86,11 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: load_model's choice")
     parser.add_argument("--model", help="an HF folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--proposers", default="prompt-lookup", help="specula's, comma-separated (draft:DIR too)")
+    parser.add_argument("--device", default="cpu", help="torch device the model is loaded on (offload: its first half)")
     args = parser.parse_args()
     requests = [request for _, request in read_requests(args.workload) if isinstance(request, Request)][-args.limit :]
     dtypes = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16}
-    loaded, tokenizer = load_model(args.model, dtype=dtypes[args.dtype])
+    loaded, tokenizer = load_model(args.model, dtype=dtypes[args.dtype], device=args.device)
     dtype = loaded.dtype
     del loaded
     named = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
@@ -92,7 +98,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as offload_to:
         for name in args.forms.split(","):
             try:
-                model = form(name, dtype, Path(offload_to), args.model)
+                model = form(name, dtype, Path(offload_to), args.model, args.device)
             except ImportError as error:
                 print(f"{name}: skipped ({error})", file=sys.stderr)
                 continue
