@@ -8,10 +8,16 @@ draft token right with probability ``--accept`` (independently, seeded by the po
 what a real proposer's do on the workloads here. Its default, 0.585, gives 2.38 tokens per pass with drafts of 10,
 what PromptLookup reached on the code_edit workload with SmolLM2-135M (README's results table, CPU).
 
+``--form`` holds those models' weights as users quantize them (issue 67's forms on a GPU): torchao's int8 or int4
+weight-only layers, or bitsandbytes' 8-bit or nf4 layers; the passes and decodes then run on that form, against its
+own ``model.generate`` and HF's prompt lookup, and a method specula refuses for the form (drafts with bitsandbytes'
+layers) is reported with its reason while plain decoding through specula still runs.
+
 Usage (the device machine has torch 2.11 and transformers 5.17; specula needs transformers >= 5.23, whose wheel
-travels in .whl, see docs/hardware.md)::
+travels in .whl, torchao's and bitsandbytes' too for ``--form``, see docs/hardware.md)::
 
     python examples/gpu_check.py --out $OUT [--parts identity,bandwidth,passes,decode] [--shapes 135m,1.5b,8b]
+    python examples/gpu_check.py --out $OUT --parts decode --shapes 1.5b --modes eager --form torchao-int8
     python examples/gpu_check.py --device cpu --shapes tiny --parts identity,passes,decode   # the script itself, on CPU
 
 Prints each figure as it is measured and writes them all to OUT/gpu_check.json; a part that would overrun
@@ -22,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -99,15 +107,49 @@ class AtRate(specula.Proposer):
         return specula.Draft.empty()
 
 
-def model_of(shape: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    """A model of ``shape`` with random weights (seeded), in eval mode, on ``device``."""
+def model_of(shape: str, dtype: torch.dtype, device: str, form: str = "as-built") -> torch.nn.Module:
+    """A model of ``shape`` with random weights (seeded), in eval mode, on ``device``, held in ``form``
+    (:data:`FORMS`)."""
     torch.manual_seed(0)
     config = SHAPES[shape]()
     config.eos_token_id, config.pad_token_id = None, 0
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model = formed(model, form, device)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
     return model
+
+
+FORMS = ("as-built", "torchao-int8", "torchao-int4", "bnb-int8", "bnb-nf4")
+
+
+def formed(model: torch.nn.Module, form: str, device: str) -> torch.nn.Module:
+    """``model`` held in ``form``: torchao's int8 or int4 weight-only layers (int4: tinygemm's layout on a GPU, the
+    CPU's own on a CPU; bf16), or bitsandbytes' 8-bit or nf4 layers (saved and loaded again through transformers, as
+    users load them)."""
+    if form == "as-built":
+        return model
+    if form.startswith("torchao"):
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+        if form == "torchao-int8":
+            config = Int8WeightOnlyConfig()
+        elif device.startswith("cuda"):
+            config = Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
+        else:
+            from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+
+            config = PrototypeInt4WeightOnlyConfig(group_size=64)
+        quantize_(model, config)
+        return model
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # (its 8-bit layers warn at every call in bf16)
+    settings = {"load_in_8bit": True} if form == "bnb-int8" else {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    quantization = transformers.BitsAndBytesConfig(**settings, bnb_4bit_compute_dtype=model.dtype)
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=model.dtype, quantization_config=quantization, device_map=device
+        ).eval()
 
 
 def synchronized(device: str) -> None:
@@ -247,11 +289,12 @@ def per_shape(part):
 def passes(args, report, shape: str) -> None:
     """Pass cost by rows x width after CONTEXT tokens, eager and compiled; a compiled one-token pass against the time
     its weights take to read once."""
-    model = model_of(shape, args.dtype, args.device)
+    model = model_of(shape, args.dtype, args.device, args.form)
+    label = shape if args.form == "as-built" else f"{shape}-{args.form}"
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     vocab = model.config.vocab_size
     for rows in args.rows if shape != "8b" else args.rows[:1]:
-        if out_of_time(args, f"passes/{shape}/{rows}-rows", report):
+        if out_of_time(args, f"passes/{label}/{rows}-rows", report):
             return
         for compiled in args.modes:
             target = RaggedRows(
@@ -272,11 +315,11 @@ def passes(args, report, shape: str) -> None:
                     target.keep_rows([0] * rows)
 
                 took = seconds(one_pass, args.device)
-                name = f"passes/{shape}/{rows}x{width}/{'compiled' if compiled else 'eager'}_ms"
+                name = f"passes/{label}/{rows}x{width}/{'compiled' if compiled else 'eager'}_ms"
                 report(name, round(took * 1000, 3))
                 if compiled and rows == 1 and width == 1 and getattr(args, "bandwidth", None):
                     report(
-                        f"passes/{shape}/one-token-compiled-over-weight-read",
+                        f"passes/{label}/one-token-compiled-over-weight-read",
                         round(took / (weights / args.bandwidth), 2),
                     )
 
@@ -285,8 +328,10 @@ def passes(args, report, shape: str) -> None:
 def decode(args, report, shape: str) -> None:
     """One request and batches, greedy, CONTEXT-token prompts, --new-tokens each: specula (compiled, AtRate drafts;
     PromptLookup for HF prompt lookup's comparison) against model.generate eager, with a static cache (compiled on a
-    GPU), with prompt lookup, and batched."""
-    model = model_of(shape, args.dtype, args.device)
+    GPU), with prompt lookup, and batched. A method that fails (a form specula refuses drafts for) is reported so, and
+    the others still run."""
+    model = model_of(shape, args.dtype, args.device, args.form)
+    label = shape if args.form == "as-built" else f"{shape}-{args.form}"
     vocab, new = model.config.vocab_size, args.new_tokens
     one = prompts(1, CONTEXT, vocab, args.device)
     mask = torch.ones_like(one)
@@ -294,11 +339,15 @@ def decode(args, report, shape: str) -> None:
     def hf(**kwargs):
         return model.generate(one, attention_mask=mask, do_sample=False, max_new_tokens=new, **kwargs)
 
+    def attempt(name: str, run):
+        """``run()``, or ``None`` with its error reported under ``name``."""
+        try:
+            return run()
+        except Exception as error:
+            report(f"failed/decode/{label}/{name}", f"{type(error).__name__}: {error}"[:300])
+            return None
+
     reference = hf()
-    rate = {"hf-eager": seconds(hf, args.device, 3)}
-    if True in args.modes:
-        rate["hf-static-compiled"] = seconds(lambda: hf(cache_implementation="static"), args.device, 3)
-    rate["hf-prompt-lookup"] = seconds(lambda: hf(prompt_lookup_num_tokens=10), args.device, 3)
     drafts = AtRate([reference[0].tolist()], args.accept)
     outputs = {}
 
@@ -306,19 +355,26 @@ def decode(args, report, shape: str) -> None:
         outputs[key] = specula.generate(model, one, proposer, max_new_tokens=new, compile=compiled)
         return outputs[key]
 
+    methods = {"hf-eager": hf, "hf-prompt-lookup": lambda: hf(prompt_lookup_num_tokens=10)}
+    if True in args.modes:
+        methods["hf-static-compiled"] = lambda: hf(cache_implementation="static")
     for compiled in args.modes:
         tag = "compiled" if compiled else "eager"
-        rate[f"specula-at-rate-{tag}"] = seconds(lambda: ours(drafts, compiled, f"at-rate-{tag}"), args.device, 3)
-        rate[f"specula-prompt-lookup-{tag}"] = seconds(
-            lambda: ours(specula.PromptLookup(), compiled, f"prompt-lookup-{tag}"), args.device, 3
+        methods[f"specula-at-rate-{tag}"] = lambda c=compiled, t=tag: ours(drafts, c, f"at-rate-{t}")
+        methods[f"specula-prompt-lookup-{tag}"] = lambda c=compiled, t=tag: ours(
+            specula.PromptLookup(), c, f"prompt-lookup-{t}"
         )
-    for name, took in rate.items():
-        report(f"decode/{shape}/1-row/{name}/tok_per_s", round(new / took, 1))
+        if args.form != "as-built":  # (plain decoding: what a form refused drafts still gets)
+            methods[f"specula-none-{tag}"] = lambda c=compiled, t=tag: ours(None, c, f"none-{t}")
+    for name, run in methods.items():
+        took = attempt(f"1-row/{name}", lambda run=run: seconds(run, args.device, 3))
+        if took is not None:
+            report(f"decode/{label}/1-row/{name}/tok_per_s", round(new / took, 1))
     for key, out in outputs.items():
-        report(f"decode/{shape}/1-row/specula-{key}/tok_per_pass", round(out.stats.tokens_per_pass, 2))
-        report(f"decode/{shape}/1-row/specula-{key}/identical", bool(torch.equal(out.sequences, reference)))
+        report(f"decode/{label}/1-row/specula-{key}/tok_per_pass", round(out.stats.tokens_per_pass, 2))
+        report(f"decode/{label}/1-row/specula-{key}/identical", bool(torch.equal(out.sequences, reference)))
     for rows in args.batches if shape != "8b" else args.batches[:1]:
-        if out_of_time(args, f"decode/{shape}/{rows}-rows", report):
+        if out_of_time(args, f"decode/{label}/{rows}-rows", report):
             break
         batch = prompts(rows, CONTEXT, vocab, args.device, seed=rows)
         masks = torch.ones_like(batch)
@@ -326,7 +382,7 @@ def decode(args, report, shape: str) -> None:
         took = seconds(
             lambda: model.generate(batch, attention_mask=masks, do_sample=False, max_new_tokens=new), args.device, 2
         )
-        report(f"decode/{shape}/{rows}-rows/hf-batched/tok_per_s", round(rows * new / took, 1))
+        report(f"decode/{label}/{rows}-rows/hf-batched/tok_per_s", round(rows * new / took, 1))
         drafts = AtRate([row.tolist() for row in expected], args.accept)
         for name, proposer, compiled in (
             ("at-rate-eager", drafts, False),
@@ -337,23 +393,28 @@ def decode(args, report, shape: str) -> None:
             if compiled not in args.modes:  # (none: plain decoding, the server's)
                 continue
             out = {}
-            took = seconds(
-                lambda: out.update(
-                    o=specula.generate(
-                        model, batch, proposer, attention_mask=masks, max_new_tokens=new, compile=compiled
-                    )
+            took = attempt(
+                f"{rows}-rows/specula-{name}",
+                lambda: seconds(
+                    lambda: out.update(
+                        o=specula.generate(
+                            model, batch, proposer, attention_mask=masks, max_new_tokens=new, compile=compiled
+                        )
+                    ),
+                    args.device,
+                    2,
                 ),
-                args.device,
-                2,
             )
-            report(f"decode/{shape}/{rows}-rows/specula-{name}/tok_per_s", round(rows * new / took, 1))
-            report(
-                f"decode/{shape}/{rows}-rows/specula-{name}/identical", bool(torch.equal(out["o"].sequences, expected))
-            )
+            if took is not None:
+                report(f"decode/{label}/{rows}-rows/specula-{name}/tok_per_s", round(rows * new / took, 1))
+                report(
+                    f"decode/{label}/{rows}-rows/specula-{name}/identical",
+                    bool(torch.equal(out["o"].sequences, expected)),
+                )
     compiled = specula.verifier.static._PASSES.get(model)
     if compiled is not None:
         report(
-            f"decode/{shape}/compiled-shapes",
+            f"decode/{label}/compiled-shapes",
             {"count": len(compiled.shapes), "seconds": round(compiled.compile_seconds, 1)},
         )
 
@@ -371,6 +432,12 @@ def main() -> None:
     parser.add_argument("--widths", default="1,4,16")
     parser.add_argument("--batches", default="8,32", help="rows of the batched decodes (8b: the first only)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="of the models of real shapes")
+    parser.add_argument(
+        "--form",
+        choices=FORMS,
+        default="as-built",
+        help="how the models of real shapes hold their weights (passes, decode): torchao or bitsandbytes quantized",
+    )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--accept", type=float, default=0.585)
     parser.add_argument(
