@@ -61,7 +61,10 @@ def specula_run(requests: Path, args, proposer: list[str]) -> dict:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
-        match = SUMMARY.search(done.stderr.strip().splitlines()[-1])
+        summary = done.stderr.strip().splitlines()[-1]
+        match = SUMMARY.search(summary)
+        if match is None:
+            raise SystemExit(f"no tokens/s and tokens per pass in the summary line of {' '.join(command)}: {summary}")
         rows = [json.loads(line) for line in out.read_text().splitlines()]
     texts, tokens = json.dumps([row.get("text") for row in rows]), sum(row["stats"]["new_tokens"] for row in rows)
     return {
