@@ -152,6 +152,11 @@ def formed(model: torch.nn.Module, form: str, device: str) -> torch.nn.Module:
         ).eval()
 
 
+def labelled(shape: str, form: str) -> str:
+    """What the figures of ``shape`` held in ``form`` are reported under."""
+    return shape if form == "as-built" else f"{shape}-{form}"
+
+
 def synchronized(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -290,7 +295,7 @@ def passes(args, report, shape: str) -> None:
     """Pass cost by rows x width after CONTEXT tokens, eager and compiled; a compiled one-token pass against the time
     its weights take to read once."""
     model = model_of(shape, args.dtype, args.device, args.form)
-    label = shape if args.form == "as-built" else f"{shape}-{args.form}"
+    label = labelled(shape, args.form)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     vocab = model.config.vocab_size
     for rows in args.rows if shape != "8b" else args.rows[:1]:
@@ -331,7 +336,7 @@ def decode(args, report, shape: str) -> None:
     GPU), with prompt lookup, and batched. A method that fails (a form specula refuses drafts for) is reported so, and
     the others still run."""
     model = model_of(shape, args.dtype, args.device, args.form)
-    label = shape if args.form == "as-built" else f"{shape}-{args.form}"
+    label = labelled(shape, args.form)
     vocab, new = model.config.vocab_size, args.new_tokens
     one = prompts(1, CONTEXT, vocab, args.device)
     mask = torch.ones_like(one)
