@@ -57,6 +57,8 @@ class Pages:
     paging). Worked example: rows of 3 key/value heads x 64 dims in fp32 take a 4,096-byte page per 16 tokens of a
     head, so a row of 20 tokens beside one of 8,000 holds 2 pages a head, not 500."""
 
+    granule = mmap.PAGESIZE  # (bytes the system hands over at once)
+
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         count = math.prod(shape)
@@ -71,6 +73,9 @@ class Pages:
         """``count`` rounded up to a number of items of ``size`` bytes that fills whole pages."""
         step = mmap.PAGESIZE // math.gcd(mmap.PAGESIZE, size)
         return -(-count // step) * step
+
+    def ensure(self, start: int, end: int) -> None:
+        """Nothing: a page is taken at its first write (``DevicePages.ensure``'s counterpart)."""
 
     def release(self, start: int, end: int) -> None:
         """Give back the whole pages within elements ``start`` to ``end`` of the flat tensor: they read as zeros."""

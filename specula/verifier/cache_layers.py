@@ -3,14 +3,109 @@ with both linear and full attention."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
+from ..machine import vmm
 from ..machine.memory import Pages, give_back_freed
 
 PAGED = ("cpu",)  # devices where a buffer's memory is taken page by page as rows write it (machine.memory.Pages)
+ARENA = ("cuda",)  # devices where a batch's layers share one buffer taken chunk by chunk (RowArena)
+
+
+def arena_granule(device: torch.device) -> int | None:
+    """The bytes a :class:`RowArena` on ``device`` takes at once (None: no arena there)."""
+    if device.type not in ARENA:
+        return None
+    return Pages.granule if device.type == "cpu" else vmm.granularity(device)
+
+
+class RowArena:
+    """The keys and values of every full-attention layer of a batch in one buffer, each row's tokens together:
+    ``[slots, capacity, layers, 2, heads, dim]``, of which each layer reads its keys and values as views
+    ``[slots, heads, capacity, dim]``. Its memory is taken as rows write it and given back as rows leave (on a GPU,
+    CUDA's virtual memory: :class:`~specula.machine.vmm.DevicePages`), so a row costs its own tokens whatever its
+    batch mates hold, to a chunk. With every layer's states of a token together, a chunk holds many tokens: worked
+    example, SmolLM2-135M in bf16 (30 layers, 3 key/value heads of 64) keeps 23,040 bytes a token, 91 tokens a 2 MiB
+    chunk, where a layer's own buffer would take a 2 MiB chunk per 5,461 tokens of each head.
+
+    A row's memory is managed here once for all layers (:meth:`release`, :meth:`copy`, :meth:`select`); the layers
+    only write their states where :meth:`room` made room."""
+
+    def __init__(self, layers: int, slots: int, capacity: int) -> None:
+        self.layers, self.slots, self.capacity = layers, slots, capacity
+        self.pages: Pages | vmm.DevicePages | None = None
+        self.members = 0  # layers that hold their states here
+        self.mapped = [0] * slots  # tokens of each row that may be written
+
+    def view(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``index``'s keys and values (``[slots, heads, capacity, dim]``), or None where its states are not of
+        the shape, dtype and device of the first layer's (that layer keeps buffers of its own)."""
+        _, heads, _, dim = like.shape
+        kind = (heads, dim, like.dtype, like.device)
+        if self.pages is None:
+            self.kind, self.token = kind, self.layers * 2 * heads * dim  # (elements a token of a row)
+            granule = arena_granule(like.device)
+            step = granule // math.gcd(granule, self.token * like.element_size())  # (a row: whole chunks)
+            self.capacity = -(-self.capacity // step) * step
+            shape = (self.slots, self.capacity, self.layers, 2, heads, dim)
+            cpu = like.device.type == "cpu"  # (tests: the CPU's pages)
+            self.pages = Pages(shape, like.dtype) if cpu else vmm.DevicePages(shape, like.dtype, like.device)
+        if kind != self.kind:
+            return None
+        self.members += 1
+        states = self.pages.tensor[:, :, index]  # [slots, capacity, 2, heads, dim]
+        return states[:, :, 0].transpose(1, 2), states[:, :, 1].transpose(1, 2)
+
+    def _span(self, row: int, start: int, end: int) -> tuple[int, int]:
+        return (row * self.capacity + start) * self.token, (row * self.capacity + end) * self.token
+
+    def room(self, row: int, end: int) -> None:
+        """Row ``row``'s first ``end`` tokens may be written."""
+        if self.pages is not None and end > self.mapped[row]:
+            self.pages.ensure(*self._span(row, self.mapped[row], end))
+            self.mapped[row] = end
+
+    def room_rows(self, starts: torch.Tensor, end: int, width: int) -> None:
+        """Each row's block of ``width`` tokens after its ``starts`` (``end``: the last of them) may be written."""
+        if end > min(self.mapped[: len(starts)]):
+            for row, start in enumerate(starts.tolist()):
+                self.room(row, start + width)
+
+    def release(self, row: int) -> None:
+        """Give back row ``row``'s memory: it reads as zeros again."""
+        if self.pages is not None:
+            self.pages.release(*self._span(row, 0, self.capacity))
+            self.mapped[row] = 0
+
+    def copy(self, source: int, index: int, length: int) -> None:
+        """Row ``index`` holds the first ``length`` tokens of row ``source`` (and nothing else)."""
+        if self.pages is not None:
+            self.release(index)
+            self.room(index, length)
+            rows = self.pages.tensor
+            rows[index, :length] = rows[source, :length]
+
+    def select(self, rows: list[int], lengths: list[int]) -> None:
+        """Rows ``rows`` (holding ``lengths`` tokens each) moved to the front; the others given back."""
+        if self.pages is None:
+            return
+        held = self.pages.tensor
+        moved = [(row, source) for row, source in enumerate(rows) if source != row]
+        taken = {source: held[source, : lengths[source]].clone() for _, source in moved}
+        for row, source in moved:
+            self.release(row)
+            self.room(row, lengths[source])
+            held[row, : lengths[source]] = taken[source]
+        for row in range(len(rows), self.slots):
+            self.release(row)
+
+    def resident(self) -> int:
+        """Bytes of its memory its rows hold now."""
+        return 0 if self.pages is None else self.pages.resident()
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -41,6 +136,7 @@ class PreallocatedLayer(DynamicLayer):
         self.row_starts: torch.Tensor | None = None  # [rows]: where each row writes its next block (batches)
         self.ceiling: tuple[int, int] | None = None  # (rows, tokens a row) a memory budget holds it to (batches)
         self._pages: dict[str, Pages] = {}  # each buffer's pages, where paged
+        self.arena: tuple[RowArena, int] | None = None  # the batch's shared buffer and this layer's place in it
 
     def lazy_initialization(
         self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int | None = None
@@ -49,8 +145,15 @@ class PreallocatedLayer(DynamicLayer):
         self.length = 0  # (also after transformers' reset())
         self.slots = slots or len(key_states)
         self.paged = self.device.type in PAGED
-        rows = len(key_states) if self.follows_rows and not self.paged else self.slots
-        self._replace(lambda name, buffer: self._zeros(name, buffer, self.capacity, rows), key_states, value_states)
+        views = self.arena[0].view(self.arena[1], key_states) if self.arena else None
+        if views is not None:  # (rows' memory: the arena's)
+            self._key_buffer, self._value_buffer = views
+            self.capacity = self.arena[0].capacity
+            self._expose()
+        else:
+            self.arena = None
+            rows = len(key_states) if self.follows_rows and not self.paged else self.slots
+            self._replace(lambda name, buffer: self._zeros(name, buffer, self.capacity, rows), key_states, value_states)
         self.is_initialized = True
 
     def _zeros(self, name: str, like: torch.Tensor, length: int, rows: int | None = None) -> torch.Tensor:
@@ -98,7 +201,10 @@ class PreallocatedLayer(DynamicLayer):
         return [self.length] if self.row_starts is None else self.row_starts.tolist()
 
     def _grow(self, end: int) -> None:
-        """Make room for ``end`` tokens per row (doubling)."""
+        """Make room for ``end`` tokens per row (doubling; a layer of an arena leaves it for buffers of its own)."""
+        if end > self.capacity and self.arena:
+            self.arena = None
+            self._replace(lambda name, buffer: buffer.clone())
         if end > self.capacity:
             ceiling = self.ceiling[1] if self.ceiling and not self.paged else 2 * self.capacity
             self.capacity, lengths = max(end, min(2 * self.capacity, ceiling)), self._row_lengths()
@@ -115,7 +221,7 @@ class PreallocatedLayer(DynamicLayer):
             self._replace(grown)
 
     def _release(self, row: int) -> None:
-        """Give back the memory of ``row`` (paged buffers): it reads as zeros again."""
+        """Give back the memory of ``row`` (paged buffers): it reads as zeros again. (An arena's rows: the arena's.)"""
         for pages in self._pages.values():
             size = pages.tensor[0].numel()  # (a row's heads lie together)
             pages.release(row * size, (row + 1) * size)
@@ -124,6 +230,8 @@ class PreallocatedLayer(DynamicLayer):
         """The memory its buffers hold now (paged: the pages rows wrote and did not give back)."""
         if not self.is_initialized:
             return 0
+        if self.arena:  # (its share)
+            return self.arena[0].resident() // self.arena[0].members
         if self.paged:
             return sum(pages.resident() for pages in self._pages.values())
         return self._key_buffer.nbytes + self._value_buffer.nbytes
@@ -132,7 +240,7 @@ class PreallocatedLayer(DynamicLayer):
         """Give back the room past ``end`` tokens a row, and the rows past those in use, where the buffers hold over
         twice that (a long request left its slot, requests left the batch), or over a budget's :attr:`ceiling`: the
         memory follows the rows in use. (Paged buffers gave back what rows left as they left.)"""
-        if not self.is_initialized or self.paged:
+        if not self.is_initialized or self.paged or self.arena:
             return
         end, held = max(end, self.length), len(self._key_buffer)
         rows = held if self.rows is None or not self.follows_rows else max(self.rows, 1)
@@ -151,6 +259,8 @@ class PreallocatedLayer(DynamicLayer):
         starts = self.row_starts
         end = (self.length if starts is None else int(starts.max())) + n
         self._grow(end)
+        if self.arena:
+            self.arena[0].room_rows(starts if starts is not None else torch.tensor([self.length]), end, n)
         if starts is None or len(starts) == 1:  # (one row: a plain slice)
             start = self.length if starts is None else end - n
             self._key_buffer[: len(key_states), :, start:end] = key_states
@@ -174,11 +284,15 @@ class PreallocatedLayer(DynamicLayer):
         self.hold_rows(index + 1)
         self._grow(end)
         self._release(index)  # (what the request before it in this slot wrote)
+        if self.arena:
+            self.arena[0].room(index, end)
         self._key_buffer[index, :, end - keys.shape[-2] : end] = keys[0]
         self._value_buffer[index, :, end - values.shape[-2] : end] = values[0]
 
     def copy_row(self, source: int, index: int, length: int) -> None:
-        """Make row ``index`` hold the first ``length`` tokens of row ``source``."""
+        """Make row ``index`` hold the first ``length`` tokens of row ``source`` (an arena's rows: the arena copies)."""
+        if self.arena:
+            return
         self.hold_rows(index + 1)
         self._release(index)
         for buffer in (self._key_buffer, self._value_buffer):
@@ -189,7 +303,9 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             return
         moved = [(row, source) for row, source in enumerate(rows.tolist()) if source != row]
-        if self.paged:  # (each row's own tokens moved, and what rows no longer hold given back)
+        if self.arena:
+            pass  # (the arena moved its rows)
+        elif self.paged:  # (each row's own tokens moved, and what rows no longer hold given back)
             lengths, sources = self._row_lengths(), {source for _, source in moved}
             chained = bool(sources & {row for row, _ in moved})  # (a row moves where another moves from: copy first)
             taken = {

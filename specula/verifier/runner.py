@@ -22,7 +22,7 @@ from transformers.cache_utils import (
 from ..machine import store
 from ..machine.timing import lower_median, time_pass
 from .adapters import adapter_layers, per_row
-from .cache_layers import PreallocatedHybridLayer, PreallocatedLayer, RowPrefill
+from .cache_layers import PreallocatedHybridLayer, PreallocatedLayer, RowArena, RowPrefill, arena_granule
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
 from .invariant import KEY_BLOCK, STEP_WIDTH, padded_attention
@@ -50,6 +50,7 @@ from .support import (
     check_rollback,
     check_split_independent,
     check_standard_cache,
+    context_limit,
     describe,
     model_device,
     multi_token_failure,
@@ -461,9 +462,21 @@ class RaggedRows(CachedModel):
         self.attention = model.config._attn_implementation
         self.starts = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # [slots]: each row's tokens
         self.dtype = next(model.parameters()).dtype
+        self.arena = self._arena() if slots > 1 and not compiled and self.rows_state is None else None
 
         if compiled:
             self._begin_static(self.capacity, max_width, compiled)
+
+    def _arena(self) -> RowArena | None:
+        """One buffer for the full-attention layers' rows where the device takes memory chunk by chunk
+        (:class:`RowArena`), as long as the model's positions go (a row only holds what it wrote)."""
+        layers = [layer for layer in self.cache.layers if type(layer) is PreallocatedLayer]
+        if not layers or arena_granule(self.device) is None:
+            return None
+        arena = RowArena(len(layers), self.slots, max(self.capacity, context_limit(self.model) or 0))
+        for index, layer in enumerate(layers):
+            layer.arena = (arena, index)
+        return arena
 
     def _begin_static(self, capacity: int, max_width: int, how: str) -> None:
         """Passes of static shapes, compiled: the rows' buffers :class:`~specula.verifier.static.StaticLayer` (of a
@@ -484,6 +497,8 @@ class RaggedRows(CachedModel):
 
     def start_row(self, index: int, token_ids: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
         self.adapters[index] = adapter
+        if self.arena is not None:  # (what the request before it in this slot wrote)
+            self.arena.release(index)
         alone = DynamicCache(config=self.model.config.get_text_config(decoder=True))
         alone.layers = [  # (full attention written straight into the row; other layers copied after)
             RowPrefill(layer, index, self.slots)
@@ -519,6 +534,8 @@ class RaggedRows(CachedModel):
             raise UnsupportedModelError(
                 f"{describe(self.model)} keeps recurrent state, which holds no prefix of a row."
             )
+        if self.arena is not None:
+            self.arena.copy(source, index, length)
         for layer in self.cache.layers:
             if isinstance(layer, PreallocatedLayer):
                 layer.copy_row(source, index, length)
@@ -680,6 +697,8 @@ class RaggedRows(CachedModel):
         if rows == list(range(self.batch)):
             return
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if self.arena is not None:
+            self.arena.select(rows, self.starts[: self.batch].tolist())
         for layer in self.cache.layers:
             if isinstance(layer, PreallocatedLayer):
                 layer.select_rows(index)  # (before the starts move: the layers read the rows' lengths from them)

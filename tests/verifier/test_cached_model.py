@@ -52,12 +52,15 @@ def held(target) -> int:
     return sum(layer.held_bytes() for layer in target.cache.layers if isinstance(layer, PreallocatedLayer))
 
 
-@pytest.fixture(params=["paged", "rectangle"])
+@pytest.fixture(params=["paged", "rectangle", "arena"])
 def paged(request, monkeypatch) -> bool:
-    """Both kinds of buffers: paged (the CPU's) and rectangles of the rows in use (other devices')."""
+    """Every kind of buffers: paged (the CPU's), rectangles of the rows in use (devices without either), and one
+    arena for all layers' rows (a GPU's, here over the CPU's pages)."""
     if request.param == "rectangle":
         monkeypatch.setattr(cache_layers, "PAGED", ())
-    return request.param == "paged"
+    if request.param == "arena":
+        monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
+    return request.param != "rectangle"
 
 
 def test_the_room_a_long_request_took_is_given_back_when_it_leaves(paged) -> None:
