@@ -42,7 +42,11 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import specula  # noqa: E402
-from specula.verifier.runner import RaggedRows  # noqa: E402
+from specula.decoding.driver import finished_rows  # noqa: E402
+from specula.machine.memory import resident_bytes  # noqa: E402
+from specula.verifier.cache_layers import PreallocatedLayer  # noqa: E402
+from specula.verifier.runner import CachedModel, RaggedRows  # noqa: E402
+from specula.verifier.support import kv_bytes_per_token  # noqa: E402
 
 SHAPES = {
     "tiny": lambda: transformers.LlamaConfig(
@@ -424,7 +428,107 @@ def decode(args, report, shape: str) -> None:
         )
 
 
-PARTS = {"identity": identity, "bandwidth": bandwidth, "passes": passes, "decode": decode}
+def device_used(device: str) -> int:
+    """Bytes in use on the device (the driver's count: CUDA's virtual memory too; elsewhere the resident set)."""
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+    return resident_bytes() or 0
+
+
+def cache_held(target) -> int:
+    """The bytes of keys and values a runner's cache holds (an arena's or pages: what rows wrote)."""
+    return sum(layer.held_bytes() for layer in target.cache.layers if isinstance(layer, PreallocatedLayer))
+
+
+@per_shape
+@torch.inference_mode()
+def memory(args, report, shape: str) -> None:
+    """The batch's cache on the device: CUDA's virtual memory (chunk size, what mapping costs), then a batch of
+    ``--batches``' first rows, one request long (``--long`` new tokens) beside short ones (``--new-tokens``),
+    decoded with the arena (every layer's rows in one buffer paged by chunk) and with rectangles of the rows in use
+    (``cache_layers.ARENA`` emptied): the cache's and the device's peaks, what stays after, the time, and whether
+    both decode the same tokens, and model.generate's for the short requests."""
+    from specula.machine import vmm
+    from specula.verifier import cache_layers
+
+    label = labelled(shape, args.form)
+    model = model_of(shape, args.dtype, args.device, args.form)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        granule = vmm.granularity(device)
+        report(f"memory/{label}/chunk_bytes", granule)
+        before = device_used(args.device)
+        started = time.perf_counter()
+        pages = vmm.DevicePages((8, 8192, 30, 2, 3, 64), torch.bfloat16, device)
+        report(f"memory/{label}/reserve_8x8192_ms", round(1000 * (time.perf_counter() - started), 1))
+        report(f"memory/{label}/reserved_used_MB", round((device_used(args.device) - before) / 1e6, 1))
+        flat = pages.tensor.view(-1)
+        started = time.perf_counter()
+        pages.ensure(0, 64 * granule // 2)
+        synchronized(args.device)
+        report(f"memory/{label}/ensure_64_chunks_ms", round(1000 * (time.perf_counter() - started), 1))
+        flat[: 64 * granule // 2] = 1
+        zeros = bool((flat[64 * granule // 2 :].float().abs().sum() == 0).item())
+        report(f"memory/{label}/ensured_MB", {"resident": pages.resident() / 1e6, "zeros_elsewhere": zeros})
+        started = time.perf_counter()
+        pages.release(0, 64 * granule // 2)
+        synchronized(args.device)
+        report(f"memory/{label}/release_64_chunks_ms", round(1000 * (time.perf_counter() - started), 1))
+        report(f"memory/{label}/released_reads_zeros", bool((flat.float().abs().sum() == 0).item()))
+        del pages, flat
+        report(f"memory/{label}/freed_used_MB", round((device_used(args.device) - before) / 1e6, 1))
+    rows, vocab = args.batches[0], model.config.vocab_size
+    batch = prompts(rows, CONTEXT, vocab, "cpu", seed=3)
+    jobs = [specula.Job(batch[0].numpy(), args.long)] + [specula.Job(row.numpy(), args.new_tokens) for row in batch[1:]]
+    short = batch[1:].to(args.device)
+    expected = model.generate(
+        short, attention_mask=torch.ones_like(short), do_sample=False, max_new_tokens=args.new_tokens
+    )
+    outputs, order = {}, {id(job): i for i, job in enumerate(jobs)}
+    for kind, arena in (("arena", cache_layers.ARENA), ("rectangle", ())):
+        kept, cache_layers.ARENA = cache_layers.ARENA, arena
+        try:
+            seen, forward_rows = [], CachedModel.forward_rows
+
+            def watched(self, blocks, *rest, **kwargs):
+                if len(seen) % 16 == 0:
+                    seen.append((cache_held(self), device_used(args.device)))
+                else:
+                    seen.append(seen[-1])
+                return forward_rows(self, blocks, *rest, **kwargs)
+
+            CachedModel.forward_rows = watched
+            idle = device_used(args.device)
+            decoder = specula.Decoder(model, specula.PromptLookup(), slots=rows)
+            started = time.perf_counter()
+            done = sorted(finished_rows(decoder, jobs), key=lambda row: order[id(row.job)])
+            synchronized(args.device)
+            took = time.perf_counter() - started
+        finally:
+            CachedModel.forward_rows, cache_layers.ARENA = forward_rows, kept
+        outputs[kind] = [row.output.tolist() for row in done]
+        held_tokens = sum(len(job.prompt) + len(out) for job, out in zip(jobs, outputs[kind]))
+        report(
+            f"memory/{label}/{rows}-rows/{kind}",
+            {
+                "seconds": round(took, 2),
+                "tok_per_s": round(sum(len(out) for out in outputs[kind]) / took, 1),
+                "cache_peak_MB": round(max(held for held, _ in seen) / 1e6, 1),
+                "tokens_kv_MB": round(held_tokens * kv_bytes_per_token(model) / 1e6, 1),
+                "device_peak_over_idle_MB": round((max(used for _, used in seen) - idle) / 1e6, 1),
+                "cache_after_MB": round(cache_held(decoder._target) / 1e6, 1) if decoder._target else None,
+                "device_after_over_idle_MB": round((device_used(args.device) - idle) / 1e6, 1),
+                "short_as_generate": all(
+                    out == ref[CONTEXT:].tolist() for out, ref in zip(outputs[kind][1:], expected.cpu())
+                ),
+            },
+        )
+        del decoder
+    report(f"memory/{label}/{rows}-rows/arena_as_rectangle", outputs["arena"] == outputs["rectangle"])
+
+
+PARTS = {"identity": identity, "bandwidth": bandwidth, "passes": passes, "decode": decode, "memory": memory}
 
 
 def main() -> None:
@@ -444,6 +548,7 @@ def main() -> None:
         help="how the models of real shapes hold their weights (passes, decode): torchao or bitsandbytes quantized",
     )
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--long", type=int, default=2048, help="new tokens of the long request of the memory part")
     parser.add_argument("--accept", type=float, default=0.585)
     parser.add_argument(
         "--budget", type=float, default=540.0, help="seconds; parts and shapes that would start past it are skipped"

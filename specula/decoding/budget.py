@@ -64,22 +64,32 @@ class CacheBudget:
     per_token: int
     per_row: bool = True  # each row's memory its own tokens (paged), not the longest row's (a rectangle)
     page_tokens: int = 1  # ... in whole pages of this many tokens (a page of one key or value head)
+    chunk: int = 1  # ... in chunks of this many bytes (a GPU's arena: every layer's states of a row together)
 
     @classmethod
     def of(cls, model: torch.nn.Module, limit: int) -> CacheBudget:
         from ..machine.memory import Pages
-        from ..verifier.cache_layers import PAGED
+        from ..verifier.cache_layers import PAGED, arena_granule
         from ..verifier.support import kv_heads, model_device
 
         heads, head_bytes = kv_heads(model)
-        paged = model_device(model).type in PAGED
+        device = model_device(model)
+        chunk = arena_granule(device)
+        if chunk is not None:
+            return cls(limit, heads * head_bytes, True, chunk=chunk)
+        paged = device.type in PAGED
         return cls(limit, heads * head_bytes, paged, Pages.whole(1, head_bytes) if paged else 1)
+
+    def row_bytes(self, room: int) -> int:
+        """The memory a row of ``room`` tokens takes (paged)."""
+        tokens = -(-room // self.page_tokens) * self.page_tokens
+        return -(-tokens * self.per_token // self.chunk) * self.chunk
 
     def fits(self, rooms: list[int], rows: int | None = None) -> bool:
         """Whether rows that may grow to ``rooms`` tokens each fit (as a rectangle: ``rows`` rows, at least as many,
         as long as the longest)."""
         if self.per_row:
-            return sum(-(-room // self.page_tokens) * self.page_tokens for room in rooms) * self.per_token <= self.limit
+            return sum(self.row_bytes(room) for room in rooms) <= self.limit
         return max(rows or 0, len(rooms)) * max(rooms) * self.per_token <= self.limit
 
     def refusal(self, tokens: int) -> str | None:

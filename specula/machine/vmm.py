@@ -127,7 +127,8 @@ class _Reservation:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(self.device)
-            _call("cuMemUnmap", self.address, self.size)
+            for chunk in range(len(self.chunks)):  # (each mapping whole, as it was mapped)
+                _call("cuMemUnmap", self.at(chunk), self.granule)
             for handle in [*self.chunks, self.zeros]:
                 if handle is not None:
                     _call("cuMemRelease", handle)

@@ -4,6 +4,7 @@ with both linear and full attention."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -40,21 +41,25 @@ class RowArena:
         self.pages: Pages | vmm.DevicePages | None = None
         self.members = 0  # layers that hold their states here
         self.mapped = [0] * slots  # tokens of each row that may be written
+        self.kind: tuple | None = None  # (heads, dim, dtype, device) of the states it holds
 
     def view(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer ``index``'s keys and values (``[slots, heads, capacity, dim]``), or None where its states are not of
         the shape, dtype and device of the first layer's (that layer keeps buffers of its own)."""
         _, heads, _, dim = like.shape
         kind = (heads, dim, like.dtype, like.device)
-        if self.pages is None:
+        if self.kind is None:
             self.kind, self.token = kind, self.layers * 2 * heads * dim  # (elements a token of a row)
             granule = arena_granule(like.device)
             step = granule // math.gcd(granule, self.token * like.element_size())  # (a row: whole chunks)
             self.capacity = -(-self.capacity // step) * step
             shape = (self.slots, self.capacity, self.layers, 2, heads, dim)
-            cpu = like.device.type == "cpu"  # (tests: the CPU's pages)
-            self.pages = Pages(shape, like.dtype) if cpu else vmm.DevicePages(shape, like.dtype, like.device)
-        if kind != self.kind:
+            try:
+                cpu = like.device.type == "cpu"  # (tests: the CPU's pages)
+                self.pages = Pages(shape, like.dtype) if cpu else vmm.DevicePages(shape, like.dtype, like.device)
+            except RuntimeError as error:  # (the driver refused: each layer keeps buffers of its own)
+                warnings.warn(f"specula: the batch's cache is held as rectangles, not paged: {error}", stacklevel=2)
+        if kind != self.kind or self.pages is None:
             return None
         self.members += 1
         states = self.pages.tensor[:, :, index]  # [slots, capacity, 2, heads, dim]

@@ -46,34 +46,38 @@ def decode_watched(monkeypatch, model, jobs: list[specula.Job], budget: CacheBud
     return rows, seen
 
 
-def whole_pages(budget: CacheBudget, tokens: int) -> int:
-    return -(-tokens // budget.page_tokens) * budget.page_tokens
-
-
-@pytest.mark.parametrize("paged", [True, False])
-def test_requests_wait_for_room_and_the_cache_stays_within_the_budget(monkeypatch, paged) -> None:
+@pytest.mark.parametrize("kind", ["paged", "rectangle", "arena"])
+def test_requests_wait_for_room_and_the_cache_stays_within_the_budget(monkeypatch, kind) -> None:
     """Four slots, five requests, a budget of two rows: no pass holds more than two rows nor its buffers more than the
-    budget, and every request gets model.generate's tokens (mutant: no budget, four rows a pass)."""
-    if not paged:
+    budget, and every request gets model.generate's tokens (mutant: no budget, four rows a pass). Each kind of
+    buffers: the CPU's pages, rectangles, one arena for all layers (a GPU's, here over the CPU's pages)."""
+    paged = kind != "rectangle"
+    if kind == "rectangle":
         monkeypatch.setattr(cache_layers, "PAGED", ())
+    if kind == "arena":
+        monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
     model = tiny_model("llama")
     prompts = [np.roll(np.array([1, 40, 3, 77, 12, 55, 23, 9, 60, 14]), shift) for shift in range(5)]
     jobs = [specula.Job(prompt, NEW) for prompt in prompts]
     budget = CacheBudget.of(model, 0)
     assert budget.per_row == paged
-    budget = replace(budget, limit=2 * whole_pages(budget, room(jobs[0])) * budget.per_token)  # (two rows of these)
+    budget = replace(budget, limit=2 * budget.row_bytes(room(jobs[0])))  # (two rows of these)
     _, seen = decode_watched(monkeypatch, model, jobs, budget)
     assert max(rows for rows, _ in seen) == 2 and max(size for _, size in seen) <= budget.limit
 
 
-def test_beside_a_long_request_short_ones_join_while_their_own_tokens_fit(monkeypatch) -> None:
-    """Paged (the CPU's cache), a budget of one long request's tokens and three short ones': all four decode in one
-    batch, within the budget (mutant: a rectangle's accounting, every row as long as the longest, admits two)."""
+@pytest.mark.parametrize("arena", [False, True])
+def test_beside_a_long_request_short_ones_join_while_their_own_tokens_fit(monkeypatch, arena) -> None:
+    """Paged (the CPU's cache, or an arena's), a budget of one long request's tokens and three short ones': all four
+    decode in one batch, within the budget (mutant: a rectangle's accounting, every row as long as the longest,
+    admits two)."""
+    if arena:
+        monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
     model = tiny_model("llama")
     prompt = np.array([1, 40, 3, 77, 12, 55, 23, 9, 60, 14])
     jobs = [specula.Job(prompt, 400)] + [specula.Job(np.roll(prompt, shift), NEW) for shift in range(1, 4)]
     budget = CacheBudget.of(model, 0)
-    budget = replace(budget, limit=sum(whole_pages(budget, room(job)) for job in jobs) * budget.per_token)
+    budget = replace(budget, limit=sum(budget.row_bytes(room(job)) for job in jobs))
     _, seen = decode_watched(monkeypatch, model, jobs, budget)
     assert max(rows for rows, _ in seen) == 4 and max(size for _, size in seen) <= budget.limit
 
@@ -82,7 +86,7 @@ def test_a_request_that_could_never_fit_is_refused() -> None:
     model = tiny_model("llama")
     job = specula.Job(np.arange(3, 13), NEW)
     budget = CacheBudget.of(model, 0)
-    budget = replace(budget, limit=whole_pages(budget, room(job)) * budget.per_token - 1)
+    budget = replace(budget, limit=budget.row_bytes(room(job)) - 1)
     with pytest.raises(ValueError, match="over the cache's memory budget"):
         list(specula.Decoder(model, None, slots=2, budget=budget).run([job]))
 

@@ -107,13 +107,16 @@ def test_concurrent_requests_share_compiled_passes_inside_the_row_buckets(monkey
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("paged", [True, False])
-def test_an_idle_engine_gives_its_cache_back(monkeypatch, paged) -> None:
+@pytest.mark.parametrize("kind", ["paged", "rectangle", "arena"])
+def test_an_idle_engine_gives_its_cache_back(monkeypatch, kind) -> None:
     """Once every request ended and none waits, the loop's cache gives its memory back before the engine waits for
     more: paged (the CPU's), every page; a rectangle, down to one row of the room it was first asked for (mutant: the
     rows of the last batch kept until the next request comes)."""
-    if not paged:
+    paged = kind != "rectangle"
+    if kind == "rectangle":
         monkeypatch.setattr(cache_layers, "PAGED", ())
+    if kind == "arena":  # (a GPU's, here over the CPU's pages)
+        monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
     model, loops = tiny_model("llama"), []
 
     def make_decoder():
