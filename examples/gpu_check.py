@@ -477,6 +477,7 @@ def memory(args, report, shape: str) -> None:
         report(f"memory/{label}/release_64_chunks_ms", round(1000 * (time.perf_counter() - started), 1))
         report(f"memory/{label}/released_reads_zeros", bool((flat.float().abs().sum() == 0).item()))
         del pages, flat
+        torch.cuda.empty_cache()  # (what the checks' sums took)
         report(f"memory/{label}/freed_used_MB", round((device_used(args.device) - before) / 1e6, 1))
     rows, vocab = args.batches[0], model.config.vocab_size
     batch = prompts(rows, CONTEXT, vocab, "cpu", seed=3)
@@ -486,7 +487,7 @@ def memory(args, report, shape: str) -> None:
         short, attention_mask=torch.ones_like(short), do_sample=False, max_new_tokens=args.new_tokens
     )
     outputs, order = {}, {id(job): i for i, job in enumerate(jobs)}
-    for kind, arena in (("arena", cache_layers.ARENA), ("rectangle", ())):
+    for kind, arena in (("arena", cache_layers.ARENA), ("rectangle", ()), ("arena-again", cache_layers.ARENA)):
         kept, cache_layers.ARENA = cache_layers.ARENA, arena
         try:
             seen, forward_rows = [], CachedModel.forward_rows
@@ -499,8 +500,10 @@ def memory(args, report, shape: str) -> None:
                 return forward_rows(self, blocks, *rest, **kwargs)
 
             CachedModel.forward_rows = watched
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             idle = device_used(args.device)
-            decoder = specula.Decoder(model, specula.PromptLookup(), slots=rows)
+            decoder = specula.Decoder(model, specula.PromptLookup(), slots=rows, compile=False)  # (eager: the arena)
             started = time.perf_counter()
             done = sorted(finished_rows(decoder, jobs), key=lambda row: order[id(row.job)])
             synchronized(args.device)
@@ -508,6 +511,8 @@ def memory(args, report, shape: str) -> None:
         finally:
             CachedModel.forward_rows, cache_layers.ARENA = forward_rows, kept
         outputs[kind] = [row.output.tolist() for row in done]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         held_tokens = sum(len(job.prompt) + len(out) for job, out in zip(jobs, outputs[kind]))
         report(
             f"memory/{label}/{rows}-rows/{kind}",
