@@ -199,3 +199,15 @@ def chi_square_p_value(counts: dict, expected: dict, min_expected: float = 5.0) 
             torch.tensor(degrees / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
         )
     )
+
+
+def written_with_room(arena) -> bool:
+    """Whether every page of ``arena`` (a :class:`~specula.verifier.cache_layers.RowArena` over the CPU's pages) in
+    memory lies within the room it gave its rows: on a GPU a write anywhere else goes to the chunk of zeros that
+    every unwritten token reads."""
+    pages = arena.pages
+    allowed = np.zeros_like(pages.held())
+    for row, tokens in enumerate(arena.mapped):
+        start, end = (pages.itemsize * at for at in arena._span(row, 0, tokens))
+        allowed[start // pages.granule : -(-end // pages.granule)] = True  # (the pages the room touches)
+    return not (pages.held() & ~allowed).any()

@@ -84,12 +84,15 @@ class Pages:
         if last > first:
             self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
-    def resident(self) -> int:
-        """Bytes of it in memory now: pages written and not given back (Linux's ``/proc/self/pagemap``: present and
-        mapped here alone; a page only read is the shared zero page)."""
+    def held(self) -> np.ndarray:
+        """Which of its pages are in memory now (``[pages]`` bools): written and not given back (Linux's
+        ``/proc/self/pagemap``: present and mapped here alone; a page only read is the shared zero page)."""
         pages = -(-len(self.map) // mmap.PAGESIZE)
         with open("/proc/self/pagemap", "rb") as pagemap:
             pagemap.seek(self.tensor.data_ptr() // mmap.PAGESIZE * 8)
             entries = np.frombuffer(pagemap.read(pages * 8), dtype=np.uint64)  # [pages]
-        held = (entries >> np.uint64(63)) & (entries >> np.uint64(56)) & np.uint64(1)
-        return int(held.sum()) * mmap.PAGESIZE
+        return ((entries >> np.uint64(63)) & (entries >> np.uint64(56)) & np.uint64(1)).astype(bool)
+
+    def resident(self) -> int:
+        """Bytes of it in memory now (:meth:`held`)."""
+        return int(self.held().sum()) * mmap.PAGESIZE

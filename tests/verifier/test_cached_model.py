@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import written_with_room
 from tiny_models import ARCHITECTURES, VOCAB, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -140,6 +141,7 @@ def test_the_last_row_takes_the_slot_of_one_that_left(paged, order) -> None:
         alone.start_row(0, prompt)
         torch.testing.assert_close(target.forward_rows(step, [2, 3])[row], alone.forward_rows([block], [len(block)])[0])
         target.keep_rows([0, 0])  # (the pass forgotten: the next row's turn)
+        assert target.arena is None or written_with_room(target.arena)
 
 
 def test_a_short_row_beside_a_long_one_holds_its_own_tokens() -> None:
