@@ -222,3 +222,31 @@ def test_a_grown_cache_holds_its_new_buffers_not_the_old_ones_too(paged) -> None
     new = sum(layer._key_buffer.nbytes + layer._value_buffer.nbytes for layer in layers)
     assert new == 2 * old and all(bool((layer.keys == 1).all()) for layer in layers)
     assert resident_bytes() - before < (0.1 * old if paged else (new - old) * 1.3)
+
+
+def test_an_arenas_rows_are_given_room_before_each_write(monkeypatch) -> None:
+    """A batch's arena (a GPU's, here over the CPU's pages): prompts and passes that cross into pages their rows had
+    not held yet write only where the arena gave them room first (mutant: a pass's writes without room, which on a
+    GPU land in the chunk of zeros every unwritten token reads), and each row computes what it would alone."""
+    monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(0))
+    target = RaggedRows(model, rollback=True, capacity=16, slots=2)
+    prompts = [ids[:14], ids[14:44]]
+    for row, prompt in enumerate(prompts):
+        target.start_row(row, prompt)
+    page_tokens = target.arena.pages.granule // (target.arena.token * 4)  # (fp32)
+    assert target.arena is not None and 14 < page_tokens < 30 + 4 < 2 * page_tokens + 4
+    for width in (4, 8, 8):  # (rows cross into their next pages)
+        blocks = [ids[44 : 44 + width], ids[50 : 50 + width]]
+        logits = target.forward_rows(blocks, [width, width])
+        target.keep_rows([width, width])
+        assert written_with_room(target.arena)
+    for row, prompt in enumerate(prompts):
+        alone = RaggedRows(model, rollback=True, capacity=16, slots=1)
+        alone.start_row(0, prompt)
+        for width in (4, 8):
+            alone.forward_rows([ids[44 + 6 * row : 44 + 6 * row + width]], [width])
+            alone.keep_rows([width])
+        expected = alone.forward_rows([ids[44 + 6 * row : 52 + 6 * row]], [8])[0]
+        torch.testing.assert_close(logits[row], expected)
