@@ -21,6 +21,7 @@ from ..policy.batch_size import fastest_batch_size, kept_batch_size
 from ..verifier.adapters import BASE, adapters_of
 from ..verifier.exactness import choose
 from ..verifier.row_exact import is_half_precision
+from ..verifier.static import compiles
 from ..verifier.support import context_limit, model_device
 from .line_formats import answer_line
 from .requests import Request, encode, model_name, names_model
@@ -127,7 +128,9 @@ def cache_budget(model, settings: Settings) -> CacheBudget | None:
     if limit is None:
         spare = spare_bytes(model_device(model))
         limit = None if spare is None else int(spare * FREE_SHARE)
-    return None if limit is None else CacheBudget.of(model, limit)
+    if limit is None:
+        return None
+    return CacheBudget.of(model, limit, bool(compiles(model, settings.compile, choose(model, settings.exact).exact)))
 
 
 def job_of(model, tokenizer, request: Request, settings: Settings, budget: CacheBudget | None = None) -> Job:

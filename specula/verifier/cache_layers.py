@@ -124,9 +124,10 @@ class PreallocatedLayer(DynamicLayer):
     A batch's buffers are a rectangle (``[rows, heads, capacity, dim]``) that attention reads whole. On the CPU
     (:data:`PAGED`) each row's memory is only what it wrote (:class:`~specula.machine.memory.Pages`): the rectangle
     holds every slot from the start, a row that leaves or is taken by another request gives its pages back, and a
-    short row beside a long one costs its own tokens. Elsewhere the buffers hold the rows in use, not every slot:
-    they gain rows (doubling, up to the slots) as requests join and give them back as they leave (:meth:`fit`), so
-    a lone long request takes one row's memory, not every slot's.
+    short row beside a long one costs its own tokens. On a GPU a batch's layers hold their states in one
+    :class:`RowArena`, paged by chunk (its layers' buffers are views of it). Elsewhere the buffers hold the rows in
+    use, not every slot: they gain rows (doubling, up to the slots) as requests join and give them back as they leave
+    (:meth:`fit`), so a lone long request takes one row's memory, not every slot's.
     """
 
     follows_rows = True  # (static passes read every slot's rows: their buffers hold all from the start)

@@ -17,7 +17,7 @@ from specula import cli
 from specula.decoding.budget import CacheBudget, parse_size
 from specula.decoding.driver import finished_rows
 from specula.decoding.loop import room
-from specula.verifier import cache_layers
+from specula.verifier import cache_layers, static
 from specula.verifier.cache_layers import PreallocatedLayer
 from specula.verifier.runner import CachedModel
 
@@ -125,3 +125,18 @@ def test_sizes_read_as_people_write_them(text, size) -> None:
 def test_a_size_without_a_known_unit_says_how_to_write_one() -> None:
     with pytest.raises(ValueError, match="such as 4GB or 512MiB"):
         parse_size("4 gallons")
+
+
+def test_an_arenas_budget_counts_chunks_and_compiled_passes_rectangles(monkeypatch) -> None:
+    """Where batches hold their rows in an arena (a GPU's, here the CPU's pages without their per-layer paging), a
+    row's room is counted in whole chunks of every layer's states; where passes run compiled over rectangles of their
+    own, as the longest row's (mutant: the arena's accounting whatever the passes read)."""
+    monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
+    monkeypatch.setattr(cache_layers, "PAGED", ())
+    model = tiny_model("llama")
+    arena, page = CacheBudget.of(model, 10**6), cache_layers.Pages.granule
+    assert arena.per_row and arena.chunk == page and arena.row_bytes(1) == page
+    assert arena.row_bytes(page // arena.per_token + 1) == 2 * page
+    assert not CacheBudget.of(model, 10**6, compiled=True).per_row
+    monkeypatch.setattr(static, "ON_ARENA", ("cpu",))
+    assert CacheBudget.of(model, 10**6, compiled=True).per_row
