@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
 import specula
+from specula.machine.memory import Pages
 from specula.tools.replay import Replay
 
 
@@ -211,3 +214,51 @@ def written_with_room(arena) -> bool:
         start, end = (pages.itemsize * at for at in arena._span(row, 0, tokens))
         allowed[start // pages.granule : -(-end // pages.granule)] = True  # (the pages the room touches)
     return not (pages.held() & ~allowed).any()
+
+
+PROT_NONE, PROT_READ, PROT_READ_WRITE = 0, 1, 3
+
+
+class StrictPages(Pages):
+    """The CPU's pages kept as strictly as a GPU's chunks: nothing may be read until made readable (a read elsewhere
+    crashes, as an illegal address does on a GPU), nothing written until given room (a write to a page only readable
+    crashes, where on a GPU it would change the chunk of zeros every unwritten token reads)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        super().__init__(shape, dtype)
+        self.writable = np.zeros(-(-len(self.map) // self.granule), dtype=bool)  # [pages]
+        self._protect(range(len(self.writable)), PROT_NONE)
+
+    def _protect(self, pages: range, prot: int) -> None:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        for page in pages:
+            address = ctypes.c_void_p(self.tensor.data_ptr() + page * self.granule)
+            assert libc.mprotect(address, ctypes.c_size_t(self.granule), prot) == 0, ctypes.get_errno()
+
+    def _touched(self, start: int, end: int) -> range:
+        return range(start * self.itemsize // self.granule, -(-end * self.itemsize // self.granule))
+
+    def readable(self, start: int, end: int) -> None:
+        self._protect([page for page in self._touched(start, end) if not self.writable[page]], PROT_READ)
+
+    def ensure(self, start: int, end: int) -> None:
+        touched = self._touched(start, end)
+        self._protect(touched, PROT_READ_WRITE)
+        self.writable[touched.start : touched.stop] = True
+
+    def release(self, start: int, end: int) -> None:
+        super().release(start, end)
+        first, last = -(-start * self.itemsize // self.granule), end * self.itemsize // self.granule
+        self._protect(range(first, last), PROT_READ)
+        self.writable[first:last] = False
+
+
+def arena_on_cpu(monkeypatch, compiled: bool = False) -> None:
+    """Batches hold their rows in one arena, as on a GPU (compiled passes too, where ``compiled``), here over the
+    CPU's pages kept as strictly as a GPU's chunks (:class:`StrictPages`)."""
+    from specula.verifier import cache_layers, static
+
+    monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
+    monkeypatch.setattr(cache_layers.RowArena, "cpu_pages", StrictPages)
+    if compiled:
+        monkeypatch.setattr(static, "ON_ARENA", ("cpu",))

@@ -74,6 +74,9 @@ class Pages:
         step = mmap.PAGESIZE // math.gcd(mmap.PAGESIZE, size)
         return -(-count // step) * step
 
+    def readable(self, start: int, end: int) -> None:
+        """Nothing: a page never written reads as zeros (``DevicePages.readable``'s counterpart)."""
+
     def ensure(self, start: int, end: int) -> None:
         """Nothing: a page is taken at its first write (``DevicePages.ensure``'s counterpart)."""
 

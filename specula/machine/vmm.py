@@ -95,13 +95,12 @@ class _Reservation:
 
     def __init__(self, size: int, granule: int, device: torch.device) -> None:
         self.device, self.granule, self.size = device, granule, size
-        self.chunks: list[int | None] = [None] * (size // granule)  # each chunk's memory of its own (None: zeros)
+        self.chunks: list[int | None] = [None] * (size // granule)  # each chunk's memory of its own (None: none)
+        self.mapped = [False] * len(self.chunks)  # (to memory of its own, or to the chunk of zeros)
         address = ctypes.c_uint64()
         _call("cuMemAddressReserve", ctypes.byref(address), size, granule, 0, 0)
         self.address, self.zeros = address.value, self.create()
-        for chunk in range(len(self.chunks)):
-            _call("cuMemMap", self.at(chunk), granule, 0, self.zeros, 0)
-        self.grant(self.address, size)
+        self.map(0, self.zeros)  # (where the chunk of zeros is zeroed)
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -115,20 +114,21 @@ class _Reservation:
         _call("cuMemCreate", ctypes.byref(handle), self.granule, ctypes.byref(_prop(self.device)), 0)
         return handle.value
 
-    def grant(self, address: int, size: int) -> None:
-        access = _AccessDesc(_Location(ON_DEVICE, self.device.index or 0), READ_WRITE)
-        _call("cuMemSetAccess", address, size, ctypes.byref(access), 1)
-
-    def remap(self, chunk: int, handle: int) -> None:
-        _call("cuMemUnmap", self.at(chunk), self.granule)
+    def map(self, chunk: int, handle: int) -> None:
+        """Map ``chunk`` to ``handle``'s memory (unmapping what it mapped)."""
+        if self.mapped[chunk]:
+            _call("cuMemUnmap", self.at(chunk), self.granule)
         _call("cuMemMap", self.at(chunk), self.granule, 0, handle, 0)
-        self.grant(self.at(chunk), self.granule)
+        access = _AccessDesc(_Location(ON_DEVICE, self.device.index or 0), READ_WRITE)
+        _call("cuMemSetAccess", self.at(chunk), self.granule, ctypes.byref(access), 1)
+        self.mapped[chunk] = True
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(self.device)
-            for chunk in range(len(self.chunks)):  # (each mapping whole, as it was mapped)
-                _call("cuMemUnmap", self.at(chunk), self.granule)
+            for chunk, mapped in enumerate(self.mapped):  # (each mapping whole, as it was mapped)
+                if mapped:
+                    _call("cuMemUnmap", self.at(chunk), self.granule)
             for handle in [*self.chunks, self.zeros]:
                 if handle is not None:
                     _call("cuMemRelease", handle)
@@ -139,11 +139,13 @@ class DevicePages:
     """A GPU tensor of zeros whose memory is taken chunk by chunk as it is written, and given back in ranges: the
     GPU's :class:`~specula.machine.memory.Pages`.
 
-    Its addresses are reserved once; each chunk is mapped either to one shared chunk of zeros (what no row wrote
-    reads as zeros and takes no memory; nothing writes there) or to memory of its own, taken by :meth:`ensure` before
-    a write and given back by :meth:`release`. Unlike the CPU's pages, a write does not take a chunk by itself:
-    whoever writes calls :meth:`ensure` first. Worked example: rows of 23,040 bytes a token (the keys and values of
-    SmolLM2-135M, every layer, bf16) in chunks of 2 MiB take a chunk per 91 tokens."""
+    Its addresses are reserved once, and a chunk is mapped only once something reads or writes it: :meth:`readable`
+    maps chunks to one shared chunk of zeros (what no row wrote reads as zeros and takes no memory; nothing writes
+    there), :meth:`ensure` gives chunks memory of their own before a write, and :meth:`release` gives it back (the
+    chunks read as zeros again). Unlike the CPU's pages, neither a read nor a write maps a chunk by itself: a read of
+    a chunk never mapped is an illegal address, a write to the chunk of zeros changes what every unwritten token
+    reads. Worked example: rows of 23,040 bytes a token (the keys and values of SmolLM2-135M, every layer, bf16) in
+    chunks of 2 MiB take a chunk per 91 tokens."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         granule = granularity(device)
@@ -165,6 +167,12 @@ class DevicePages:
             return range(-(-first // self.granule), last // self.granule)
         return range(first // self.granule, -(-last // self.granule))
 
+    def readable(self, start: int, end: int) -> None:
+        """The chunks that elements ``start`` to ``end`` touch may be read (those never mapped read zeros)."""
+        for chunk in self._chunks(start, end, whole=False):
+            if not self.reserved.mapped[chunk]:
+                self.reserved.map(chunk, self.reserved.zeros)
+
     def ensure(self, start: int, end: int) -> None:
         """Memory of their own (zeros) for the chunks that elements ``start`` to ``end`` touch: they may be written."""
         chunks = self.reserved.chunks
@@ -175,7 +183,7 @@ class DevicePages:
         flat = self.tensor.view(-1).view(torch.uint8)
         for chunk in taken:
             chunks[chunk] = self.reserved.create()
-            self.reserved.remap(chunk, chunks[chunk])
+            self.reserved.map(chunk, chunks[chunk])
             flat[chunk * self.granule : (chunk + 1) * self.granule].zero_()
 
     def release(self, start: int, end: int) -> None:
@@ -186,7 +194,7 @@ class DevicePages:
             return
         torch.cuda.current_stream(self.device).synchronize()
         for chunk in given:
-            self.reserved.remap(chunk, self.reserved.zeros)
+            self.reserved.map(chunk, self.reserved.zeros)
             _call("cuMemRelease", chunks[chunk])
             chunks[chunk] = None
 

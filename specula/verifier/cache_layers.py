@@ -24,6 +24,17 @@ def arena_granule(device: torch.device) -> int | None:
     return Pages.granule if device.type == "cpu" else vmm.granularity(device)
 
 
+def row_moves(rows: list[int]) -> tuple[list[tuple[int, int]], bool]:
+    """The rows that move when a batch keeps ``rows`` (in this order) as (to, from), and whether one moves where
+    another moves from (then each is copied before any is written).
+
+    >>> row_moves([0, 3, 2]), row_moves([2, 0])
+    (([(1, 3)], False), ([(0, 2), (1, 0)], True))
+    """
+    moved = [(row, source) for row, source in enumerate(rows) if source != row]
+    return moved, bool({source for _, source in moved} & {row for row, _ in moved})
+
+
 class RowArena:
     """The keys and values of every full-attention layer of a batch in one buffer, each row's tokens together:
     ``[slots, capacity, layers, 2, heads, dim]``, of which each layer reads its keys and values as views
@@ -34,13 +45,16 @@ class RowArena:
     chunk, where a layer's own buffer would take a 2 MiB chunk per 5,461 tokens of each head.
 
     A row's memory is managed here once for all layers (:meth:`release`, :meth:`copy`, :meth:`select`); the layers
-    only write their states where :meth:`room` made room."""
+    only read what :meth:`read` made readable and write where :meth:`room` made room."""
+
+    cpu_pages = Pages  # (the CPU's, where tests put an arena there)
 
     def __init__(self, layers: int, slots: int, capacity: int) -> None:
         self.layers, self.slots, self.capacity = layers, slots, capacity
         self.pages: Pages | vmm.DevicePages | None = None
         self.members = 0  # layers that hold their states here
         self.mapped = [0] * slots  # tokens of each row that may be written
+        self.readable = (0, 0)  # (rows, tokens a row) that may be read
         self.kind: tuple | None = None  # (heads, dim, dtype, device) of the states it holds
 
     def view(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -56,7 +70,9 @@ class RowArena:
             shape = (self.slots, self.capacity, self.layers, 2, heads, dim)
             try:
                 cpu = like.device.type == "cpu"  # (tests: the CPU's pages)
-                self.pages = Pages(shape, like.dtype) if cpu else vmm.DevicePages(shape, like.dtype, like.device)
+                self.pages = (
+                    self.cpu_pages(shape, like.dtype) if cpu else vmm.DevicePages(shape, like.dtype, like.device)
+                )
             except RuntimeError as error:  # (the driver refused: each layer keeps buffers of its own)
                 warnings.warn(f"specula: the batch's cache is held as rectangles, not paged: {error}", stacklevel=2)
         if kind != self.kind or self.pages is None:
@@ -67,6 +83,16 @@ class RowArena:
 
     def _span(self, row: int, start: int, end: int) -> tuple[int, int]:
         return (row * self.capacity + start) * self.token, (row * self.capacity + end) * self.token
+
+    def read(self, rows: int, tokens: int) -> None:
+        """The first ``tokens`` of the first ``rows`` rows may be read (what attention reads: chunks no row wrote
+        read as zeros); the tokens at least doubled, so that a growing batch asks rarely."""
+        if self.pages is None or (rows <= self.readable[0] and tokens <= self.readable[1]):
+            return
+        rows, tokens = max(rows, self.readable[0]), min(max(tokens, 2 * self.readable[1]), self.capacity)
+        for row in range(rows):
+            self.pages.readable(*self._span(row, 0, tokens))
+        self.readable = (rows, tokens)
 
     def room(self, row: int, end: int) -> None:
         """Row ``row``'s first ``end`` tokens may be written."""
@@ -99,8 +125,9 @@ class RowArena:
         if self.pages is None:
             return
         held = self.pages.tensor
-        moved = [(row, source) for row, source in enumerate(rows) if source != row]
-        taken = {source: held[source, : lengths[source]].clone() for _, source in moved}
+        moved, chained = row_moves(rows)
+        taken = {source: held[source, : lengths[source]] for _, source in moved}
+        taken = {source: states.clone() if chained else states for source, states in taken.items()}
         for row, source in moved:
             self.release(row)
             self.room(row, lengths[source])
@@ -277,7 +304,9 @@ class PreallocatedLayer(DynamicLayer):
         end = (self.length if starts is None else int(starts.max())) + n
         self._grow(end)
         if self.arena:
-            self.arena[0].room_rows(starts if starts is not None else torch.tensor([self.length]), end, n)
+            starts = starts if starts is not None else torch.tensor([self.length])
+            self.arena[0].read(len(starts), end)
+            self.arena[0].room_rows(starts, end, n)
         if starts is None or len(starts) == 1:  # (one row: a plain slice)
             start = self.length if starts is None else end - n
             self._key_buffer[: len(key_states), :, start:end] = key_states
@@ -319,12 +348,11 @@ class PreallocatedLayer(DynamicLayer):
         """Keep only these batch rows, moved to the front (finished requests leave the batch)."""
         if not self.is_initialized:
             return
-        moved = [(row, source) for row, source in enumerate(rows.tolist()) if source != row]
+        moved, chained = row_moves(rows.tolist())
         if self.arena:
             pass  # (the arena moved its rows)
         elif self.paged:  # (each row's own tokens moved, and what rows no longer hold given back)
             lengths, sources = self._row_lengths(), {source for _, source in moved}
-            chained = bool(sources & {row for row, _ in moved})  # (a row moves where another moves from: copy first)
             taken = {
                 source: [
                     states.clone() if chained else states

@@ -660,6 +660,7 @@ class RaggedRows(CachedModel):
             tokens[b, : len(block)], tokens[b, len(block) :] = block, block[-1]
         capacity = self._make_room(batch, width)
         if self.arena is not None:  # (padding rows too: they write their first tokens)
+            self.arena.read(rows, capacity)
             self.arena.room_rows(starts, int(starts.max()) + width, width)
         for layer in self.cache.layers:
             layer.row_starts = starts

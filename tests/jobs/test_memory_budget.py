@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from helpers import hf_greedy
+from helpers import arena_on_cpu, hf_greedy
 from tiny_models import tiny_model
 
 import specula
@@ -55,7 +55,7 @@ def test_requests_wait_for_room_and_the_cache_stays_within_the_budget(monkeypatc
     if kind == "rectangle":
         monkeypatch.setattr(cache_layers, "PAGED", ())
     if kind == "arena":
-        monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
+        arena_on_cpu(monkeypatch)
     model = tiny_model("llama")
     prompts = [np.roll(np.array([1, 40, 3, 77, 12, 55, 23, 9, 60, 14]), shift) for shift in range(5)]
     jobs = [specula.Job(prompt, NEW) for prompt in prompts]
@@ -72,7 +72,7 @@ def test_beside_a_long_request_short_ones_join_while_their_own_tokens_fit(monkey
     decode in one batch, within the budget (mutant: a rectangle's accounting, every row as long as the longest,
     admits two)."""
     if arena:
-        monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
+        arena_on_cpu(monkeypatch)
     model = tiny_model("llama")
     prompt = np.array([1, 40, 3, 77, 12, 55, 23, 9, 60, 14])
     jobs = [specula.Job(prompt, 400)] + [specula.Job(np.roll(prompt, shift), NEW) for shift in range(1, 4)]
@@ -131,7 +131,7 @@ def test_an_arenas_budget_counts_chunks_and_compiled_passes_rectangles(monkeypat
     """Where batches hold their rows in an arena (a GPU's, here the CPU's pages without their per-layer paging), a
     row's room is counted in whole chunks of every layer's states; where passes run compiled over rectangles of their
     own, as the longest row's (mutant: the arena's accounting whatever the passes read)."""
-    monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
+    arena_on_cpu(monkeypatch)
     monkeypatch.setattr(cache_layers, "PAGED", ())
     model = tiny_model("llama")
     arena, page = CacheBudget.of(model, 10**6), cache_layers.Pages.granule

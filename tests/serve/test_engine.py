@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import hf_greedy
+from helpers import arena_on_cpu, hf_greedy
 from tiny_models import tiny_model
 
 import specula
@@ -116,7 +116,7 @@ def test_an_idle_engine_gives_its_cache_back(monkeypatch, kind) -> None:
     if kind == "rectangle":
         monkeypatch.setattr(cache_layers, "PAGED", ())
     if kind == "arena":  # (a GPU's, here over the CPU's pages)
-        monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
+        arena_on_cpu(monkeypatch)
     model, loops = tiny_model("llama"), []
 
     def make_decoder():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import written_with_room
+from helpers import arena_on_cpu, written_with_room
 from tiny_models import ARCHITECTURES, VOCAB, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -60,7 +60,7 @@ def paged(request, monkeypatch) -> bool:
     if request.param == "rectangle":
         monkeypatch.setattr(cache_layers, "PAGED", ())
     if request.param == "arena":
-        monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
+        arena_on_cpu(monkeypatch)
     return request.param != "rectangle"
 
 
@@ -228,7 +228,7 @@ def test_an_arenas_rows_are_given_room_before_each_write(monkeypatch) -> None:
     """A batch's arena (a GPU's, here over the CPU's pages): prompts and passes that cross into pages their rows had
     not held yet write only where the arena gave them room first (mutant: a pass's writes without room, which on a
     GPU land in the chunk of zeros every unwritten token reads), and each row computes what it would alone."""
-    monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
+    arena_on_cpu(monkeypatch)
     model = tiny_model("llama")
     ids = torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(0))
     target = RaggedRows(model, rollback=True, capacity=16, slots=2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.utils
-from helpers import Oracle, hf_greedy, written_with_room
+from helpers import Oracle, arena_on_cpu, hf_greedy, written_with_room
 from tiny_models import VOCAB, tiny_model
 
 import specula
@@ -36,8 +36,7 @@ def arena(request, monkeypatch) -> bool:
     """Compiled passes over buffers of their own, and over a batch's arena (a GPU's where turned on, here over the
     CPU's pages)."""
     if request.param == "arena":
-        monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
-        monkeypatch.setattr(static, "ON_ARENA", ("cpu",))
+        arena_on_cpu(monkeypatch, compiled=True)
     return request.param == "arena"
 
 
