@@ -3,7 +3,8 @@ ways of decoding, on one GPU with no network, in under 10 minutes (docs/hardware
 
 Real weights do not travel to such a machine, so models of real sizes are built from their configs with random
 weights (SmolLM2-135M, Qwen2.5-1.5B and Llama-3.1-8B shapes). A random model's drafts mean nothing, so the throughput
-runs draft with :class:`AtRate`: the target's own greedy continuation (recorded by ``model.generate`` first), each
+runs draft with :class:`AtRate`: the target's own greedy continuation (recorded by ``model.generate`` first, and by
+specula's plain decoding, which in bf16 may leave it at a near-tie), each
 draft token right with probability ``--accept`` (independently, seeded by the position), so that passes accept
 what a real proposer's do on the workloads here. Its default, 0.585, gives 2.38 tokens per pass with drafts of 10,
 what PromptLookup reached on the code_edit workload with SmolLM2-135M (README's results table, CPU).
@@ -357,7 +358,10 @@ def decode(args, report, shape: str) -> None:
             return None
 
     reference = hf()
-    drafts = AtRate([reference[0].tolist()], args.accept)
+    # (drafts follow model.generate's text and specula's own plain decoding's, which in bf16 may leave it at a
+    # near-tie: a real proposer's drafts follow the text being verified)
+    plain = attempt("1-row/specula-plain-text", lambda: specula.generate(model, one, None, max_new_tokens=new))
+    drafts = AtRate([reference[0].tolist()] + ([plain.sequences[0].tolist()] if plain else []), args.accept)
     outputs = {}
 
     def ours(proposer, compiled, key):
