@@ -303,10 +303,10 @@ class PreallocatedLayer(DynamicLayer):
         starts = self.row_starts
         end = (self.length if starts is None else int(starts.max())) + n
         self._grow(end)
-        if self.arena:
-            starts = starts if starts is not None else torch.tensor([self.length])
-            self.arena[0].read(len(starts), end)
-            self.arena[0].room_rows(starts, end, n)
+        if self.arena:  # (what attention reads of the rows in use, and where they write)
+            rows = starts if starts is not None else torch.tensor([self.length])
+            self.arena[0].read(len(rows), end)
+            self.arena[0].room_rows(rows, end, n)
         if starts is None or len(starts) == 1:  # (one row: a plain slice)
             start = self.length if starts is None else end - n
             self._key_buffer[: len(key_states), :, start:end] = key_states
