@@ -304,9 +304,9 @@ class PreallocatedLayer(DynamicLayer):
         end = (self.length if starts is None else int(starts.max())) + n
         self._grow(end)
         if self.arena:  # (what attention reads of the rows in use, and where they write)
-            rows = starts if starts is not None else torch.tensor([self.length])
-            self.arena[0].read(len(rows), end)
-            self.arena[0].room_rows(rows, end, n)
+            at = starts if starts is not None else torch.tensor([self.length])  # [rows]
+            self.arena[0].read(len(at), end)
+            self.arena[0].room_rows(at, end, n)
         if starts is None or len(starts) == 1:  # (one row: a plain slice)
             start = self.length if starts is None else end - n
             self._key_buffer[: len(key_states), :, start:end] = key_states
