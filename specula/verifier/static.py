@@ -59,7 +59,6 @@ class StaticLayer(PreallocatedLayer):
 
     static = False
     follows_rows = False
-    bucketed = True
     whole_pages = False  # (capacities stay powers of two: each is a compiled shape)
 
     def lazy_initialization(
@@ -103,9 +102,6 @@ def static_layers(cache, capacity: int) -> bool:
 
 
 BACKEND = "inductor"  # what compiles the passes (tests count graphs with dynamo's "eager", which compiles nothing)
-# devices where compiled passes read a batch's RowArena (its buckets views of it, grown without a copy); none until
-# CUDA graphs over CUDA's virtual memory are measured on a GPU (examples/gpu_check.py --parts memory)
-ON_ARENA: tuple[str, ...] = ()
 
 
 # How passes run compiled: in every bucket (compile=True), or in each bucket where a compiled pass measured cheaper
