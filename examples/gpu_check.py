@@ -450,12 +450,13 @@ def cache_held(target) -> int:
 def memory(args, report, shape: str) -> None:
     """The batch's cache on the device: CUDA's virtual memory (chunk size, what mapping costs), then a batch of
     ``--batches``' first rows, one request long (``--long`` new tokens) beside short ones (``--new-tokens``),
-    decoded eager with PromptLookup's drafts over the arena (every layer's rows in one buffer paged by chunk), over
-    rectangles of the rows in use (``cache_layers.ARENA`` emptied), and over the arena again: the cache's and the
-    device's peaks, what stays after, the time, and whether all decode the same tokens, and model.generate's for the
-    short requests."""
+    decoded with the arena (every layer's rows in one buffer paged by chunk) and with rectangles of the rows in use
+    (``cache_layers.ARENA`` emptied), eager passes with PromptLookup's drafts (``--modes eager``), and compiled plain
+    passes over the arena (``static.ON_ARENA`` on) and over rectangles (``--modes compiled``): the cache's and the
+    device's peaks, what stays after, the time, and whether all decode the same tokens, and model.generate's for
+    the short requests."""
     from specula.machine import vmm
-    from specula.verifier import cache_layers
+    from specula.verifier import cache_layers, static
 
     label = labelled(shape, args.form)
     model = model_of(shape, args.dtype, args.device, args.form)
@@ -495,9 +496,14 @@ def memory(args, report, shape: str) -> None:
         short, attention_mask=torch.ones_like(short), do_sample=False, max_new_tokens=args.new_tokens
     )
     outputs, order = {}, {id(job): i for i, job in enumerate(jobs)}
-    kinds = [("arena", cache_layers.ARENA), ("rectangle", ()), ("arena-again", cache_layers.ARENA)]
-    for kind, arena in kinds:
-        kept, cache_layers.ARENA = cache_layers.ARENA, arena
+    paged, kinds = cache_layers.ARENA, []  # (name, arena's devices, compiled passes' too, compiled)
+    if False in args.modes:
+        kinds += [("arena", paged, (), False), ("rectangle", (), (), False), ("arena-again", paged, (), False)]
+    if True in args.modes:
+        kinds += [("arena-compiled", paged, paged, True), ("rectangle-compiled", (), (), True)]
+    for kind, arena, compiled_arena, compiled in kinds:
+        kept = cache_layers.ARENA, static.ON_ARENA
+        cache_layers.ARENA, static.ON_ARENA = arena, compiled_arena
         try:
             seen, forward_rows = [], CachedModel.forward_rows
 
@@ -512,13 +518,14 @@ def memory(args, report, shape: str) -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             idle = device_used(args.device)
-            decoder = specula.Decoder(model, specula.PromptLookup(), slots=rows, compile=False)  # (eager: the arena)
+            drafts = None if compiled else specula.PromptLookup()  # (compiled: one width, few buckets to compile)
+            decoder = specula.Decoder(model, drafts, slots=rows, compile=compiled)
             started = time.perf_counter()
             done = sorted(finished_rows(decoder, jobs), key=lambda row: order[id(row.job)])
             synchronized(args.device)
             took = time.perf_counter() - started
         finally:
-            CachedModel.forward_rows, cache_layers.ARENA = forward_rows, kept
+            CachedModel.forward_rows, (cache_layers.ARENA, static.ON_ARENA) = forward_rows, kept
         outputs[kind] = [row.output.tolist() for row in done]
         if device.type == "cuda":
             torch.cuda.empty_cache()

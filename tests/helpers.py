@@ -253,10 +253,12 @@ class StrictPages(Pages):
         self.writable[first:last] = False
 
 
-def arena_on_cpu(monkeypatch) -> None:
-    """Batches hold their rows in one arena, as on a GPU, here over the CPU's pages kept as strictly as a GPU's chunks
-    (:class:`StrictPages`)."""
-    from specula.verifier import cache_layers
+def arena_on_cpu(monkeypatch, compiled: bool = False) -> None:
+    """Batches hold their rows in one arena, as on a GPU (compiled passes too, where ``compiled``), here over the
+    CPU's pages kept as strictly as a GPU's chunks (:class:`StrictPages`)."""
+    from specula.verifier import cache_layers, static
 
     monkeypatch.setattr(cache_layers, "ARENA", ("cpu",))
     monkeypatch.setattr(cache_layers.RowArena, "cpu_pages", StrictPages)
+    if compiled:
+        monkeypatch.setattr(static, "ON_ARENA", ("cpu",))

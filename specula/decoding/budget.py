@@ -71,12 +71,13 @@ class CacheBudget:
         """``model``'s cache held to ``limit`` bytes, as its batches hold it (``compiled``: passes run compiled)."""
         from ..machine.memory import Pages
         from ..verifier.cache_layers import PAGED, arena_granule
+        from ..verifier.static import ON_ARENA
         from ..verifier.support import kv_heads, model_device
 
         heads, head_bytes = kv_heads(model)
         device = model_device(model)
         chunk = arena_granule(device)
-        if chunk is not None and not compiled:  # (compiled passes hold buffers of their own)
+        if chunk is not None and (not compiled or device.type in ON_ARENA):
             return cls(limit, heads * head_bytes, True, chunk=chunk)
         paged = device.type in PAGED
         return cls(limit, heads * head_bytes, paged, Pages.whole(1, head_bytes) if paged else 1)

@@ -158,6 +158,7 @@ class PreallocatedLayer(DynamicLayer):
     """
 
     follows_rows = True  # (static passes read every slot's rows: their buffers hold all from the start)
+    bucketed = False  # an arena's layer reads the arena's whole length (static passes: a bucket of it)
     whole_pages = True  # paged: capacity rounded up so that each row's heads start on a page of their own
 
     def __init__(self, capacity: int) -> None:
@@ -180,8 +181,9 @@ class PreallocatedLayer(DynamicLayer):
         self.paged = self.device.type in PAGED
         views = self.arena[0].view(self.arena[1], key_states) if self.arena else None
         if views is not None:  # (rows' memory: the arena's)
-            (self._key_buffer, self._value_buffer), self.capacity = views, self.arena[0].capacity
-            self._expose()
+            self._whole = views
+            whole = self.arena[0].capacity
+            self._bucket(min(self.capacity, whole) if self.bucketed else whole)
         else:
             self.arena = None
             rows = len(key_states) if self.follows_rows and not self.paged else self.slots
@@ -232,10 +234,19 @@ class PreallocatedLayer(DynamicLayer):
         """The tokens each row of the buffers in use holds."""
         return [self.length] if self.row_starts is None else self.row_starts.tolist()
 
+    def _bucket(self, capacity: int) -> None:
+        """Read the arena's first ``capacity`` tokens of each row."""
+        self.capacity = capacity
+        self._key_buffer, self._value_buffer = (view[:, :, :capacity] for view in self._whole)
+        self._expose()
+
     def _grow(self, end: int) -> None:
-        """Make room for ``end`` tokens per row (doubling; an arena's layer, past the arena's length, leaves it for
-        buffers of its own)."""
+        """Make room for ``end`` tokens per row (doubling; an arena's layer reads more of it, and past its length
+        leaves it for buffers of its own)."""
         if end > self.capacity and self.arena:
+            if end <= self.arena[0].capacity:
+                self._bucket(end)
+                return
             self.arena = None
             self._replace(lambda name, buffer: buffer.clone())
         if end > self.capacity:

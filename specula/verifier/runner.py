@@ -21,6 +21,7 @@ from transformers.cache_utils import (
 
 from ..machine import store
 from ..machine.timing import lower_median, time_pass
+from . import static
 from .adapters import adapter_layers, per_row
 from .cache_layers import PreallocatedHybridLayer, PreallocatedLayer, RowArena, RowPrefill, arena_granule
 from .gqa import unrepeated_kv_heads
@@ -39,7 +40,7 @@ from .recurrent import (
     stop_recording,
 )
 from .row_exact import is_half_precision, row_exact_for
-from .static import ALWAYS, CompiledPasses, bucket_of, buckets_up_to, compiled_passes, static_layers
+from .static import ALWAYS, CompiledPasses, StaticLayer, bucket_of, buckets_up_to, compiled_passes, static_layers
 from .support import (
     UnsupportedModelError,
     cache_argument,
@@ -464,14 +465,13 @@ class RaggedRows(CachedModel):
         self.dtype = next(model.parameters()).dtype
         if compiled:
             self._begin_static(self.capacity, max_width, compiled)
-        # (compiled passes keep buffers of their own: views of one buffer would be inputs that alias one another,
-        # which compiled code copies whole at every pass)
-        self.arena = self._arena() if slots > 1 and self.rows_state is None and not compiled else None
+        arena = slots > 1 and self.rows_state is None and (not compiled or self.device.type in static.ON_ARENA)
+        self.arena = self._arena() if arena else None
 
     def _arena(self) -> RowArena | None:
         """One buffer for the full-attention layers' rows where the device takes memory chunk by chunk
         (:class:`RowArena`), as long as the model's positions go (a row only holds what it wrote)."""
-        layers = [layer for layer in self.cache.layers if type(layer) is PreallocatedLayer]
+        layers = [layer for layer in self.cache.layers if type(layer) in (PreallocatedLayer, StaticLayer)]
         if not layers or arena_granule(self.device) is None:
             return None
         arena = RowArena(len(layers), self.slots, max(self.capacity, context_limit(self.model) or 0))
@@ -659,6 +659,9 @@ class RaggedRows(CachedModel):
         for b, block in enumerate(blocks):
             tokens[b, : len(block)], tokens[b, len(block) :] = block, block[-1]
         capacity = self._make_room(batch, width)
+        if self.arena is not None:  # (padding rows too: they write their first tokens)
+            self.arena.read(rows, capacity)
+            self.arena.room_rows(starts, int(starts.max()) + width, width)
         for layer in self.cache.layers:
             layer.row_starts = starts
         trees = (trees or [None] * batch) + [None] * (rows - batch)

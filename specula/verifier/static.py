@@ -59,6 +59,7 @@ class StaticLayer(PreallocatedLayer):
 
     static = False
     follows_rows = False
+    bucketed = True
     whole_pages = False  # (capacities stay powers of two: each is a compiled shape)
 
     def lazy_initialization(
@@ -69,7 +70,7 @@ class StaticLayer(PreallocatedLayer):
 
     def _mark_static(self) -> None:
         # the buffers keep their address from pass to pass: CUDA graphs write them in place instead of copying them
-        for buffer in (self._key_buffer, self._value_buffer):
+        for buffer in (self.arena[0].pages.tensor,) if self.arena else (self._key_buffer, self._value_buffer):
             torch._dynamo.mark_static_address(buffer)
 
     def _grow(self, end: int) -> None:
@@ -85,9 +86,31 @@ class StaticLayer(PreallocatedLayer):
         rows, width = key_states.shape[0], key_states.shape[-2]
         slots = self.row_starts[:, None] + torch.arange(width, device=key_states.device)  # [R, W]
         index = torch.arange(rows, device=key_states.device)[:, None]  # [R, 1]
+        if self.arena:  # (one input for every layer; its views made within the pass, written by put_states)
+            arena, layer = self.arena
+            states = torch.stack([key_states, value_states], dim=2).transpose(1, 3)  # [R, W, 2, heads, dim]
+            put_states(arena.pages.tensor, index.expand(rows, width), slots, layer, states)
+            states = arena.pages.tensor[:rows, : self.capacity, layer]  # [R, capacity, 2, heads, dim]
+            return states[:, :, 0].transpose(1, 2), states[:, :, 1].transpose(1, 2)
         self._key_buffer[index, :, slots] = key_states.transpose(1, 2)  # [R, W, heads, dim]
         self._value_buffer[index, :, slots] = value_states.transpose(1, 2)
         return self._key_buffer[:rows], self._value_buffer[:rows]
+
+
+@torch.library.custom_op("specula::put_states", mutates_args=("arena",))
+def put_states(arena: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, layer: int, states: torch.Tensor) -> None:
+    """Write ``states`` (``[R, W, 2, heads, dim]``, a layer's keys and values) into ``arena`` (a
+    :class:`~specula.verifier.cache_layers.RowArena`'s ``[slots, capacity, layers, 2, heads, dim]``) at rows
+    ``rows`` and positions ``slots`` (``[R, W]`` each) of ``layer``. An operation of its own, declared to change
+    ``arena`` in place: compiled code then writes the arena where it is, where an ``index_put`` into views of it, one
+    per layer, made the whole arena an input copied and written back at every pass."""
+    kinds = torch.arange(2, device=arena.device)  # [2]: keys, values
+    arena[rows[:, :, None], slots[:, :, None], layer, kinds] = states
+
+
+@put_states.register_fake
+def _(arena: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, layer: int, states: torch.Tensor) -> None:
+    return None
 
 
 def static_layers(cache, capacity: int) -> bool:
@@ -102,6 +125,10 @@ def static_layers(cache, capacity: int) -> bool:
 
 
 BACKEND = "inductor"  # what compiles the passes (tests count graphs with dynamo's "eager", which compiles nothing)
+# devices where compiled passes read a batch's RowArena (its buckets views of it, grown without a copy; written in
+# place by put_states): none until CUDA graphs over CUDA's virtual memory are measured on a GPU (examples/gpu_check.py
+# --parts memory --modes compiled)
+ON_ARENA: tuple[str, ...] = ()
 
 
 # How passes run compiled: in every bucket (compile=True), or in each bucket where a compiled pass measured cheaper

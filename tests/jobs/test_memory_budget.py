@@ -17,7 +17,7 @@ from specula import cli
 from specula.decoding.budget import CacheBudget, parse_size
 from specula.decoding.driver import finished_rows
 from specula.decoding.loop import room
-from specula.verifier import cache_layers
+from specula.verifier import cache_layers, static
 from specula.verifier.cache_layers import PreallocatedLayer
 from specula.verifier.runner import CachedModel
 
@@ -138,3 +138,5 @@ def test_an_arenas_budget_counts_chunks_and_compiled_passes_rectangles(monkeypat
     assert arena.per_row and arena.chunk == page and arena.row_bytes(1) == page
     assert arena.row_bytes(page // arena.per_token + 1) == 2 * page
     assert not CacheBudget.of(model, 10**6, compiled=True).per_row
+    monkeypatch.setattr(static, "ON_ARENA", ("cpu",))
+    assert CacheBudget.of(model, 10**6, compiled=True).per_row

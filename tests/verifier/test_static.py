@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.utils
-from helpers import Oracle, arena_on_cpu, hf_greedy
+from helpers import Oracle, arena_on_cpu, hf_greedy, written_with_room
 from tiny_models import VOCAB, tiny_model
 
 import specula
 from specula.hf.inputs import left_padded
-from specula.verifier import static
+from specula.verifier import cache_layers, static
 from specula.verifier.runner import CachedModel, RaggedRows
 from specula.verifier.support import UnsupportedModelError
 
@@ -29,6 +29,15 @@ def traced(monkeypatch):
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(params=["rectangle", "arena"])
+def arena(request, monkeypatch) -> bool:
+    """Compiled passes over buffers of their own, and over a batch's arena (a GPU's where turned on, here over the
+    CPU's pages)."""
+    if request.param == "arena":
+        arena_on_cpu(monkeypatch, compiled=True)
+    return request.param == "arena"
 
 
 def prompts(*lengths: int) -> list[torch.Tensor]:
@@ -52,8 +61,26 @@ def test_inductor_passes_decode_as_model_generate():
     assert torch.equal(again.sequences, reference) and graphs() == before
 
 
+def test_inductor_passes_over_an_arena_decode_as_model_generate(monkeypatch):
+    """A batch of two through inductor's compiled passes over the batch's arena (one buffer for every layer's rows,
+    here the CPU's pages kept as strictly as a GPU's chunks): model.generate's tokens, the arena written where it is.
+    (Mutants: the layers' views of the arena written by ``index_put``: inductor's code copies the whole arena at every
+    pass and reads pages no row made readable, which crashes here as it would be an illegal address on a GPU.)"""
+    arena_on_cpu(monkeypatch, compiled=True)
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    rows = prompts(30, 17)
+    references = [hf_greedy(model, row[None], 20)[0] for row in rows]
+    ids, mask = left_padded(rows, 0)
+    out = specula.generate(
+        model, ids, Oracle(references, 3), attention_mask=mask, max_new_tokens=20, compile=True, adaptive_draft=False
+    )
+    assert torch.equal(out.sequences, hf_greedy(model, ids, 20, attention_mask=mask))
+    assert out.stats.tokens_per_pass > 3
+
+
 @pytest.mark.parametrize("proposer", ["oracle", "tree"])
-def test_compiled_batches_decode_each_row_as_model_generate(traced, proposer):
+def test_compiled_batches_decode_each_row_as_model_generate(traced, proposer, arena):
     """A left-padded batch of three (chains from a replayed reference, or prompt-lookup trees): each row
     model.generate's tokens alone."""
     model = tiny_model("llama")
@@ -87,7 +114,7 @@ def passes(target: CachedModel, widths: list[int], rows: int = 1) -> None:
 
 
 @pytest.mark.parametrize("padded", [True, False])
-def test_no_pass_compiles_again_within_its_bucket(traced, monkeypatch, padded):
+def test_no_pass_compiles_again_within_its_bucket(traced, monkeypatch, padded, arena):
     """After one pass of each bucket, passes of every width and number of rows inside the buckets make no new
     graph. The mutant, passes at their own widths (no padding), makes one per width: the count sees it."""
     if not padded:
@@ -96,7 +123,9 @@ def test_no_pass_compiles_again_within_its_bucket(traced, monkeypatch, padded):
     target = RaggedRows(model, rollback=True, capacity=100, slots=4, compiled=static.ALWAYS, max_width=9)
     for row, prompt in enumerate(prompts(20, 12, 30, 7)):
         target.start_row(row, prompt)
+    assert (target.arena is not None) is arena
     passes(target, [8, 2, 4], rows=4)  # the buckets of 4 rows x 8, 2 and 4 tokens
+    assert not arena or written_with_room(target.arena)
     warmed = graphs()
     passes(target, [5, 6, 7, 3], rows=4)
     target.select_rows([0, 2, 3])  # (a request left: 3 rows, in the bucket of 4)
@@ -114,20 +143,31 @@ def test_a_full_cache_grows_between_passes(traced):
     assert {shape[2] for shape in target.compiled.shapes} == {32, 64}
 
 
-def test_compiled_passes_keep_buffers_of_their_own_where_batches_share_an_arena(traced, monkeypatch):
-    """Where eager batches share one arena (a GPU's, here over the CPU's pages), compiled passes keep each layer's
-    buffers: views of one buffer would be inputs aliasing one another, which inductor's code copies whole at every
-    pass (traced on this CPU: the whole arena read and written back, pages no row wrote included). The batch decodes
-    as model.generate (mutant: the arena for compiled passes too)."""
-    arena_on_cpu(monkeypatch)
+def test_over_an_arena_a_bucket_grows_without_a_copy(traced, arena):
+    """Compiled passes over a batch's arena: a row that outgrows the bucket's capacity reads more of the arena (a new
+    shape, compiled once; its keys where they were: no copy), every row's logits are those of compiled passes over
+    buffers of their own, and every write had room first (mutant: the padding row's first tokens, 3 rows in a
+    bucket of 4, written without)."""
     model = tiny_model("llama")
-    assert RaggedRows(model, rollback=True, capacity=30, slots=4).arena is not None
-    target = RaggedRows(model, rollback=True, capacity=30, slots=4, compiled=static.ALWAYS, max_width=4)
-    assert target.arena is None
-    rows = prompts(30, 17)
-    ids, mask = left_padded(rows, 0)
-    out = specula.generate(model, ids, specula.PromptLookup(), attention_mask=mask, max_new_tokens=12, compile=True)
-    assert torch.equal(out.sequences, hf_greedy(model, ids, 12, attention_mask=mask))
+    logits = {}
+    for kind in ("arena", "rectangle") if arena else ("rectangle",):
+        if kind == "rectangle":
+            cache_layers.ARENA, static.ON_ARENA = (), ()
+        target = RaggedRows(model, rollback=True, capacity=30, slots=4, compiled=static.ALWAYS, max_width=4)
+        for row, prompt in enumerate(prompts(28, 9, 14)):
+            target.start_row(row, prompt)
+        keys = target.cache.layers[0]._key_buffer
+        logits[kind] = []
+        for width in [4] * 6:
+            blocks = [torch.arange(3, 3 + width) + row for row in range(3)]
+            logits[kind] += target.forward_rows(blocks, [width] * 3)
+            target.keep_rows([2, 2, 2])
+            assert kind == "rectangle" or written_with_room(target.arena)
+        moved = target.cache.layers[0]._key_buffer.data_ptr() != keys.data_ptr()
+        assert {shape[2] for shape in target.compiled.shapes} >= {32, 64} and moved is (kind == "rectangle")
+    if arena:
+        for ours, theirs in zip(logits["arena"], logits["rectangle"]):
+            torch.testing.assert_close(ours, theirs)
 
 
 def test_models_with_recurrent_state_are_refused_clearly():
