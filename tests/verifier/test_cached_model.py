@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from helpers import arena_on_cpu, written_with_room
@@ -216,12 +218,15 @@ def test_a_grown_cache_holds_its_new_buffers_not_the_old_ones_too(paged) -> None
         layer.row_starts, layer.length = torch.full((4,), 6144), 6144
         between.append(torch.ones(1024))
     old = sum(layer._key_buffer.nbytes + layer._value_buffer.nbytes for layer in layers)
+    gc.collect()  # (what earlier tests left in cycles freed before, not during, the measurement)
     before = resident_bytes()
     for layer in layers:
         layer._grow(6145)
     new = sum(layer._key_buffer.nbytes + layer._value_buffer.nbytes for layer in layers)
     assert new == 2 * old and all(bool((layer.keys == 1).all()) for layer in layers)
-    assert resident_bytes() - before < (0.1 * old if paged else (new - old) * 1.3)
+    gc.collect()
+    # (paged: a fifth of the old buffers' size, for the process's other threads; the mutant adds all of them)
+    assert resident_bytes() - before < (0.2 * old if paged else (new - old) * 1.3)
 
 
 def test_an_arenas_rows_are_given_room_before_each_write(monkeypatch) -> None:
