@@ -20,6 +20,7 @@ travels in .whl, torchao's and bitsandbytes' too for ``--form``, see docs/hardwa
     python examples/gpu_check.py --out $OUT [--parts identity,bandwidth,passes,decode] [--shapes 135m,1.5b,8b]
     python examples/gpu_check.py --out $OUT --parts decode --shapes 1.5b --modes eager --form torchao-int8
     python examples/gpu_check.py --device cpu --shapes tiny --parts identity,passes,decode   # the script itself, on CPU
+    python examples/gpu_check.py --device cpu --parts host --new-tokens 64   # the host's work per pass, any device
 
 Prints each figure as it is measured and writes them all to OUT/gpu_check.json; a part that would overrun
 ``--budget`` seconds is skipped and said so.
@@ -549,7 +550,38 @@ def memory(args, report, shape: str) -> None:
     report(f"memory/{label}/{rows}-rows/all_alike", all(out == outputs[kinds[0][0]] for out in outputs.values()))
 
 
-PARTS = {"identity": identity, "bandwidth": bandwidth, "passes": passes, "decode": decode, "memory": memory}
+@torch.inference_mode()
+def host(args, report) -> None:
+    """The host's work per plain pass: the tiny shape (its compute next to nothing), one row and ``--batches`` of
+    CONTEXT-token prompts, ``--new-tokens`` each, HF's batched ``model.generate`` against specula with no drafts,
+    interleaved, 7 rounds: milliseconds per step (each a pass over every row), the medians and the median ratio."""
+    model = model_of("tiny", torch.float32, args.device)
+    new = args.new_tokens
+    for rows in [1, *args.batches]:
+        batch = prompts(rows, CONTEXT, model.config.vocab_size, args.device, seed=rows)
+        kwargs = dict(attention_mask=torch.ones_like(batch), do_sample=False, max_new_tokens=new)
+        methods = {
+            "hf-batched": lambda: model.generate(batch, **kwargs),
+            "specula-none": lambda: specula.generate(model, batch, None, **kwargs),
+        }
+        times = {name: [] for name in methods}
+        for _ in range(7):
+            for name, run in methods.items():
+                times[name].append(seconds(run, args.device, 1) / new * 1e3)
+        for name, ms in times.items():
+            report(f"host/{rows}-rows/{name}/ms_per_step", round(statistics.median(ms), 3))
+        ratios = [ours / theirs for ours, theirs in zip(times["specula-none"], times["hf-batched"])]
+        report(f"host/{rows}-rows/specula-over-hf", round(statistics.median(ratios), 2))
+
+
+PARTS = {
+    "identity": identity,
+    "bandwidth": bandwidth,
+    "passes": passes,
+    "decode": decode,
+    "memory": memory,
+    "host": host,
+}
 
 
 def main() -> None:

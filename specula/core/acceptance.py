@@ -22,6 +22,8 @@ tokens are ``model.generate``'s in distribution only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .draft import Draft
@@ -75,15 +77,47 @@ def accept_draft(
     >>> accept_draft(logits, Draft([1, 2, 3], parents=[-1, 0, 0]), Sampling())  # the second child agrees
     [1, 3, 4]
     """
-    tokens, parents, children = draft.tokens.tolist(), draft.parent_list(), draft.children()
     scores = _scores(target_logits, draft, sampling, input_ids)  # [n + 1, vocab]
     if sampling.greedy:
-        own = scores.argmax(dim=-1).tolist()  # [n + 1]: the target's token after each node
-        accepted = [token == own[parent + 1] for token, parent in zip(tokens, parents)]
-    elif draft.probs is None:
-        return _drawn_walk(scores, tokens, children, sampling)
-    else:
-        accepted, own = _sampled_decisions(torch.softmax(scores, dim=-1), draft, children, sampling)
+        return _walk(draft, scores.argmax(dim=-1).tolist())
+    if draft.probs is None:
+        return _drawn_walk(scores, draft.tokens.tolist(), draft.children(), sampling)
+    accepted, own = _sampled_decisions(torch.softmax(scores, dim=-1), draft, draft.children(), sampling)
+    return _walk(draft, own, accepted)
+
+
+def accept_drafts(
+    target_logits: list[torch.Tensor],
+    drafts: list[Draft],
+    samplings: list[Sampling],
+    input_ids: Callable[[int], torch.Tensor | None],
+) -> list[list[int]]:
+    """:func:`accept_draft` for each row of a pass (``input_ids(r)``: row ``r``'s, where its sampling reads
+    tokens); the greedy rows without logits processors take their argmax together, one host-device synchronisation
+    for all of them."""
+    outcomes: list[list[int] | None] = [None] * len(drafts)
+    plain = [r for r, sampling in enumerate(samplings) if sampling.greedy and not sampling.processors]
+    if plain:
+        own = torch.cat([target_logits[r].argmax(dim=-1) for r in plain]).tolist()  # [sum of n + 1]
+        at = 0
+        for r in plain:
+            outcomes[r] = _walk(drafts[r], own[at : at + len(drafts[r]) + 1])
+            at += len(drafts[r]) + 1
+    for r, outcome in enumerate(outcomes):
+        if outcome is None:
+            outcomes[r] = accept_draft(target_logits[r], drafts[r], samplings[r], input_ids(r))
+    return outcomes
+
+
+def _walk(draft: Draft, own: list[int], accepted: list[bool] | None = None) -> list[int]:
+    """The new tokens: from the last verified token, the first child of the node reached that is ``accepted``
+    (default: greedy's, the child whose token is the target's ``own`` after its parent), until none is; then the
+    target's own token after that node. ``own``: ``[n + 1]``, after each node."""
+    if not len(draft):
+        return [own[0]]
+    tokens, children = draft.tokens.tolist(), draft.children()
+    if accepted is None:
+        accepted = [token == own[parent + 1] for token, parent in zip(tokens, draft.parent_list())]
     new, node = [], -1
     while (child := next((c for c in children[node + 1] if accepted[c]), None)) is not None:
         new.append(tokens[child])

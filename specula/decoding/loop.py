@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from transformers import StoppingCriteriaList
 
-from ..core.acceptance import accept_draft
+from ..core.acceptance import accept_draft, accept_drafts
 from ..core.draft import Draft
 from ..core.sampling import Sampling
 from ..core.sequence import Sequence
@@ -106,26 +106,26 @@ def propose(
     """A pass's first half: each row's proposed draft (its proposer's and its prediction's, sized by ``policy``; none
     where not ``asks``), and what of it the pass verifies (trees cut to their first branch where the target
     takes none)."""
-    if not asks:
-        proposed, seconds = [Draft.empty()] * len(rows), [None] * len(rows)
-    else:
-        budgets = policy.budgets([row.policy_state for row in rows], [row.sequence.room - 1 for row in rows])
-        proposed, one_call = (
-            _proposed(proposer, rows, budgets, vocab, batched)
-            if proposer is not None
-            else ([Draft.empty()] * len(rows), 0.0)
-        )
-        proposed = [
-            with_prediction(row.prediction.propose(row.output, budget), draft)
-            if row.prediction is not None and budget > 0
-            else draft
-            for row, draft, budget in zip(rows, proposed, budgets)
-        ]
-        seconds = [one_call if budget > 0 else None for budget in budgets]
-        for row, asked in zip(rows, seconds):
-            row.stats.draft_time_s += asked or 0.0
-        if not takes_trees:  # (trees need their own masks, and no recurrent state)
-            proposed = [draft.chain() for draft in proposed]
+    if not asks:  # (a plain pass: nothing to size)
+        nothing = [Draft.empty()] * len(rows)
+        return nothing, nothing
+    budgets = policy.budgets([row.policy_state for row in rows], [row.sequence.room - 1 for row in rows])
+    proposed, one_call = (
+        _proposed(proposer, rows, budgets, vocab, batched)
+        if proposer is not None
+        else ([Draft.empty()] * len(rows), 0.0)
+    )
+    proposed = [
+        with_prediction(row.prediction.propose(row.output, budget), draft)
+        if row.prediction is not None and budget > 0
+        else draft
+        for row, draft, budget in zip(rows, proposed, budgets)
+    ]
+    seconds = [one_call if budget > 0 else None for budget in budgets]
+    for row, asked in zip(rows, seconds):
+        row.stats.draft_time_s += asked or 0.0
+    if not takes_trees:  # (trees need their own masks, and no recurrent state)
+        proposed = [draft.chain() for draft in proposed]
     picks = policy.trim([row.policy_state for row in rows], proposed, seconds)
     return proposed, [draft.select(tokens) for draft, tokens in zip(proposed, picks)]
 
@@ -480,31 +480,29 @@ class Decoder:
         target's own), the KV cache rolled back past the rest, the policy told."""
         started = time.perf_counter()
         device = self._target.device
-        blocks = [
-            torch.cat([torch.from_numpy(row.sequence.ids[-1:]), draft.tokens]).to(device)
-            for row, draft in zip(rows, sent)
-        ]
+        lengths = [len(draft) + 1 for draft in sent]
+        tokens = np.empty((len(rows), max(lengths)), dtype=np.int64)  # [B, n]: each row's block, its last repeated
+        for b, (row, draft) in enumerate(zip(rows, sent)):
+            tokens[b, 0], tokens[b, 1 : lengths[b]] = row.sequence.ids[-1], draft.tokens.numpy()
+            tokens[b, lengths[b] :] = tokens[b, lengths[b] - 1]
+        on_device = torch.from_numpy(tokens).to(device)  # (one copy)
+        blocks = [on_device[b, :length] for b, length in enumerate(lengths)]
         argmax_only = all(row.sampling.greedy and not row.sampling.processors for row in rows)  # (logits unused)
         keys = self._target.cached_tokens
-        logits = self._target.forward_rows(
-            blocks, [len(block) for block in blocks], [_tree(d) for d in sent], argmax_only
-        )
-        outcomes = [
-            accept_draft(row_logits, draft, row.sampling, self._tokens(row, draft))
-            for row, draft, row_logits in zip(rows, sent, logits)
-        ]
+        logits = self._target.forward_rows(blocks, lengths, [_tree(d) for d in sent], argmax_only)
+        outcomes = accept_drafts(logits, sent, [row.sampling for row in rows], lambda r: self._tokens(rows[r], sent[r]))
         self.passes += 1
         verified = time.perf_counter()
         self._target.keep_rows(
-            [len(tokens) for tokens in outcomes], [_path(draft, tokens) for draft, tokens in zip(sent, outcomes)]
+            [len(new) for new in outcomes], [_path(draft, new) for draft, new in zip(sent, outcomes)]
         )
         # (recurrent state fed again after a rejected draft: a second pass, part of what the pass cost)
         seconds = (time.perf_counter() if self._target.feeds_again else verified) - started
         if not self._target.timed:  # (it calibrated or compiled kernels)
             seconds = None
-        width = max(map(len, blocks))  # (every row is computed this wide)
+        width = max(lengths)  # (every row is computed this wide)
         self.policy.learn(
-            Pass([row.policy_state for row in rows], proposed, sent, outcomes, len(blocks) * width, seconds, keys)
+            Pass([row.policy_state for row in rows], proposed, sent, outcomes, len(rows) * width, seconds, keys)
         )
         self.estimate.record(len(rows), width, seconds, keys)
         if seconds is not None and self._guard is not None:

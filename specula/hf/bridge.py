@@ -10,7 +10,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, StoppingCriteriaList
+from transformers import EosTokenCriteria, GenerationConfig, MaxLengthCriteria, StoppingCriteriaList
 from transformers.cache_utils import CacheLayerMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.streamers import BaseStreamer
@@ -60,6 +60,7 @@ def jobs_of(
     stream where ``row_generators`` gives one) and prediction."""
     batch, width = request.input_ids.shape
     padded = batch == 1 and request.attention_mask is not None
+    stopping_criteria = _beyond_own(stopping_criteria, request)
     return [
         Job(
             request.prompt(b),
@@ -73,6 +74,23 @@ def jobs_of(
         )
         for b in range(batch)
     ]
+
+
+def _beyond_own(criteria: StoppingCriteriaList | None, request: Request) -> StoppingCriteriaList | None:
+    """``criteria`` without those a row's :class:`~specula.core.sequence.Sequence` keeps itself, checked after
+    every token at no cost: ``generate``'s length limit (the row's room ends there) and its EOS ids."""
+    if not criteria:
+        return criteria
+    kept = StoppingCriteriaList(
+        criterion
+        for criterion in criteria
+        if not (type(criterion) is MaxLengthCriteria and criterion.max_length >= request.max_length)
+        and not (
+            type(criterion) is EosTokenCriteria
+            and set(torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist()) <= request.eos_token_ids
+        )
+    )
+    return kept or None
 
 
 def decode(

@@ -75,7 +75,17 @@ def key(device: torch.device, operation: str, *shape: Hashable) -> str:
 
 def store_path() -> Path:
     """Where measurements are kept."""
-    return Path(os.environ.get("SPECULA_CALIBRATIONS") or cache_dir() / FILE)
+    return _store_path(*_where())
+
+
+def _where() -> tuple[str | None, ...]:
+    """What :func:`store_path` follows (read at every pass: cheaper than the path)."""
+    return tuple(map(os.environ.get, ("SPECULA_CALIBRATIONS", "SPECULA_CACHE", "HOME")))
+
+
+@functools.lru_cache(maxsize=8)
+def _store_path(calibrations: str | None, *_: str | None) -> Path:
+    return Path(calibrations or cache_dir() / FILE)
 
 
 class Store:
@@ -161,7 +171,7 @@ def shared() -> Store:
     """This process's store (the file is read on first use; tests point ``$SPECULA_CALIBRATIONS`` elsewhere and call
     :func:`forget`)."""
     global _SHARED
-    if _SHARED is None or _SHARED.path != store_path():
+    if _SHARED is None or _SHARED.path != _store_path(*_where()):
         forget()
         _SHARED = Store()
     return _SHARED

@@ -180,9 +180,11 @@ class RequestAcceptance:
         """Learn from a proposed ``draft`` (sent in full, in part or not at all) and the tokens the step produced:
         from the last verified token on, the children of the node the tokens reached were tried in their order up to
         the one the next token matches (accepted), or all of them (rejected)."""
-        tokens, children = draft.tokens.tolist(), draft.children()
         trials, accepts = self._counts(draft.source)
         self.outcomes += 1
+        if not len(draft):  # (nothing proposed: nothing tried)
+            return
+        tokens, children = draft.tokens.tolist(), draft.children()
         node = -1
         for position, token in enumerate(new_tokens[: self.max_draft]):
             kids = children[node + 1]

@@ -567,18 +567,18 @@ class RaggedRows(CachedModel):
         self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None, argmax_only: bool
     ) -> list[torch.Tensor]:
         """:meth:`forward_rows`, each row's block padded to the longest only."""
-        lengths = torch.tensor(self._block_lengths, device=self.device)  # [B]
-        n = int(lengths.max())
+        lengths = self._block_lengths
+        n = max(lengths)
         starts = self.starts[: self.batch]
-        tokens = torch.stack([torch.cat([b, b[-1:].expand(n - len(b))]) for b in blocks])  # [B, n], padded at the end
+        tokens = _padded_blocks(blocks, n)  # [B, n], padded at the end
         ancestry, depth = ancestry_of(trees or [None] * len(blocks), n, self.device)  # [B, n, n]; [B, n]
         positions = starts[:, None] + depth  # [B, n]
         keys = torch.arange(int(starts.max()) + n, device=self.device)  # every slot a query may see
         mask = block_mask(
             starts, keys, ancestry, depth, positions, self.window, self.attention == "eager", self.dtype, self.mixed
         )
-        first = lengths - torch.tensor(num_logits, device=self.device)  # [B]: first position wanted per row
-        keep = n - int(first.min())
+        first = [length - wanted for length, wanted in zip(lengths, num_logits)]  # [B]: first position wanted
+        keep = n - min(first)
         inputs = {
             "input_ids": tokens,
             self.cache_argument: self.cache,
@@ -736,3 +736,10 @@ def cached_model(
     if slots > 1 or trees or compiled:
         return RaggedRows(model, slots=slots, compiled=compiled, max_width=max_width, **options)
     return OneSequence(model, positions=positions, attention_mask=attention_mask, **options)
+
+
+def _padded_blocks(blocks: list[torch.Tensor], n: int) -> torch.Tensor:
+    """``[B, n]``: each block padded at the end with its last token."""
+    if all(len(block) == n for block in blocks):
+        return torch.stack(blocks)
+    return torch.stack([torch.cat([b, b[-1:].expand(n - len(b))]) for b in blocks])

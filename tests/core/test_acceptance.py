@@ -9,9 +9,11 @@ import torch
 from helpers import chi_square_p_value
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import LogitsProcessor
 
 import specula
-from specula.core.acceptance import accept_draft, acceptance_probability, residual_distribution
+from specula.core.acceptance import accept_draft, accept_drafts, acceptance_probability, residual_distribution
+from specula.core.sampling import Sampling
 
 
 def output_distribution(p: torch.Tensor, q: torch.Tensor, accept_probability=acceptance_probability) -> torch.Tensor:
@@ -134,3 +136,57 @@ def test_zero_probability_corner_cases() -> None:
     p = top2.probs(logits[:1])
     assert all(len(accept_draft(logits, specula.Draft([0], p), top2)) == 2 for _ in range(50))
     assert all(accept_draft(logits, specula.Draft([1], p), top2)[:1] == [1] for _ in range(50))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_pass_accepts_each_row_as_accept_draft_does(data) -> None:
+    """``accept_drafts`` (a pass's rows, the greedy ones without processors sharing one argmax) gives each row what
+    ``accept_draft`` gives it alone: chains and trees of any length, greedy with and without processors, sampled."""
+    vocab, rows = 6, data.draw(st.integers(1, 5))
+    kinds = data.draw(st.lists(st.sampled_from(["greedy", "processed", "sampled"]), min_size=rows, max_size=rows))
+    drafts, logits, samplings = [], [], []
+    for kind in kinds:
+        tree = data.draw(st.booleans())  # (a tree's tokens distinct: no two siblings alike)
+        tokens = data.draw(st.lists(st.integers(0, vocab - 1), max_size=5, unique=tree))
+        parents = [data.draw(st.integers(-1, i - 1)) for i in range(len(tokens))] if tree else None
+        drafts.append(specula.Draft(tokens, parents=parents))
+        # near-ties in each row's logits, so a wrong row's argmax would differ
+        logits.append(
+            torch.tensor(
+                data.draw(
+                    st.lists(
+                        st.lists(st.integers(0, 3), min_size=vocab, max_size=vocab),
+                        min_size=len(tokens) + 1,
+                        max_size=len(tokens) + 1,
+                    )
+                ),
+                dtype=torch.float32,
+            )
+        )
+        processors = [] if kind == "greedy" else [_FavourFirst()]
+        samplings.append(
+            Sampling(
+                do_sample=kind == "sampled",
+                processors=processors,
+                generator=torch.Generator().manual_seed(len(samplings)),
+            )
+        )
+
+    def tokens(row: int) -> torch.Tensor:  # [1, length + len(draft)]: what the processors read
+        return torch.cat([torch.zeros(3, dtype=torch.long), drafts[row].tokens])[None]
+
+    alone = []
+    for row in range(rows):
+        samplings[row].generator.manual_seed(row)
+        alone.append(accept_draft(logits[row], drafts[row], samplings[row], tokens(row)))
+    for row in range(rows):
+        samplings[row].generator.manual_seed(row)
+    assert accept_drafts(logits, drafts, samplings, tokens) == alone
+
+
+class _FavourFirst(LogitsProcessor):
+    """A processor that changes the argmax (token 0 raised): rows it processes must not take the raw logits'."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores + 2.5 * (torch.arange(scores.shape[-1]) == 0)

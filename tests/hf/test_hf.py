@@ -97,6 +97,19 @@ def test_stop_strings_end_the_output_where_model_generate_ends_it() -> None:
     assert direct.sequences.tolist() == expected.tolist()
 
 
+def test_rows_check_only_the_criteria_their_sequence_does_not_keep_itself() -> None:
+    """``generate``'s own length limit and EOS criteria are what a row's sequence checks itself (at no cost, after
+    every token): a row's job keeps the others (stop strings, a caller's), and an EOS criterion of other ids."""
+    stop = transformers.StopStringCriteria(tiny_tokenizer(), ["zz"])
+    (job,) = specula.prepare_jobs(model(), PROMPT, max_new_tokens=4, eos_token_id=[5], stopping_criteria=[stop])
+    assert list(job.stopping_criteria) == [stop]
+    other_eos = transformers.EosTokenCriteria(eos_token_id=[7])  # (generate's own replaced by it)
+    (job,) = specula.prepare_jobs(model(), PROMPT, max_new_tokens=4, eos_token_id=[5], stopping_criteria=[other_eos])
+    assert list(job.stopping_criteria) == [other_eos]
+    (job,) = specula.prepare_jobs(model(), PROMPT, max_new_tokens=4, eos_token_id=[5])
+    assert job.stopping_criteria is None and job.eos_token_ids == {5}
+
+
 class RecordingStreamer(transformers.generation.BaseStreamer):
     def __init__(self) -> None:
         self.puts: list[list[int]] = []

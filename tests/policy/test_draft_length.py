@@ -462,3 +462,20 @@ def test_sampling_sends_no_drafts_where_passes_cost_more_than_they_gain() -> Non
 def test_fixed_drafts_ask_for_the_room_up_to_the_longest_draft() -> None:
     """adaptive_draft=False asks a proposer without a limit of its own (PromptLookup) for no more than it sends."""
     assert FixedDrafts(8).budgets([None, None, None], [100, 3, 0]) == [8, 3, 0]
+
+
+def test_a_plain_pass_leaves_the_policy_alone() -> None:
+    """A pass that asks no proposer (plain decoding, a due plain pass) sizes nothing: the policy is not consulted,
+    and each row verifies nothing but its last token (host work per row and pass: what a GPU's batches wait on)."""
+
+    class Untouchable(FixedDrafts):
+        def budgets(self, states, room):
+            raise AssertionError("a plain pass asked the policy for budgets")
+
+        def trim(self, states, drafts, draft_seconds):
+            raise AssertionError("a plain pass asked the policy to trim")
+
+    from specula.decoding.loop import propose
+
+    proposed, sent = propose(Untouchable(MAX_DRAFT), None, [object()] * 3, VOCAB, True, True, asks=False)
+    assert [len(draft) for draft in proposed + sent] == [0] * 6
