@@ -140,6 +140,16 @@ class RowArena:
         return 0 if self.pages is None else self.pages.resident()
 
 
+def row_writes(starts: torch.Tensor, n: int, end: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Where a pass of ``n`` tokens a row, rows starting at ``starts`` (``[B]``) and the longest ending at ``end``,
+    writes each row's block: ``(end, rows [B, 1], slots [B, n])``."""
+    return (
+        end,
+        torch.arange(len(starts), device=starts.device)[:, None],
+        starts[:, None] + torch.arange(n, device=starts.device),
+    )
+
+
 class PreallocatedLayer(DynamicLayer):
     """A full-attention cache layer that writes new states into a buffer allocated once, instead of concatenating.
 
@@ -168,6 +178,8 @@ class PreallocatedLayer(DynamicLayer):
         self.rows: int | None = None  # rows in use of a batch's buffers (None: all of them)
         self.sliding_window: int | None = None  # the window of a sliding-window layer it stands for (batches)
         self.row_starts: torch.Tensor | None = None  # [rows]: where each row writes its next block (batches)
+        # a batch pass's writes, made once for all its layers: (its end, rows [B, 1], their slots [B, n])
+        self.row_writes: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self.ceiling: tuple[int, int] | None = None  # (rows, tokens a row) a memory budget holds it to (batches)
         self._pages: dict[str, Pages] = {}  # each buffer's pages, where paged
         self.arena: tuple[RowArena, int] | None = None  # the batch's shared buffer and this layer's place in it
@@ -300,8 +312,12 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
-        starts = self.row_starts
-        end = (self.length if starts is None else int(starts.max())) + n
+        starts, writes = self.row_starts, self.row_writes
+        if writes is None or writes[2].shape[1] != n:  # (made here: one sync with the device per layer)
+            writes = None
+            end = (self.length if starts is None else int(starts.max())) + n
+        else:
+            end = writes[0]
         self._grow(end)
         if self.arena:  # (what attention reads of the rows in use, and where they write)
             at = starts if starts is not None else torch.tensor([self.length])  # [rows]
@@ -312,8 +328,7 @@ class PreallocatedLayer(DynamicLayer):
             self._key_buffer[: len(key_states), :, start:end] = key_states
             self._value_buffer[: len(value_states), :, start:end] = value_states
         else:
-            slots = starts[:, None] + torch.arange(n, device=starts.device)  # [B, n]
-            rows = torch.arange(len(starts), device=starts.device)[:, None]  # [B, 1]
+            _, rows, slots = writes or row_writes(starts, n, end)  # [B, 1], [B, n]
             # (an index_put of these slots only: scatter_ into the whole buffer was far slower, docs/hardware.md)
             self._key_buffer[rows, :, slots] = key_states.transpose(1, 2)  # [B, n, heads, dim]
             self._value_buffer[rows, :, slots] = value_states.transpose(1, 2)

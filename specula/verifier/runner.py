@@ -23,7 +23,14 @@ from ..machine import store
 from ..machine.timing import lower_median, time_pass
 from . import static
 from .adapters import adapter_layers, per_row
-from .cache_layers import PreallocatedHybridLayer, PreallocatedLayer, RowArena, RowPrefill, arena_granule
+from .cache_layers import (
+    PreallocatedHybridLayer,
+    PreallocatedLayer,
+    RowArena,
+    RowPrefill,
+    arena_granule,
+    row_writes,
+)
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
 from .invariant import KEY_BLOCK, STEP_WIDTH, padded_attention
@@ -611,11 +618,25 @@ class RaggedRows(CachedModel):
             self._ordinary((len(blocks), n)) if fast else contextlib.nullcontext(),
             self.stepwise.applied(self.cache, parents) if stepwise else contextlib.nullcontext(),
             per_row(self.adapter_layers, self.adapters[: self.batch]),
+            self._writing(row_writes(starts, n, len(keys))),
         ):
             logits = finish(self.model(**inputs).logits)[:, -keep:]  # [B, keep, vocab]
         self.cached_tokens = len(keys)
         check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")
         return [logits[b, first[b] - (n - keep) : lengths[b] - (n - keep)] for b in range(self.batch)]
+
+    @contextlib.contextmanager
+    def _writing(self, writes: tuple[int, torch.Tensor, torch.Tensor]) -> Iterator[None]:
+        """Within the block, the batch's layers write where ``writes`` says (:func:`row_writes`: made once a pass, not
+        once a layer)."""
+        layers = [layer for layer in self.cache.layers if isinstance(layer, PreallocatedLayer)]
+        for layer in layers:
+            layer.row_writes = writes
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.row_writes = None
 
     def _compiled_pays(
         self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None
