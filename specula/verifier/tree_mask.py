@@ -3,6 +3,8 @@ draft), as attention masks of the model's kind."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -16,6 +18,8 @@ def ancestry_of(trees: list[list[int] | None], n: int, device: torch.device) -> 
     >>> ancestry[0].int().tolist(), depth.tolist()
     ([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], [[0, 1, 1, 2], [0, 1, 2, 3]])
     """
+    if all(tree is None for tree in trees):
+        return _chains(len(trees), n, device)
     ancestry = np.tril(np.ones((n, n), dtype=bool))[None].repeat(len(trees), axis=0)
     depth = np.arange(n)[None].repeat(len(trees), axis=0)
     for b, tree in enumerate(trees):
@@ -25,6 +29,13 @@ def ancestry_of(trees: list[list[int] | None], n: int, device: torch.device) -> 
         for i in range(1, n):  # (only the first token has no parent: -1)
             ancestry[b, i, :i], depth[b, i] = ancestry[b, parents[i], :i], depth[b, parents[i]] + 1
     return torch.from_numpy(ancestry).to(device), torch.from_numpy(depth).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _chains(batch: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ancestry_of` rows that are all chains (made once per shape and device: every plain pass asks)."""
+    ancestry = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return ancestry.expand(batch, n, n), torch.arange(n, device=device).expand(batch, n)
 
 
 def parents_of(trees: list[list[int] | None], n: int) -> list[list[int]]:
