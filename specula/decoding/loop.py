@@ -33,7 +33,14 @@ from ..verifier.packed import packed_for
 from ..verifier.row_exact import is_half_precision, row_exact_for
 from ..verifier.runner import CachedModel, cached_model
 from ..verifier.static import compiles
-from ..verifier.support import UnsupportedModelError, model_device, vocab_size, without_grad
+from ..verifier.support import (
+    UnsupportedModelError,
+    describe,
+    model_device,
+    tokens_meet,
+    vocab_size,
+    without_grad,
+)
 from .budget import CacheBudget
 from .estimate import PlainEstimate
 
@@ -220,6 +227,14 @@ class Decoder:
         compile: bool | None = None,
         budget: CacheBudget | None = None,
     ) -> None:
+        if slots > 1 and (why := tokens_meet(model)):
+            warnings.warn(
+                f"{describe(model)} computes each row of a pass with the other rows' tokens in view ({why}), so a "
+                "batch's rows would decode otherwise than alone: its requests are decoded one at a time, each as "
+                "model.generate decodes it alone.",
+                stacklevel=2,
+            )
+            slots = 1
         self.model, self.slots, self.compile, self.budget = model, slots, compile, budget
         self._waiting: Job | None = None  # (taken from the stream, waiting for the budget's room: first in line)
         self.proposer = None if proposer is None else for_requests(proposer)

@@ -22,7 +22,7 @@ from ..verifier.adapters import BASE, adapters_of
 from ..verifier.exactness import choose
 from ..verifier.row_exact import is_half_precision
 from ..verifier.static import compiles
-from ..verifier.support import context_limit, model_device
+from ..verifier.support import context_limit, model_device, tokens_meet
 from .line_formats import answer_line
 from .requests import Request, encode, model_name, names_model
 
@@ -110,6 +110,8 @@ def batch_size(model, settings: Settings, largest: int = 32) -> int:
     ``largest``), measured once per machine and model and kept (a file of a few requests does not wait for it on
     every run); where the batch size cannot change what a request decodes to, a long run measures it again as it
     goes (:meth:`Answerer.__call__`)."""
+    if tokens_meet(model):  # (its rows decode one at a time: specula.Decoder)
+        return 1
     if settings.batch_size is not None:
         return settings.batch_size
     return kept_batch_size(model, largest)

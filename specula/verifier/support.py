@@ -138,15 +138,20 @@ def cache_argument(model: torch.nn.Module, parameters) -> str:
     return name
 
 
-def check_split_independent(model: torch.nn.Module, cache: DynamicCache, indexers: PerQueryIndexers | None) -> None:
-    """Refuse models for which a pass over several tokens computes something else than one-token steps
-    (``indexers``: a sparse-attention model's, which must select the keys of each query alone)."""
-    reason = _SPLIT_DEPENDENT.get(model.config.model_type)
+def tokens_meet(model: torch.nn.Module) -> str | None:
+    """Why a token's result in ``model``'s passes depends on the pass's other tokens, a batch's rows included (its
+    layers' kind: :data:`_SPLIT_DEPENDENT_LAYERS`), or ``None`` where it does not."""
     for module in model.modules():
         kind = (type(module).__module__.partition(".")[0], type(module).__name__)
         if kind in _SPLIT_DEPENDENT_LAYERS:
-            reason = _SPLIT_DEPENDENT_LAYERS[kind]
-            break
+            return _SPLIT_DEPENDENT_LAYERS[kind]
+    return None
+
+
+def check_split_independent(model: torch.nn.Module, cache: DynamicCache, indexers: PerQueryIndexers | None) -> None:
+    """Refuse models for which a pass over several tokens computes something else than one-token steps
+    (``indexers``: a sparse-attention model's, which must select the keys of each query alone)."""
+    reason = _SPLIT_DEPENDENT.get(model.config.model_type) or tokens_meet(model)
     if indexers is not None and not indexers.covers(model):
         reason = (
             "its sparse attention picks the top-k keys of each query with an indexer specula cannot call one query "
