@@ -16,7 +16,8 @@ class Draft:
     tree of candidate continuations verified in the same pass.
 
     Args:
-        tokens: 1-D token ids (list, numpy array or tensor), at most the ``max_tokens`` the loop asked for.
+        tokens: 1-D token ids (list, numpy array or tensor on any device: kept on the host), at most the
+            ``max_tokens`` the loop asked for.
         probs: ``[len(tokens), vocab_size]`` probabilities the tokens were sampled from, for stochastic drafters;
             ``None`` for deterministic proposers (their ``q`` is one-hot on the token).
         source: a hashable label of how the draft was made (e.g. ``("match", 3)``), for proposers whose drafts
@@ -44,7 +45,7 @@ class Draft:
             if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
                 raise ValueError(f"Draft tokens must be integer token ids, got dtype {tokens.dtype}.")
             tokens = tokens.long()
-        object.__setattr__(self, "tokens", tokens.reshape(-1))
+        object.__setattr__(self, "tokens", tokens.reshape(-1).cpu())
         if self.probs is not None and (self.probs.ndim != 2 or self.probs.shape[0] != len(self)):
             raise ValueError(
                 f"Draft probs must have shape [num_tokens, vocab_size] = [{len(self)}, V], "
