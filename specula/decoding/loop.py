@@ -16,6 +16,7 @@ from transformers import StoppingCriteriaList
 
 from ..core.acceptance import accept_draft, accept_drafts
 from ..core.draft import Draft
+from ..core.logprobs import MAX_TOP, TokenLogprob, token_logprobs
 from ..core.sampling import Sampling
 from ..core.sequence import Sequence
 from ..core.stats import SpecStats
@@ -137,10 +138,16 @@ def propose(
     return proposed, [draft.select(tokens) for draft, tokens in zip(proposed, picks)]
 
 
-def advance(row: "Row", proposer: RequestProposer | None, new_tokens: list[int], sent: Draft) -> list[int]:
-    """A pass's last part for one row: append the tokens it gave the row (``sent`` verified) and tell the proposer
-    what the row's output kept; return those."""
-    kept = row.advance(new_tokens, sent)
+def advance(
+    row: "Row",
+    proposer: RequestProposer | None,
+    new_tokens: list[int],
+    sent: Draft,
+    logprobs: list[TokenLogprob] | None = None,
+) -> list[int]:
+    """A pass's last part for one row: append the tokens it gave the row (``sent`` verified; ``logprobs``: theirs,
+    where its job asks) and tell the proposer what the row's output kept; return those."""
+    kept = row.advance(new_tokens, sent, logprobs)
     if proposer is not None:
         proposer.observe_request(row.request_id, kept, min(len(new_tokens) - 1, len(kept)))
     return kept
@@ -163,6 +170,11 @@ class Job:
     prediction: np.ndarray | None = None  # [P] the tokens it expects back, drafted from (specula.proposers.prediction)
     adapter: str | None = None  # the PEFT adapter its passes take (None: the model's active one; verifier.adapters)
     cancelled: bool = False  # set (from any thread) to end its row after the pass under way: its caller went away
+    logprobs: int | None = None  # each new token's log probability and its k likeliest alternatives (None: not asked)
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP:
+            raise ValueError(f"logprobs must be None or 0-{MAX_TOP} (alternatives listed a token), got {self.logprobs}")
 
 
 class Row:
@@ -177,15 +189,16 @@ class Row:
         self.prediction = None if job.prediction is None else Prediction(job.prediction)
         self.finished = False
         self.started = time.perf_counter()
+        self.logprobs: list[TokenLogprob] = []  # [len(output)] where its job asks for them
 
     @property
     def output(self) -> np.ndarray:
         """The tokens it generated so far (a view)."""
         return self.sequence.ids[len(self.job.prompt) :]
 
-    def advance(self, new_tokens: list[int], sent: Draft) -> list[int]:
-        """Record a pass that verified ``sent`` and produced ``new_tokens`` for this row; return the tokens its
-        output kept."""
+    def advance(self, new_tokens: list[int], sent: Draft, logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Record a pass that verified ``sent`` and produced ``new_tokens`` (``logprobs``: theirs) for this row;
+        return the tokens its output kept."""
         accepted = len(new_tokens) - 1
         alone = len(sent.chain().path(new_tokens[:-1])) if sent.is_tree else None  # its first branch's
         self.stats.record_pass(len(sent), accepted, None if alone is None else accepted - alone)
@@ -194,6 +207,8 @@ class Row:
             self.stats.accepted_prediction_tokens = self.prediction.accepted
             self.stats.rejected_prediction_tokens = self.prediction.rejected
         kept, self.finished = self.sequence.append(new_tokens)
+        if logprobs is not None:
+            self.logprobs += logprobs[: len(kept)]
         self.finished = self.finished or self.job.cancelled
         now = time.perf_counter() - self.started
         if self.stats.passes == 1:
@@ -378,9 +393,8 @@ class Decoder:
         logits = self._target.start_row(index, torch.from_numpy(feed).to(self._target.device), job.adapter)
         self.passes += 1
         nothing = Draft.empty()
-        kept = advance(
-            row, self.proposer, accept_draft(logits, nothing, row.sampling, self._tokens(row, nothing)), nothing
-        )
+        first = accept_draft(logits, nothing, row.sampling, self._tokens(row, nothing))
+        kept = advance(row, self.proposer, first, nothing, _logprobs(job, logits, first, nothing))
         self.prefill_seconds += time.perf_counter() - started
         return row, kept
 
@@ -413,9 +427,9 @@ class Decoder:
                     return
                 started = time.perf_counter()
                 proposed, sent = self._propose(rows)
-                outcomes = self._verify(rows, proposed, sent)
+                outcomes, logprobs = self._verify(rows, proposed, sent)
                 self.pass_seconds += time.perf_counter() - started
-                yield from self._advance(rows, outcomes, sent)
+                yield from self._advance(rows, outcomes, sent, logprobs)
         finally:  # (a run given up keeps no request in the proposer)
             for row in rows:
                 if row is not None and not row.finished:
@@ -490,9 +504,12 @@ class Decoder:
             asks=self.may_draft and not due and not resting,
         )
 
-    def _verify(self, rows: list[Row], proposed: list[Draft], sent: list[Draft]) -> list[list[int]]:
+    def _verify(
+        self, rows: list[Row], proposed: list[Draft], sent: list[Draft]
+    ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """One pass over each row's last token and sent draft: the tokens each row keeps (the accepted drafts and the
-        target's own), the KV cache rolled back past the rest, the policy told."""
+        target's own) and, where its job asks, their log probabilities; the KV cache rolled back past the rest, the
+        policy told."""
         started = time.perf_counter()
         device = self._target.device
         lengths = [len(draft) + 1 for draft in sent]
@@ -502,10 +519,13 @@ class Decoder:
             tokens[b, lengths[b] :] = tokens[b, lengths[b] - 1]
         on_device = torch.from_numpy(tokens).to(device)  # (one copy)
         blocks = [on_device[b, :length] for b, length in enumerate(lengths)]
-        argmax_only = all(row.sampling.greedy and not row.sampling.processors for row in rows)  # (logits unused)
+        argmax_only = all(  # (logits unused but for their argmax)
+            row.sampling.greedy and not row.sampling.processors and row.job.logprobs is None for row in rows
+        )
         keys = self._target.cached_tokens
         logits = self._target.forward_rows(blocks, lengths, [_tree(d) for d in sent], argmax_only)
         outcomes = accept_drafts(logits, sent, [row.sampling for row in rows], lambda r: self._tokens(rows[r], sent[r]))
+        logprobs = [_logprobs(row.job, *made) for row, made in zip(rows, zip(logits, outcomes, sent))]
         self.passes += 1
         verified = time.perf_counter()
         self._target.keep_rows(
@@ -527,12 +547,13 @@ class Decoder:
                 sum(map(len, outcomes)) if width > 1 else None,
                 self.estimate.plain.get(len(rows), []),
             )
-        return outcomes
+        return outcomes, logprobs
 
-    def _advance(self, rows: list[Row | None], outcomes: list[list[int]], sent: list[Draft]):
-        """Append each row's new tokens and yield what its output kept; a finished row frees its slot."""
-        for index, (row, tokens, draft) in enumerate(zip(rows, outcomes, sent)):
-            yield row, advance(row, self.proposer, tokens, draft)
+    def _advance(self, rows: list[Row | None], outcomes: list[list[int]], sent: list[Draft], logprobs: list):
+        """Append each row's new tokens (and their log probabilities) and yield what its output kept; a finished row
+        frees its slot."""
+        for index, (row, tokens, draft, own) in enumerate(zip(rows, outcomes, sent, logprobs)):
+            yield row, advance(row, self.proposer, tokens, draft, own)
             if row.finished:
                 rows[index] = None
                 self._finish(row)
@@ -552,6 +573,16 @@ def _tree(draft: Draft) -> list[int] | None:
     """A tree draft's block layout for the target (block index of each token's parent: the last token, then the
     draft); ``None`` for a chain."""
     return None if draft.parents is None else [-1] + [parent + 1 for parent in draft.parents]
+
+
+def _logprobs(job: Job, logits: torch.Tensor, new_tokens: list[int], sent: Draft) -> list[TokenLogprob] | None:
+    """The log probabilities of a row's ``new_tokens`` where its job asks for them: each read from the pass's
+    ``logits`` (``[len(sent) + 1, vocab]``) at the block position that chose it (a tree's: along its accepted
+    path)."""
+    if job.logprobs is None:
+        return None
+    positions = _path(sent, new_tokens) or list(range(len(new_tokens)))  # (a tree's: the last token, then its path)
+    return token_logprobs(logits[positions[: len(new_tokens)]], new_tokens, job.logprobs)
 
 
 def _path(draft: Draft, new_tokens: list[int]) -> list[int] | None:

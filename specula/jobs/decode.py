@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 from jinja2 import TemplateError
 
+from ..core.logprobs import TokenLogprob
 from ..decoding.budget import CacheBudget, OverBudget
 from ..decoding.driver import finished_rows
 from ..decoding.loop import Decoder, Job, Row, room
@@ -150,7 +151,7 @@ def job_of(model, tokenizer, request: Request, settings: Settings, budget: Cache
     (job,) = prepare_jobs(model, prompt, prediction=request.prediction, tokenizer=tokenizer, **options)
     if budget is not None and (why := budget.refusal(room(job))):
         raise OverBudget(why)
-    job.key, job.adapter = request, adapter_of(request, settings)
+    job.key, job.adapter, job.logprobs = request, adapter_of(request, settings), request.options.get("logprobs")
     return job
 
 
@@ -161,14 +162,39 @@ def answer_of(row: Row, request: Request, tokenizer, settings: Settings) -> dict
     text = tokenizer.decode(output, skip_special_tokens=True)
     ends = [at for at in (text.find(stop) for stop in request.options.get("stop", ())) if at >= 0]
     stopped = bool(ends) or (len(output) > 0 and int(output[-1]) in row.job.eos_token_ids)
+    content = text[: min(ends)] if ends else text
+    listed = row.logprobs[: content_tokens(row, tokenizer, content)] if row.job.logprobs is not None else None
     return answer_line(
         request,
-        text[: min(ends)] if ends else text,
+        content,
         "stop" if stopped else "length",
         len(row.job.prompt),
         _stats(row.stats, row.job.prediction is not None),
         answered_by(request, settings),
+        None if listed is None else logprob_entries(listed, tokenizer),
     )
+
+
+def content_tokens(row: Row, tokenizer, content: str) -> int:
+    """How many of ``row``'s output tokens make ``content`` (a prefix of its text): not the EOS that ended it, nor
+    the tokens of a stop string the text ends before (a token is content where the text before it is shorter)."""
+    output = row.output.tolist()
+    count = len(output) - (len(output) > 0 and output[-1] in row.job.eos_token_ids)
+    while count and len(tokenizer.decode(output[: count - 1], skip_special_tokens=True)) >= len(content):
+        count -= 1
+    return count
+
+
+def logprob_entries(chosen: list[TokenLogprob], tokenizer) -> list[dict]:
+    """Tokens with their log probabilities and alternatives, as OpenAI's chat completions list them (``{"token",
+    "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}``)."""
+    ids = sorted({t.token for t in chosen} | {token for t in chosen for token, _ in t.top})
+    texts = dict(zip(ids, tokenizer.batch_decode([[token] for token in ids])))
+
+    def entry(token: int, logprob: float) -> dict:
+        return {"token": texts[token], "logprob": logprob, "bytes": list(texts[token].encode())}
+
+    return [entry(t.token, t.logprob) | {"top_logprobs": [entry(*pair) for pair in t.top]} for t in chosen]
 
 
 def _stats(stats, predicted: bool) -> dict:

@@ -4,8 +4,9 @@ torch.
 
 specula's own::
 
-    {"id", "text", "finish_reason", "stats": {"new_tokens", "passes", "accepted", "drafted", "seconds", "exact",
-                                              "compiled", ["accepted_prediction_tokens", "rejected_prediction_tokens"]}}
+    {"id", "text", "finish_reason", ["logprobs": [{"token", "logprob", "bytes", "top_logprobs"}]],
+     "stats": {"new_tokens", "passes", "accepted", "drafted", "seconds", "exact", "compiled",
+               ["accepted_prediction_tokens", "rejected_prediction_tokens"]}}
 
 Batch API (specula's stats under the body's ``"specula"``)::
 
@@ -17,17 +18,28 @@ Batch API (specula's stats under the body's ``"specula"``)::
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 
 from .requests import Request, answer_key
 
 
-def answer_line(request: Request, text: str, finish_reason: str, prompt_tokens: int, stats: dict, model: str) -> dict:
+def answer_line(
+    request: Request,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    stats: dict,
+    model: str,
+    logprobs: list[dict] | None = None,
+) -> dict:
     """The line answering ``request`` with ``text`` (``finish_reason``: ``"stop"`` or ``"length"``); ``stats`` are
-    specula's (with the prediction's counts where it had one), ``model`` the loaded model's name."""
+    specula's (with the prediction's counts where it had one), ``model`` the loaded model's name, ``logprobs`` its
+    tokens' where asked (OpenAI's chat completion entries: :func:`choice_logprobs`)."""
     if not request.batch:
-        return {"id": request.id, "text": text, "finish_reason": finish_reason, "stats": stats}
+        line = {"id": request.id, "text": text, "finish_reason": finish_reason}
+        return line | ({} if logprobs is None else {"logprobs": logprobs}) | {"stats": stats}
     chat = request.url == "/v1/chat/completions"
     usage = {
         "prompt_tokens": prompt_tokens,
@@ -41,7 +53,7 @@ def answer_line(request: Request, text: str, finish_reason: str, prompt_tokens: 
     choice = {
         "index": 0,
         **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
-        "logprobs": None,
+        "logprobs": choice_logprobs(request.url, logprobs),
         "finish_reason": finish_reason,
     }
     body = {
@@ -58,6 +70,29 @@ def answer_line(request: Request, text: str, finish_reason: str, prompt_tokens: 
         "custom_id": request.id,
         "response": {"status_code": 200, "request_id": f"req_{uuid.uuid4().hex}", "body": body},
         "error": None,
+    }
+
+
+def choice_logprobs(url: str, entries: list[dict] | None, offset: int = 0) -> dict | None:
+    """A choice's ``"logprobs"`` for ``entries`` (chat completion entries, ``None``: not asked) at endpoint ``url``:
+    ``{"content": entries, "refusal": null}`` for chat; text completions' own shape (``tokens``, ``token_logprobs``,
+    ``top_logprobs``, ``text_offset``, counted from ``offset`` characters), for text.
+
+    >>> entry = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -0.5}]}
+    >>> listed = choice_logprobs("/v1/completions", [entry, entry], offset=3)
+    >>> listed["tokens"], listed["token_logprobs"], listed["top_logprobs"], listed["text_offset"]
+    (['a', 'a'], [-0.5, -0.5], [{'a': -0.5}, {'a': -0.5}], [3, 4])
+    """
+    if entries is None:
+        return None
+    if url == "/v1/chat/completions":
+        return {"content": entries, "refusal": None}
+    offsets = list(itertools.accumulate((len(entry["token"]) for entry in entries), initial=offset))
+    return {
+        "tokens": [entry["token"] for entry in entries],
+        "token_logprobs": [entry["logprob"] for entry in entries],
+        "top_logprobs": [{top["token"]: top["logprob"] for top in entry["top_logprobs"]} for entry in entries],
+        "text_offset": offsets[:-1],
     }
 
 

@@ -41,13 +41,14 @@ SETTINGS = (
     "top_k",
     "min_tokens",
     "repetition_penalty",
+    "logprobs",
+    "top_logprobs",
 )
+TOP_LOGPROBS = {"/v1/chat/completions": 20, "/v1/completions": 5}  # OpenAI's most alternatives a token may list
 # Fields specula honours only at their default (null is the default too), and why it cannot honour another value.
 DEFAULT_ONLY = {
     "n": (1, "specula makes one answer per request; repeat the line (with its own id and seed) for more"),
     "best_of": (1, "specula makes one answer per request"),
-    "logprobs": (False, "specula returns no log probabilities"),
-    "top_logprobs": (0, "specula returns no log probabilities"),
     "echo": (False, "specula returns the answer without its prompt"),
     "suffix": ("", "specula does not insert text before a suffix"),
     "stream": (False, "a file's answers are written whole, not streamed"),
@@ -243,7 +244,7 @@ def _request(fields: dict, number: int, key: object, chat: bool, url: str | None
         _messages(fields["messages"]) if chat else None,
         None if chat else prompt,
         prediction,
-        _options(fields),
+        _options(fields, url),
         fields.get("model"),
         url,
         data,
@@ -288,9 +289,11 @@ def _messages(messages: object) -> list[dict]:
     return chat
 
 
-def _options(fields: dict) -> dict:
-    """The settings a request gives itself (null: not given), checked and normalised."""
+def _options(fields: dict, url: str | None = None) -> dict:
+    """The settings a request gives itself (null: not given), checked and normalised (``logprobs``: how many
+    alternatives each token lists, where asked; ``url``: a Batch API line's endpoint, whose field names they are)."""
     given = {name: fields[name] for name in SETTINGS if fields.get(name) is not None}
+    _logprobs(given, url)
     limits = {name: given.pop(name) for name in ("max_tokens", "max_completion_tokens") if name in given}
     if len(set(map(repr, limits.values()))) > 1:
         raise _Problem(
@@ -321,6 +324,34 @@ def _options(fields: dict) -> dict:
         if not stop:  # (an empty list: no stop string)
             del given["stop"]
     return given
+
+
+def _logprobs(given: dict, url: str | None) -> None:
+    """``given``'s log probability settings as one, ``"logprobs"``: the alternatives each token lists (left out where
+    none are asked for). Text completions ask with ``"logprobs": k``; chat completions and specula's own lines with
+    ``"logprobs": true`` and ``"top_logprobs": k``.
+
+    >>> given = {"logprobs": True, "top_logprobs": 2}; _logprobs(given, None); given
+    {'logprobs': 2}
+    """
+    if url == "/v1/completions":
+        if "top_logprobs" in given:
+            raise _Problem('"top_logprobs" is a chat completions field; text completions ask with "logprobs": k')
+        if "logprobs" in given:
+            given["logprobs"] = _whole("logprobs", given["logprobs"], 0, f" (at most {TOP_LOGPROBS[url]})")
+            if given["logprobs"] > TOP_LOGPROBS[url]:
+                raise _Problem(f'"logprobs" must be at most {TOP_LOGPROBS[url]}, got {given["logprobs"]}')
+        return
+    most = TOP_LOGPROBS["/v1/chat/completions"]
+    asked, top = given.pop("logprobs", False), given.pop("top_logprobs", 0)
+    if not isinstance(asked, bool):
+        raise _Problem(f'"logprobs" must be true or false, got {json.dumps(asked)}')
+    if _whole("top_logprobs", top, 0, f" (at most {most})") > most:
+        raise _Problem(f'"top_logprobs" must be at most {most}, got {top}')
+    if top and not asked:
+        raise _Problem('"top_logprobs" needs "logprobs": true')
+    if asked:
+        given["logprobs"] = top
 
 
 def _whole(name: str, value: object, minimum: int, meaning: str = "") -> int:

@@ -17,14 +17,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
+from ..core.logprobs import TokenLogprob
 from ..decoding.budget import CacheBudget, OverBudget
-from ..jobs.decode import Settings, answer_of, answered_by, job_of, names
+from ..jobs.decode import Settings, answer_of, answered_by, content_tokens, job_of, logprob_entries, names
+from ..jobs.line_formats import choice_logprobs
 from ..jobs.requests import BadRequest, parse_request
 from ..machine.memory import resident_bytes
 from .engine import Engine
@@ -135,14 +138,14 @@ def create_app(
         loop = asyncio.get_running_loop()
         handle = engine.submit(
             job,
-            lambda kept: loop.call_soon_threadsafe(events.put_nowait, kept),
+            lambda kept, logprobs: loop.call_soon_threadsafe(events.put_nowait, Kept(kept, logprobs)),
             lambda row, error: loop.call_soon_threadsafe(events.put_nowait, (row, error)),
         )
         if stream:
             chunks = _chunks(events, handle, parsed, tokenizer, settings, include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
-            while isinstance(event := await _next(events, request, handle), list):
+            while isinstance(event := await _next(events, request, handle), Kept):
                 pass  # (tokens: whole answers wait for the end)
         except asyncio.CancelledError:
             handle.cancel()
@@ -197,8 +200,16 @@ def _param(message: str) -> str | None:
     return found.group(1) if found else None
 
 
+@dataclass(frozen=True)
+class Kept:
+    """An event of a request: the tokens a pass kept for it, and their log probabilities where it asked."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None
+
+
 async def _next(events: asyncio.Queue, request: Request, handle) -> object:
-    """The next event of a request (a list of kept tokens, or its end: ``(row, error)``); a client that went away
+    """The next event of a request (:class:`Kept` tokens, or its end: ``(row, error)``); a client that went away
     cancels it."""
     while True:
         try:
@@ -229,7 +240,14 @@ async def _chunks(
     created = int(time.time())
     stops = parsed.options.get("stop", ())
 
-    def chunk(text: str | None, finish: str | None = None, usage: dict | None = None, first: bool = False) -> str:
+    def chunk(
+        text: str | None,
+        finish: str | None = None,
+        usage: dict | None = None,
+        first: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> str:
+        listed = None if logprobs is None else choice_logprobs(parsed.url, logprob_entries(logprobs, tokenizer), offset)
         choices = (
             []
             if usage is not None
@@ -237,11 +255,11 @@ async def _chunks(
                 {
                     "index": 0,
                     "delta": ({"role": "assistant"} if first else {}) | ({} if text is None else {"content": text}),
-                    "logprobs": None,
+                    "logprobs": listed,
                     "finish_reason": finish,
                 }
                 if chat
-                else {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                else {"index": 0, "text": text or "", "logprobs": listed, "finish_reason": finish}
             ]
         )
         data = {
@@ -254,24 +272,34 @@ async def _chunks(
         return f"data: {json.dumps(data)}\n\n"
 
     ids: list[int] = []
-    sent = ""
+    logprobs: list[TokenLogprob] = []  # (where asked: those of ids)
+    sent, listed = "", 0  # the text sent, and how many tokens' log probabilities
+    offset = 0  # (where a chunk's text starts in the answer: text completions' offsets)
     done = False
     try:
         if chat:
             yield chunk("", first=True)
-        while isinstance(event := await events.get(), list):
-            ids += event
+        while isinstance(event := await events.get(), Kept):
+            ids += event.tokens
+            logprobs += event.logprobs or []
             text = tokenizer.decode(ids, skip_special_tokens=True)
             ready = _ready(text, stops)
             if len(ready) > len(sent):
-                yield chunk(ready[len(sent) :])
-                sent = ready
+                whole = _whole_tokens(tokenizer, ids, ready, text) if event.logprobs is not None else listed
+                offset = len(sent)
+                yield chunk(ready[len(sent) :], logprobs=logprobs[listed:whole] if event.logprobs is not None else None)
+                sent, listed = ready, whole
         done = True
+        row = event[0]
         answer = _answer(event, parsed, tokenizer, settings)["response"]["body"]
         choice = answer["choices"][0]
         final = choice["message"]["content"] if chat else choice["text"]
-        if final.startswith(sent) and len(final) > len(sent):
-            yield chunk(final[len(sent) :])
+        rest = None
+        if row.job.logprobs is not None:
+            rest = row.logprobs[listed : max(listed, content_tokens(row, tokenizer, final))]
+        offset = len(sent)
+        if final.startswith(sent) and (len(final) > len(sent) or rest):
+            yield chunk(final[len(sent) :], logprobs=rest)
         yield chunk(None if chat else "", choice["finish_reason"])
         if include_usage:
             yield chunk(None, usage=answer["usage"])
@@ -282,6 +310,15 @@ async def _chunks(
     finally:
         if not done:  # (the client went away: its row ends after the pass under way)
             handle.cancel()
+
+
+def _whole_tokens(tokenizer, ids: list[int], ready: str, text: str) -> int:
+    """How many of ``ids`` (whose text is ``text``) have their text within ``ready``, a prefix of it."""
+    count = len(ids)
+    while count and len(ready) < len(text):
+        text = tokenizer.decode(ids[: count - 1], skip_special_tokens=True)
+        count -= 1
+    return count
 
 
 def _ready(text: str, stops) -> str:

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from ..core.logprobs import TokenLogprob
 from ..decoding.driver import finished_rows
 from ..decoding.loop import Decoder, Job, Row
 from ..machine.memory import give_back_freed
@@ -26,7 +27,7 @@ class Handle:
     """One request in the engine: its job, and how it is told what its row did (from the engine's thread)."""
 
     job: Job
-    on_tokens: Callable[[list[int]], None]  # the tokens a pass kept for it
+    on_tokens: Callable[[list[int], list[TokenLogprob] | None], None]  # the tokens a pass kept for it (theirs)
     on_done: Callable[[Row | None, BaseException | None], None]  # its finished row, or why it failed
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -53,10 +54,11 @@ class Engine:
     def submit(
         self,
         job: Job,
-        on_tokens: Callable[[list[int]], None],
+        on_tokens: Callable[[list[int], list[TokenLogprob] | None], None],
         on_done: Callable[[Row | None, BaseException | None], None],
     ) -> Handle:
-        """Queue ``job``; ``on_tokens`` and ``on_done`` are called from the engine's thread."""
+        """Queue ``job``; ``on_tokens`` (the tokens a pass kept, and their log probabilities where the job asks) and
+        ``on_done`` are called from the engine's thread."""
         handle = Handle(job, on_tokens, on_done)
         self.submitted += 1
         self._waiting.put(handle)
@@ -107,7 +109,8 @@ class Engine:
     def _tokens(self, row: Row, kept: list[int]) -> None:
         self.tokens += len(kept)
         if kept:
-            self._running[id(row.job)].on_tokens(kept)
+            logprobs = row.logprobs[len(row.logprobs) - len(kept) :] if row.job.logprobs is not None else None
+            self._running[id(row.job)].on_tokens(kept, logprobs)
 
     def _end(self, handle: Handle, row: Row | None, error: BaseException | None) -> None:
         if error is not None:

@@ -35,8 +35,10 @@ def batch_line(custom_id: str, body: dict, url: str = "/v1/chat/completions") ->
     "fields, problem",
     [
         ({"n": 2}, '"n": 2 cannot be honoured: specula makes one answer'),
-        ({"logprobs": True}, '"logprobs": true cannot be honoured'),
-        ({"top_logprobs": 3}, '"top_logprobs": 3 cannot be honoured'),
+        ({"logprobs": 2}, '"logprobs" must be true or false, got 2'),
+        ({"top_logprobs": 3}, '"top_logprobs" needs "logprobs": true'),
+        ({"logprobs": True, "top_logprobs": 21}, '"top_logprobs" must be at most 20, got 21'),
+        ({"logprobs": True, "top_logprobs": -1}, '"top_logprobs" must be a whole number >= 0'),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, '"tools": .* specula does not call tools'),
         ({"tool_choice": "required"}, '"tool_choice": "required" cannot be honoured'),
         ({"response_format": {"type": "json_object"}}, '"response_format": .* does not constrain'),
@@ -98,6 +100,9 @@ def test_a_field_specula_cannot_honour_makes_a_bad_line_naming_it(fields, proble
         ({"prompt": "x", "temprature": 0.5}, 'unknown field "temprature": did you mean "temperature"\\?'),
         (batch_line("a", chat(foo=1)), 'body: unknown field "foo" for /v1/chat/completions'),
         (batch_line("a", chat(min_p=0.1)), 'body: unknown field "min_p"'),
+        (batch_line("a", {"prompt": "x", "logprobs": 6}, "/v1/completions"), '"logprobs" must be at most 5'),
+        (batch_line("a", {"prompt": "x", "logprobs": True}, "/v1/completions"), '"logprobs" must be a whole'),
+        (batch_line("a", {"prompt": "x", "top_logprobs": 2}, "/v1/completions"), '"top_logprobs" is a chat'),
         (batch_line("a", {"prompt": "x", "messages": []}, "/v1/completions"), 'body: unknown field "messages"'),
         (batch_line("a", {"messages": []}, "/v1/completions"), 'a /v1/completions body needs "prompt"'),
         (batch_line("a", chat(), "/v1/embeddings"), '"url" must be one of /v1/chat/completions, /v1/completions'),
@@ -145,6 +150,18 @@ def test_what_a_line_may_carry() -> None:
     )
     assert isinstance(request, Request) and request.batch and request.id == "q" and request.prompt == "x"
     assert request.options == {"seed": 3} and request.model == "my-model"
+    asked = [  # (log probabilities: how many alternatives each token lists, whichever way a line asks)
+        parse_request(line, 1).options
+        for line in (
+            chat(logprobs=True),
+            chat(logprobs=True, top_logprobs=4),
+            chat(logprobs=False, top_logprobs=0),
+            batch_line("c", chat(logprobs=True, top_logprobs=20)),
+            batch_line("t", {"prompt": "x", "logprobs": 5}, "/v1/completions"),
+            batch_line("t", {"prompt": "x", "logprobs": 0}, "/v1/completions"),
+        )
+    ]
+    assert asked == [{"logprobs": 0}, {"logprobs": 4}, {}, {"logprobs": 20}, {"logprobs": 5}, {"logprobs": 0}]
     assert model_name("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
     parts = parse_request(
         {
@@ -205,8 +222,10 @@ def batch_file(model_folder, tmp_path):
     kind in between, one request whose prompt the model cannot take (found only once it is loaded)."""
     model, tokenizer = loading.load_model(model_folder, dtype=torch.float32)
     lines = [
-        json.dumps(batch_line("chat", chat(max_tokens=NEW, model=model_folder.name))),
-        json.dumps(batch_line("text", {"prompt": PROMPT, "max_completion_tokens": NEW}, "/v1/completions")),
+        json.dumps(batch_line("chat", chat(max_tokens=NEW, model=model_folder.name, logprobs=True, top_logprobs=2))),
+        json.dumps(
+            batch_line("text", {"prompt": PROMPT, "max_completion_tokens": NEW, "logprobs": 3}, "/v1/completions")
+        ),
         "not JSON",
         json.dumps(batch_line("n2", chat(n=2))),
         json.dumps(
@@ -273,6 +292,14 @@ def test_a_batch_api_file_is_answered_in_the_batch_api_shape(model_folder, batch
         assert parsed.usage.completion_tokens == body["specula"]["new_tokens"] == NEW
         assert parsed.usage.total_tokens == parsed.usage.prompt_tokens + NEW and parsed.usage.prompt_tokens > 0
         assert parsed.choices[0].finish_reason == "length"
+        listed = parsed.choices[0].logprobs
+        if name == "chat":  # (asked: each token's, with its position's two likeliest)
+            assert len(listed.content) == NEW and all(len(entry.top_logprobs) == 2 for entry in listed.content)
+        elif name == "text":
+            assert len(listed.tokens) == len(listed.token_logprobs) == len(listed.text_offset) == NEW
+            assert all(len(top) <= 3 for top in listed.top_logprobs) and listed.text_offset[0] == 0
+        else:
+            assert listed is None
         details = parsed.usage.completion_tokens_details
         if name == "predicted":
             assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0

@@ -141,12 +141,13 @@ def test_a_stop_string_ends_the_answer_before_it(eager_to_end, tmp_path) -> None
     """OpenAI's "stop": generation stops at the first stop string, and the answer's text ends just before it."""
     model, tokenizer = eager_to_end
     ids = tokenizer(LONG, return_tensors="pt").input_ids
-    whole = tokenizer.decode(
-        reference(model, ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=0, eos_token_id=None),
-        skip_special_tokens=True,
-    )
+    greedy = reference(model, ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=0, eos_token_id=None)
+    whole = tokenizer.decode(greedy, skip_special_tokens=True)
     start = next(i for i in range(3, len(whole)) if whole.index(whole[i : i + 3]) == i)
     stop = whole[start : start + 3]  # (first found after a token or more)
+    ends = [len(tokenizer.decode(greedy[:count])) for count in range(NEW + 1)]  # (the text of the first tokens)
+    first = next(k for k in range(2, NEW - 3) if whole.index(whole[ends[k] : ends[k + 3]]) == ends[k])
+    spanning = whole[ends[first] : ends[first + 3]]  # (a stop string of three whole tokens, first found there)
     folder, eos = tmp_path / "model", model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None  # (saved without one: the stop string ends it)
     try:
@@ -155,9 +156,11 @@ def test_a_stop_string_ends_the_answer_before_it(eager_to_end, tmp_path) -> None
         model.generation_config.eos_token_id = eos
     tokenizer.save_pretrained(folder)
     (tmp_path / "in.jsonl").write_text(
-        json.dumps({"id": "a", "prompt": LONG, "stop": stop, "min_tokens": 0})
+        json.dumps({"id": "a", "prompt": LONG, "stop": stop, "min_tokens": 0, "logprobs": True})
         + "\n"
-        + json.dumps({"id": "b", "prompt": LONG, "stop": ["0123456789"], "min_tokens": 0})
+        + json.dumps({"id": "b", "prompt": LONG, "stop": ["0123456789"], "min_tokens": 0, "logprobs": True})
+        + "\n"
+        + json.dumps({"id": "c", "prompt": LONG, "stop": spanning, "min_tokens": 0, "logprobs": True})
         + "\n"
     )
     cli.main(
@@ -180,9 +183,16 @@ def test_a_stop_string_ends_the_answer_before_it(eager_to_end, tmp_path) -> None
             ]
         ]
     )
-    a, b = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    a, b, c = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert a["text"] == whole[: whole.index(stop)] and a["finish_reason"] == "stop"
     assert b["text"] == whole and b["finish_reason"] == "length"
+    # log probabilities: of every token of b's answer; of a's, only the tokens its text is made of (its text ends
+    # within the last one listed, before the stop string)
+    assert [entry["token"] for entry in b["logprobs"]] == [tokenizer.decode([token]) for token in greedy]
+    listed = len(a["logprobs"])
+    assert a["logprobs"] == b["logprobs"][:listed] and listed < NEW
+    assert len(tokenizer.decode(greedy[: listed - 1])) < len(a["text"]) <= len(tokenizer.decode(greedy[:listed]))
+    assert c["text"] == whole[: ends[first]] and c["logprobs"] == b["logprobs"][:first]  # (the stop's tokens left out)
 
 
 def test_bench_batch_rows_decode_each_prompt_with_its_own_processors(eager_to_end) -> None:

@@ -35,7 +35,9 @@ def submit(engine: Engine, prompt: np.ndarray, cancelled: bool = False):
     """Submit a job; what its callbacks were told: (tokens, (row, error)) once it ended."""
     told: dict = {"tokens": []}
     job = specula.Job(prompt, NEW, cancelled=cancelled)
-    handle = engine.submit(job, told["tokens"].extend, lambda row, error: told.setdefault("end", (row, error)))
+    handle = engine.submit(
+        job, lambda kept, logprobs: told["tokens"].extend(kept), lambda row, error: told.setdefault("end", (row, error))
+    )
     return handle, told
 
 

@@ -119,6 +119,28 @@ def reference(model_folder):
     return generate
 
 
+@pytest.fixture(scope="module")
+def reference_logprobs(model_folder):
+    """``model.generate``'s new tokens for a request (as text) with their log probabilities (fp32, greedy)."""
+    model, tokenizer = loading.load_model(model_folder, dtype=torch.float32)
+
+    def generate(request: dict, max_tokens: int = MAX_TOKENS) -> list[tuple[str, float]]:
+        ids = encode(tokenizer, request)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+        tokens = out.sequences[0, ids.shape[1] :].tolist()
+        return [(tokenizer.decode([token]), logprobs[at, token].item()) for at, token in enumerate(tokens)]
+
+    return generate
+
+
 def health(url: str) -> dict:
     with urllib.request.urlopen(f"{url}/health", timeout=10) as answer:
         return json.load(answer)
@@ -184,6 +206,40 @@ def test_streamed_chunks_join_to_the_answer(client, name) -> None:
     assert streamed[-1].choices[0].finish_reason == cut.choices[0].finish_reason == "stop"
 
 
+def test_log_probabilities_are_the_models_own_whole_and_streamed(client, name, reference_logprobs) -> None:
+    messages = chat(PROMPTS[1])
+    expected = reference_logprobs({"messages": messages})
+    whole = client.chat.completions.create(model=name, messages=messages, temperature=0, logprobs=True, top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    assert [entry.token for entry in content] == [token for token, _ in expected]
+    assert all(abs(entry.logprob - logprob) < 1e-4 for entry, (_, logprob) in zip(content, expected))
+    assert all(bytes(entry.bytes).decode() == entry.token for entry in content)
+    for entry in content:  # (the token itself is among its position's two likeliest, or below both)
+        first, second = entry.top_logprobs
+        assert first.logprob >= second.logprob and first.logprob >= entry.logprob - 1e-6
+        assert entry.token in (first.token, second.token) or entry.logprob <= second.logprob + 1e-6
+    streamed = client.chat.completions.create(
+        model=name, messages=messages, temperature=0, logprobs=True, top_logprobs=2, stream=True
+    )
+    pieces = [
+        entry for chunk in streamed for choice in chunk.choices if choice.logprobs for entry in choice.logprobs.content
+    ]
+    assert [(entry.token, entry.logprob) for entry in pieces] == [(entry.token, entry.logprob) for entry in content]
+    assert client.chat.completions.create(model=name, messages=messages, temperature=0).choices[0].logprobs is None
+    text = client.completions.create(model=name, prompt=PROMPTS[1], temperature=0, max_tokens=5, logprobs=1)
+    listed = text.choices[0].logprobs
+    expected = reference_logprobs({"prompt": PROMPTS[1]}, max_tokens=5)
+    assert listed.tokens == [token for token, _ in expected] and len(listed.top_logprobs) == 5
+    assert all(abs(got - logprob) < 1e-4 for got, (_, logprob) in zip(listed.token_logprobs, expected))
+    assert listed.text_offset == [sum(map(len, listed.tokens[:at])) for at in range(5)]
+    chunks = list(
+        client.completions.create(model=name, prompt=PROMPTS[1], temperature=0, max_tokens=5, logprobs=1, stream=True)
+    )
+    assert [token for chunk in chunks if chunk.choices[0].logprobs for token in chunk.choices[0].logprobs.tokens] == (
+        listed.tokens
+    )
+
+
 def test_a_prediction_is_verified_and_counted(client, name) -> None:
     expected = client.chat.completions.create(model=name, messages=chat(PROMPTS[0]), temperature=0, max_tokens=48)
     predicted = client.chat.completions.create(
@@ -215,7 +271,7 @@ def test_concurrent_clients_each_get_their_own_answer(client, name, reference) -
     "body, param",
     [
         ({"messages": chat("hi"), "n": 2}, "n"),
-        ({"messages": chat("hi"), "logprobs": True}, "logprobs"),
+        ({"messages": chat("hi"), "top_logprobs": 2}, "top_logprobs"),
         ({"messages": chat("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
