@@ -11,12 +11,14 @@ from typing import Literal
 
 import torch
 from jinja2 import TemplateError
+from transformers import LogitsProcessorList
 
 from ..core.logprobs import TokenLogprob
 from ..decoding.budget import CacheBudget, OverBudget
 from ..decoding.driver import finished_rows
 from ..decoding.loop import Decoder, Job, Row, room
 from ..hf.generate import prepare_jobs
+from ..hf.penalties import PresenceFrequencyPenalty
 from ..machine.memory import spare_bytes
 from ..policy.batch_size import fastest_batch_size, kept_batch_size
 from ..verifier.adapters import BASE, adapters_of
@@ -148,6 +150,9 @@ def job_of(model, tokenizer, request: Request, settings: Settings, budget: Cache
             del options["max_new_tokens"]
         else:
             options["max_new_tokens"] = max(limit - prompt.shape[1], 1)
+    penalties = {name: request.options.get(f"{name}_penalty", 0) for name in ("frequency", "presence")}
+    if any(penalties.values()):  # (OpenAI's, over the output: a processor of its own)
+        options["logits_processor"] = LogitsProcessorList([PresenceFrequencyPenalty(prompt.shape[1], **penalties)])
     (job,) = prepare_jobs(model, prompt, prediction=request.prediction, tokenizer=tokenizer, **options)
     if budget is not None and (why := budget.refusal(room(job))):
         raise OverBudget(why)

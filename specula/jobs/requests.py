@@ -41,6 +41,8 @@ SETTINGS = (
     "top_k",
     "min_tokens",
     "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
     "logprobs",
     "top_logprobs",
 )
@@ -58,8 +60,6 @@ DEFAULT_ONLY = {
     "tool_choice": ("none", "specula does not call tools"),
     "function_call": ("none", "specula does not call tools"),
     "response_format": ({"type": "text"}, "specula does not constrain the output to a format"),
-    "frequency_penalty": (0, "specula applies no frequency penalty; repetition_penalty is supported"),
-    "presence_penalty": (0, "specula applies no presence penalty; repetition_penalty is supported"),
     "logit_bias": ({}, "specula applies no logit bias"),
     "modalities": (["text"], "specula answers in text"),
     "audio": (None, "specula answers in text"),
@@ -316,6 +316,11 @@ def _options(fields: dict, url: str | None = None) -> dict:
         raise _Problem(f'"top_p" must be a number in (0, 1], got {given["top_p"]!r}')
     if "repetition_penalty" in given and not _number(given["repetition_penalty"]) > 0:
         raise _Problem(f'"repetition_penalty" must be a number > 0 (1: none), got {given["repetition_penalty"]!r}')
+    for name in ("frequency_penalty", "presence_penalty"):
+        if name in given and not -2 <= _number(given[name]) <= 2:
+            raise _Problem(f'"{name}" must be a number from -2 to 2 (0: none), got {json.dumps(given[name])}')
+        if given.get(name) == 0:
+            del given[name]
     if "stop" in given:
         stop = [given["stop"]] if isinstance(given["stop"], str) else given["stop"]
         if not isinstance(stop, list) or not all(isinstance(text, str) and text for text in stop):

@@ -43,8 +43,8 @@ def batch_line(custom_id: str, body: dict, url: str = "/v1/chat/completions") ->
         ({"tool_choice": "required"}, '"tool_choice": "required" cannot be honoured'),
         ({"response_format": {"type": "json_object"}}, '"response_format": .* does not constrain'),
         ({"stream": True}, '"stream": true cannot be honoured: a file'),
-        ({"frequency_penalty": 0.5}, '"frequency_penalty": 0.5 .* repetition_penalty is supported'),
-        ({"presence_penalty": -1}, '"presence_penalty": -1'),
+        ({"frequency_penalty": 2.5}, '"frequency_penalty" must be a number from -2 to 2 \\(0: none\\), got 2.5'),
+        ({"presence_penalty": "high"}, '"presence_penalty" must be a number from -2 to 2'),
         ({"logit_bias": {"5": 10}}, '"logit_bias"'),
         ({"echo": True}, '"echo": true'),
         ({"temperature": -1}, '"temperature" must be a number >= 0'),
@@ -381,5 +381,16 @@ def test_ray_workers_answer_a_batch_api_file_as_a_local_run_does(model_folder, b
     assert [line["custom_id"] for line in distributed] == [line["custom_id"] for line in local]
     for got, line in zip(distributed, local):
         assert got["error"] == line["error"] or got["error"]["message"] == line["error"]["message"]
-        if line["error"] is None:
-            assert got["response"]["body"]["choices"] == line["response"]["body"]["choices"]
+        if line["error"] is None:  # (log probabilities of the same tokens, from passes of other batches: fp32 rounding)
+            assert alike(got["response"]["body"]["choices"], line["response"]["body"]["choices"])
+
+
+def alike(one: object, other: object) -> bool:
+    """Equal JSON values, but for floats within 1e-4 of each other."""
+    if isinstance(one, float) or isinstance(other, float):
+        return abs(one - other) <= 1e-4
+    if isinstance(one, dict) and isinstance(other, dict):
+        return one.keys() == other.keys() and all(alike(one[key], other[key]) for key in one)
+    if isinstance(one, list) and isinstance(other, list):
+        return len(one) == len(other) and all(map(alike, one, other))
+    return one == other

@@ -10,9 +10,11 @@ import json
 import pytest
 import torch
 from tiny_models import tiny_model, tiny_tokenizer
+from transformers import LogitsProcessorList
 
 import specula
 from specula import cli
+from specula.hf.penalties import PresenceFrequencyPenalty
 from specula.tools import bench
 
 NEW = 12
@@ -93,6 +95,11 @@ def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) ->
             None,
         ),
         ({"prompt": LONG, "min_tokens": 0}, {"do_sample": False, "min_new_tokens": 0}, None),
+        (  # (OpenAI's penalties over the output: model.generate with the processor that applies them)
+            {"prompt": LONG, "frequency_penalty": 2, "presence_penalty": 1.5},
+            {"do_sample": False, "penalties": (2.0, 1.5)},
+            None,
+        ),
         (
             {"prompt": SHORT, "max_completion_tokens": 3, "top_k": -1, "temperature": 0.5, "seed": 5},
             {"do_sample": True, "max_new_tokens": 3, "temperature": 0.5, "top_k": 0},
@@ -130,6 +137,11 @@ def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) ->
     assert [answer["id"] for answer in answers] == list(range(len(lines)))
     for (line, settings, seed), answer in zip(lines, answers):
         ids = tokenizer(line["prompt"], return_tensors="pt").input_ids
+        if "penalties" in settings:
+            settings = dict(settings)
+            processor = PresenceFrequencyPenalty(ids.shape[1], *settings.pop("penalties"))
+            settings["logits_processor"] = LogitsProcessorList([processor])
+            assert answer["text"] != answers[1]["text"]  # (they change this answer)
         tokens = reference(model, ids, seed, **{"max_new_tokens": NEW, **settings})
         assert answer["text"] == tokenizer.decode(tokens, skip_special_tokens=True), line
         assert answer["stats"]["new_tokens"] == len(tokens)
