@@ -25,7 +25,7 @@ from ..verifier.adapters import BASE, adapters_of
 from ..verifier.exactness import choose
 from ..verifier.row_exact import is_half_precision
 from ..verifier.static import compiles
-from ..verifier.support import context_limit, model_device, tokens_meet
+from ..verifier.support import context_limit, model_device, tokens_meet, vocab_size
 from .line_formats import answer_line
 from .requests import Request, encode, model_name, names_model
 
@@ -75,6 +75,12 @@ def generate_options(request: Request, settings: Settings, device: torch.device 
         # each request its own random stream, so that its answer does not depend on its batch-mates
         **({} if seed is None else {"generator": [torch.Generator(device).manual_seed(seed)]}),
         **{renamed[name]: value for name, value in own.items() if name in renamed},
+        # OpenAI's logit bias, per token: transformers' bias of one-token sequences
+        **(
+            {"sequence_bias": {(token,): bias for token, bias in own["logit_bias"].items()}}
+            if "logit_bias" in own
+            else {}
+        ),
     }
 
 
@@ -143,6 +149,11 @@ def job_of(model, tokenizer, request: Request, settings: Settings, budget: Cache
     ``ValueError`` (or the chat template's ``TemplateError``) where it cannot be decoded, such as a prompt longer
     than the model's context, or one whose cache would not fit ``budget`` even alone."""
     device = model_device(model)
+    outside = [token for token in request.options.get("logit_bias", ()) if token >= vocab_size(model)]
+    if outside:  # (transformers would find it at the first pass, in the middle of a batch)
+        raise ValueError(
+            f'"logit_bias" names token ids outside the model\'s vocabulary of {vocab_size(model)}: {outside[:5]}'
+        )
     prompt, options = encode(tokenizer, request).to(device), generate_options(request, settings, device)
     if options["max_new_tokens"] is None:  # (the rest of the context; a prompt that fills it is refused below)
         limit = context_limit(model)

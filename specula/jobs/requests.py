@@ -43,6 +43,7 @@ SETTINGS = (
     "repetition_penalty",
     "frequency_penalty",
     "presence_penalty",
+    "logit_bias",
     "logprobs",
     "top_logprobs",
 )
@@ -60,7 +61,6 @@ DEFAULT_ONLY = {
     "tool_choice": ("none", "specula does not call tools"),
     "function_call": ("none", "specula does not call tools"),
     "response_format": ({"type": "text"}, "specula does not constrain the output to a format"),
-    "logit_bias": ({}, "specula applies no logit bias"),
     "modalities": (["text"], "specula answers in text"),
     "audio": (None, "specula answers in text"),
     "reasoning_effort": (None, "specula does not reason apart from its answer"),
@@ -321,6 +321,10 @@ def _options(fields: dict, url: str | None = None) -> dict:
             raise _Problem(f'"{name}" must be a number from -2 to 2 (0: none), got {json.dumps(given[name])}')
         if given.get(name) == 0:
             del given[name]
+    if "logit_bias" in given:
+        given["logit_bias"] = _logit_bias(given["logit_bias"])
+        if not given["logit_bias"]:
+            del given["logit_bias"]
     if "stop" in given:
         stop = [given["stop"]] if isinstance(given["stop"], str) else given["stop"]
         if not isinstance(stop, list) or not all(isinstance(text, str) and text for text in stop):
@@ -357,6 +361,20 @@ def _logprobs(given: dict, url: str | None) -> None:
         raise _Problem('"top_logprobs" needs "logprobs": true')
     if asked:
         given["logprobs"] = top
+
+
+def _logit_bias(bias: object) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids, as JSON's string keys, to a number from -100 to 100 added to the token's
+    logit) with whole-number keys.
+
+    >>> _logit_bias({"50256": -100, "7": 2.5})
+    {50256: -100.0, 7: 2.5}
+    """
+    if not isinstance(bias, dict) or not all(key.isdigit() for key in bias):
+        raise _Problem(f'"logit_bias" must map token ids (as strings) to numbers, got {json.dumps(bias)[:60]}')
+    if not all(-100 <= _number(value) <= 100 for value in bias.values()):
+        raise _Problem(f'"logit_bias" values must be numbers from -100 to 100, got {json.dumps(bias)[:60]}')
+    return {int(key): float(value) for key, value in bias.items()}
 
 
 def _whole(name: str, value: object, minimum: int, meaning: str = "") -> int:

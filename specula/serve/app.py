@@ -132,8 +132,9 @@ def create_app(
             job = await run_in_threadpool(job_of, model, tokenizer, parsed, settings, budget)
         except OverBudget as error:
             raise HTTPError(400, str(error), "max_tokens") from None
-        except (ValueError, TemplateError) as error:  # (a prompt longer than the context, a template's refusal)
-            raise HTTPError(400, str(error), "messages" if parsed.messages is not None else "prompt") from None
+        except (ValueError, TemplateError) as error:  # (a prompt longer than the context, a template's refusal ...)
+            field = _param(str(error)) or ("messages" if parsed.messages is not None else "prompt")
+            raise HTTPError(400, str(error), field) from None
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         handle = engine.submit(

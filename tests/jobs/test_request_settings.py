@@ -100,6 +100,11 @@ def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) ->
             {"do_sample": False, "penalties": (2.0, 1.5)},
             None,
         ),
+        (  # (OpenAI's logit bias: transformers' sequence bias of one-token sequences)
+            {"prompt": LONG, "logit_bias": {"7": 100, "8": -0.5}},
+            {"do_sample": False, "sequence_bias": {(7,): 100.0, (8,): -0.5}},
+            None,
+        ),
         (
             {"prompt": SHORT, "max_completion_tokens": 3, "top_k": -1, "temperature": 0.5, "seed": 5},
             {"do_sample": True, "max_new_tokens": 3, "temperature": 0.5, "top_k": 0},
@@ -137,11 +142,12 @@ def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) ->
     assert [answer["id"] for answer in answers] == list(range(len(lines)))
     for (line, settings, seed), answer in zip(lines, answers):
         ids = tokenizer(line["prompt"], return_tensors="pt").input_ids
+        if "penalties" in settings or "sequence_bias" in settings:
+            assert answer["text"] != answers[1]["text"]  # (they change this answer)
         if "penalties" in settings:
             settings = dict(settings)
             processor = PresenceFrequencyPenalty(ids.shape[1], *settings.pop("penalties"))
             settings["logits_processor"] = LogitsProcessorList([processor])
-            assert answer["text"] != answers[1]["text"]  # (they change this answer)
         tokens = reference(model, ids, seed, **{"max_new_tokens": NEW, **settings})
         assert answer["text"] == tokenizer.decode(tokens, skip_special_tokens=True), line
         assert answer["stats"]["new_tokens"] == len(tokens)

@@ -281,6 +281,7 @@ def test_concurrent_clients_each_get_their_own_answer(client, name, reference) -
         ({"messages": chat("hi"), "model": "gpt-4o"}, "model"),
         ({"messages": chat("hi"), "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": chat("word " * 600)}, "messages"),
+        ({"messages": chat("hi"), "logit_bias": {"5": 1, "100000": 2}}, "logit_bias"),
     ],
 )
 def test_a_bad_request_is_a_400_naming_the_field_and_the_server_goes_on(server, body, param) -> None:
