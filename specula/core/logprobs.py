@@ -18,11 +18,11 @@ MAX_TOP = 20  # alternatives a token may list (OpenAI's top_logprobs goes up to 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A token's log probability, and the ``top`` likeliest tokens at its position (id, log probability), likeliest
-    first."""
+    """A token's log probability (``None``: a prompt's first token, which nothing before it chose), and the ``top``
+    likeliest tokens at its position (id, log probability), likeliest first."""
 
     token: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -34,6 +34,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     >>> [(t.token, round(t.logprob, 3), t.top[0][0]) for t in token_logprobs(logits, [1, 0], 1)]
     [(1, -0.693, 0), (0, -0.127, 0)]
     """
+    if not tokens:
+        return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
     if top:

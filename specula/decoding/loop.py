@@ -171,10 +171,14 @@ class Job:
     adapter: str | None = None  # the PEFT adapter its passes take (None: the model's active one; verifier.adapters)
     cancelled: bool = False  # set (from any thread) to end its row after the pass under way: its caller went away
     logprobs: int | None = None  # each new token's log probability and its k likeliest alternatives (None: not asked)
+    prompt_logprobs: int | None = None  # ... each prompt token's after its first (vLLM's name)
 
     def __post_init__(self) -> None:
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP:
-            raise ValueError(f"logprobs must be None or 0-{MAX_TOP} (alternatives listed a token), got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_TOP:
+                raise ValueError(
+                    f"{name} must be None or 0-{MAX_TOP} (alternatives listed a token), got {getattr(self, name)}"
+                )
 
 
 class Row:
@@ -190,6 +194,7 @@ class Row:
         self.finished = False
         self.started = time.perf_counter()
         self.logprobs: list[TokenLogprob] = []  # [len(output)] where its job asks for them
+        self.prompt_logprobs: list[TokenLogprob] = []  # [len(prompt)] where its job asks for them (the first: None)
 
     @property
     def output(self) -> np.ndarray:
@@ -390,7 +395,12 @@ class Decoder:
         row.stats.compiled = self._target.compiled is not None
         started = time.perf_counter()
         feed = job.prompt if job.padded is None else job.padded[0]  # (padded: alone, as model.generate feeds it)
-        logits = self._target.start_row(index, torch.from_numpy(feed).to(self._target.device), job.adapter)
+        positions = 1 if job.prompt_logprobs is None else len(job.prompt)  # (whose logits are kept)
+        logits = self._target.start_row(index, torch.from_numpy(feed).to(self._target.device), job.adapter, positions)
+        if job.prompt_logprobs is not None:  # (position i chose prompt token i + 1)
+            first = TokenLogprob(int(job.prompt[0]), None)
+            row.prompt_logprobs = [first, *token_logprobs(logits[:-1], job.prompt[1:].tolist(), job.prompt_logprobs)]
+            logits = logits[-1:]
         self.passes += 1
         nothing = Draft.empty()
         first = accept_draft(logits, nothing, row.sampling, self._tokens(row, nothing))

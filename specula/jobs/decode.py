@@ -164,22 +164,37 @@ def job_of(model, tokenizer, request: Request, settings: Settings, budget: Cache
     penalties = {name: request.options.get(f"{name}_penalty", 0) for name in ("frequency", "presence")}
     if any(penalties.values()):  # (OpenAI's, over the output: a processor of its own)
         options["logits_processor"] = LogitsProcessorList([PresenceFrequencyPenalty(prompt.shape[1], **penalties)])
-    (job,) = prepare_jobs(model, prompt, prediction=request.prediction, tokenizer=tokenizer, **options)
+    empty = options.get("max_new_tokens") == 0  # (echo's: the prompt alone; generate() makes a token at least)
+    (job,) = prepare_jobs(
+        model,
+        prompt,
+        prediction=request.prediction,
+        tokenizer=tokenizer,
+        **options | ({"max_new_tokens": 1} if empty else {}),
+    )
+    if empty:
+        job.max_new_tokens = 0
     if budget is not None and (why := budget.refusal(room(job))):
         raise OverBudget(why)
     job.key, job.adapter, job.logprobs = request, adapter_of(request, settings), request.options.get("logprobs")
+    if request.options.get("echo"):  # (its prompt's tokens are listed too: their log probabilities where asked)
+        job.prompt_logprobs = job.logprobs
     return job
 
 
 def answer_of(row: Row, request: Request, tokenizer, settings: Settings) -> dict:
-    """The answer line of ``request``'s finished row: its text ends before a stop string (OpenAI's ``stop``), and it
-    finished for a ``"stop"`` (EOS, a stop string) or for its ``"length"``."""
+    """The answer line of ``request``'s finished row: its text ends before a stop string (OpenAI's ``stop``), after
+    its prompt where it asks for ``echo``, and it finished for a ``"stop"`` (EOS, a stop string) or for its
+    ``"length"``."""
     output = row.output
     text = tokenizer.decode(output, skip_special_tokens=True)
     ends = [at for at in (text.find(stop) for stop in request.options.get("stop", ())) if at >= 0]
     stopped = bool(ends) or (len(output) > 0 and int(output[-1]) in row.job.eos_token_ids)
     content = text[: min(ends)] if ends else text
     listed = row.logprobs[: content_tokens(row, tokenizer, content)] if row.job.logprobs is not None else None
+    if request.options.get("echo"):  # (a text completion's prompt before its answer, its tokens listed first)
+        content = request.prompt + content
+        listed = None if listed is None else row.prompt_logprobs + listed
     return answer_line(
         request,
         content,
@@ -207,7 +222,7 @@ def logprob_entries(chosen: list[TokenLogprob], tokenizer) -> list[dict]:
     ids = sorted({t.token for t in chosen} | {token for t in chosen for token, _ in t.top})
     texts = dict(zip(ids, tokenizer.batch_decode([[token] for token in ids])))
 
-    def entry(token: int, logprob: float) -> dict:
+    def entry(token: int, logprob: float | None) -> dict:
         return {"token": texts[token], "logprob": logprob, "bytes": list(texts[token].encode())}
 
     return [entry(t.token, t.logprob) | {"top_logprobs": [entry(*pair) for pair in t.top]} for t in chosen]

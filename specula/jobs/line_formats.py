@@ -91,7 +91,10 @@ def choice_logprobs(url: str, entries: list[dict] | None, offset: int = 0) -> di
     return {
         "tokens": [entry["token"] for entry in entries],
         "token_logprobs": [entry["logprob"] for entry in entries],
-        "top_logprobs": [{top["token"]: top["logprob"] for top in entry["top_logprobs"]} for entry in entries],
+        "top_logprobs": [  # (a prompt's first token, with echo: none)
+            None if entry["logprob"] is None else {top["token"]: top["logprob"] for top in entry["top_logprobs"]}
+            for entry in entries
+        ],
         "text_offset": offsets[:-1],
     }
 

@@ -45,6 +45,7 @@ SETTINGS = (
     "presence_penalty",
     "logit_bias",
     "logprobs",
+    "echo",
     "top_logprobs",
 )
 TOP_LOGPROBS = {"/v1/chat/completions": 20, "/v1/completions": 5}  # OpenAI's most alternatives a token may list
@@ -52,7 +53,6 @@ TOP_LOGPROBS = {"/v1/chat/completions": 20, "/v1/completions": 5}  # OpenAI's mo
 DEFAULT_ONLY = {
     "n": (1, "specula makes one answer per request; repeat the line (with its own id and seed) for more"),
     "best_of": (1, "specula makes one answer per request"),
-    "echo": (False, "specula returns the answer without its prompt"),
     "suffix": ("", "specula does not insert text before a suffix"),
     "stream": (False, "a file's answers are written whole, not streamed"),
     "stream_options": ({}, "a file's answers are written whole, not streamed"),
@@ -244,7 +244,7 @@ def _request(fields: dict, number: int, key: object, chat: bool, url: str | None
         _messages(fields["messages"]) if chat else None,
         None if chat else prompt,
         prediction,
-        _options(fields, url),
+        _options(fields, url, chat),
         fields.get("model"),
         url,
         data,
@@ -289,19 +289,27 @@ def _messages(messages: object) -> list[dict]:
     return chat
 
 
-def _options(fields: dict, url: str | None = None) -> dict:
+def _options(fields: dict, url: str | None = None, chat: bool = False) -> dict:
     """The settings a request gives itself (null: not given), checked and normalised (``logprobs``: how many
-    alternatives each token lists, where asked; ``url``: a Batch API line's endpoint, whose field names they are)."""
+    alternatives each token lists, where asked; ``url``: a Batch API line's endpoint, whose field names they are;
+    ``chat``: whether it is a chat)."""
     given = {name: fields[name] for name in SETTINGS if fields.get(name) is not None}
     _logprobs(given, url)
+    if given.get("echo") is not None and not isinstance(given["echo"], bool):
+        raise _Problem(f'"echo" must be true or false, got {json.dumps(given["echo"])}')
+    if given.get("echo") and chat:
+        raise _Problem('"echo" is a text completion\'s field: the answer after its "prompt"; a chat has none')
+    if given.get("echo") is False:  # (the default)
+        del given["echo"]
     limits = {name: given.pop(name) for name in ("max_tokens", "max_completion_tokens") if name in given}
     if len(set(map(repr, limits.values()))) > 1:
         raise _Problem(
             f'"max_tokens" ({limits["max_tokens"]}) and "max_completion_tokens" '
             f"({limits['max_completion_tokens']}) differ; give one"
         )
-    for name, value in limits.items():
-        given["max_tokens"] = _whole(name, value, 1)
+    echo = given.get("echo", False)
+    for name, value in limits.items():  # (0 with echo: the prompt alone, and its log probabilities if asked)
+        given["max_tokens"] = _whole(name, value, 0 if echo else 1, "" if echo else ' (0 only with "echo")')
     if "min_tokens" in given:
         _whole("min_tokens", given["min_tokens"], 0)
         if given["min_tokens"] > given.get("max_tokens", math.inf):

@@ -276,6 +276,7 @@ async def _chunks(
     logprobs: list[TokenLogprob] = []  # (where asked: those of ids)
     sent, listed = "", 0  # the text sent, and how many tokens' log probabilities
     offset = 0  # (where a chunk's text starts in the answer: text completions' offsets)
+    echo = parsed.options.get("echo", False)  # (the answer after its prompt: sent whole at the end)
     done = False
     try:
         if chat:
@@ -285,7 +286,7 @@ async def _chunks(
             logprobs += event.logprobs or []
             text = tokenizer.decode(ids, skip_special_tokens=True)
             ready = _ready(text, stops)
-            if len(ready) > len(sent):
+            if len(ready) > len(sent) and not echo:
                 whole = _whole_tokens(tokenizer, ids, ready, text) if event.logprobs is not None else listed
                 offset = len(sent)
                 yield chunk(ready[len(sent) :], logprobs=logprobs[listed:whole] if event.logprobs is not None else None)
@@ -297,7 +298,9 @@ async def _chunks(
         final = choice["message"]["content"] if chat else choice["text"]
         rest = None
         if row.job.logprobs is not None:
-            rest = row.logprobs[listed : max(listed, content_tokens(row, tokenizer, final))]
+            answered = final[len(parsed.prompt) :] if echo else final
+            rest = row.logprobs[listed : max(listed, content_tokens(row, tokenizer, answered))]
+            rest = row.prompt_logprobs + rest if echo else rest
         offset = len(sent)
         if final.startswith(sent) and (len(final) > len(sent) or rest):
             yield chunk(final[len(sent) :], logprobs=rest)

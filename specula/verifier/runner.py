@@ -171,11 +171,13 @@ class CachedModel(abc.ABC):
         return cache
 
     @abc.abstractmethod
-    def start_row(self, index: int, token_ids: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
+    def start_row(
+        self, index: int, token_ids: torch.Tensor, adapter: str | None = None, positions: int = 1
+    ) -> torch.Tensor:
         """Make row ``index`` (at most the number of rows in use) a new request whose prompt is ``token_ids`` (1-D):
         its prompt is computed alone, as ``model.generate`` computes it, and its states become that row's cache;
         its passes take the PEFT adapter named ``adapter`` (``None``: the active one; :mod:`.adapters`). Returns
-        the logits of its last position (``[1, vocab]``)."""
+        the logits of its last ``positions`` positions (``[positions, vocab]``)."""
 
     @abc.abstractmethod
     def truncate_row(self, index: int, length: int) -> None:
@@ -304,14 +306,16 @@ class OneSequence(CachedModel):
         )
         self.adapter: str | None = None  # the request's PEFT adapter (None: the active one)
 
-    def start_row(self, index: int, token_ids: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
+    def start_row(
+        self, index: int, token_ids: torch.Tensor, adapter: str | None = None, positions: int = 1
+    ) -> torch.Tensor:
         """:meth:`forward` on an emptied cache (``index``: 0)."""
         self.adapter = adapter
         if self.recurrent:  # (a recurrent state cannot be rolled back to nothing: a new one)
             self.cache, self.cached_tokens, self._undo = self._new_cache(), 0, None
         else:
             self.rollback(self.cached_tokens)
-        return self.forward(token_ids, 1)
+        return self.forward(token_ids, positions)
 
     def truncate_row(self, index: int, length: int) -> None:
         self.rollback(self.cached_tokens - length)
@@ -503,7 +507,9 @@ class RaggedRows(CachedModel):
         self.compiled = compiled_passes(self.model, self.cache_argument, self.device)
         self.compile_always = how == ALWAYS
 
-    def start_row(self, index: int, token_ids: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
+    def start_row(
+        self, index: int, token_ids: torch.Tensor, adapter: str | None = None, positions: int = 1
+    ) -> torch.Tensor:
         self.adapters[index] = adapter
         if self.arena is not None:  # (what the request before it in this slot wrote)
             self.arena.release(index)
@@ -516,9 +522,9 @@ class RaggedRows(CachedModel):
         ]
         inputs = {"input_ids": token_ids[None], self.cache_argument: alone, "use_cache": True}
         if self.accepts_logits_to_keep:
-            inputs["logits_to_keep"] = 1
+            inputs["logits_to_keep"] = positions
         with per_row(self.adapter_layers, [adapter]):
-            logits = self.model(**inputs).logits[0, -1:]
+            logits = self.model(**inputs).logits[0, -positions:]
         for layer, computed in zip(self.cache.layers, alone.layers):
             if isinstance(layer, PreallocatedLayer) and not isinstance(computed, RowPrefill):
                 layer.put_row(index, computed.keys, computed.values, self.slots, len(token_ids))

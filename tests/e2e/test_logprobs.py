@@ -86,3 +86,29 @@ def test_a_job_that_does_not_ask_gets_none_and_asking_for_too_many_is_refused() 
     assert decode_all(Decoder(model, None), [job])[0].logprobs == []
     with pytest.raises(ValueError, match="logprobs must be None or 0-20"):
         specula.Job(job.prompt, 4, logprobs=21)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("new", [0, 5])
+def test_a_prompts_log_probabilities_are_the_models_own(slots: int, new: int) -> None:
+    """``Job.prompt_logprobs`` (OpenAI's ``echo`` with ``logprobs``): each prompt token's after the first, from its
+    prefill's logits, alone and in a batch; none new is a prefill alone (what scoring a text asks)."""
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=generator) for n in (13, 21)[:slots]]
+    jobs = []
+    for key, prompt in enumerate(prompts):
+        (job,) = specula.prepare_jobs(model, prompt[None], max_new_tokens=max(new, 1), do_sample=False)
+        job.key, job.max_new_tokens, job.prompt_logprobs = key, new, TOP
+        jobs.append(job)
+    rows = decode_all(Decoder(model, None, slots=slots), jobs)
+    for key, prompt in enumerate(prompts):
+        logprobs = torch.log_softmax(model(prompt[None]).logits[0, :-1].float(), dim=-1)  # [len - 1, vocab]
+        row = rows[key]
+        assert len(row.output) == new and row.stats.new_tokens == new
+        first, *rest = row.prompt_logprobs
+        assert first.token == int(prompt[0]) and first.logprob is None and first.top == ()
+        assert [t.token for t in rest] == prompt[1:].tolist()
+        expected = logprobs[torch.arange(len(prompt) - 1), prompt[1:]]
+        torch.testing.assert_close(torch.tensor([t.logprob for t in rest]), expected, rtol=0, atol=1e-5)
+        assert [[token for token, _ in t.top] for t in rest] == logprobs.topk(TOP, dim=-1).indices.tolist()

@@ -47,14 +47,15 @@ def batch_line(custom_id: str, body: dict, url: str = "/v1/chat/completions") ->
         ({"presence_penalty": "high"}, '"presence_penalty" must be a number from -2 to 2'),
         ({"logit_bias": {"the": 5}}, '"logit_bias" must map token ids \\(as strings\\) to numbers'),
         ({"logit_bias": {"5": 101}}, '"logit_bias" values must be numbers from -100 to 100'),
-        ({"echo": True}, '"echo": true'),
+        ({"echo": True}, '"echo" is a text completion\'s field'),
+        ({"echo": "yes"}, '"echo" must be true or false'),
         ({"temperature": -1}, '"temperature" must be a number >= 0'),
         ({"temperature": "hot"}, '"temperature" must be a number'),
         ({"top_p": 0}, r'"top_p" must be a number in \(0, 1\]'),
         ({"top_p": 1.5}, r'"top_p" must be a number in \(0, 1\]'),
         ({"top_k": -2}, '"top_k" must be a whole number >= -1'),
         ({"max_tokens": 0}, '"max_tokens" must be a whole number >= 1'),
-        ({"max_tokens": "10"}, '"max_tokens" must be a whole number >= 1, got "10"'),
+        ({"max_tokens": "10"}, '"max_tokens" must be a whole number >= 1 \\(0 only with "echo"\\), got "10"'),
         ({"max_completion_tokens": 2.5}, '"max_completion_tokens" must be a whole number'),
         (
             {"max_tokens": 5, "max_completion_tokens": 6},
@@ -163,6 +164,13 @@ def test_what_a_line_may_carry() -> None:
         )
     ]
     assert asked == [{"logprobs": 0}, {"logprobs": 4}, {}, {"logprobs": 20}, {"logprobs": 5}, {"logprobs": 0}]
+    echoed = [  # (echo: a text completion's; none new only with it)
+        parse_request(batch_line("t", {"prompt": "x", "echo": True, "max_tokens": 0}, "/v1/completions"), 1),
+        parse_request({"prompt": "x", "echo": False}, 1),
+        parse_request(batch_line("t", {"prompt": "x", "max_tokens": 0}, "/v1/completions"), 1),
+    ]
+    assert echoed[0].options == {"echo": True, "max_tokens": 0} and echoed[1].options == {}
+    assert '"max_tokens" must be a whole number >= 1 (0 only with "echo")' in str(echoed[2])
     assert model_name("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
     parts = parse_request(
         {

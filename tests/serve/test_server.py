@@ -124,8 +124,13 @@ def reference_logprobs(model_folder):
     """``model.generate``'s new tokens for a request (as text) with their log probabilities (fp32, greedy)."""
     model, tokenizer = loading.load_model(model_folder, dtype=torch.float32)
 
-    def generate(request: dict, max_tokens: int = MAX_TOKENS) -> list[tuple[str, float]]:
+    def generate(request: dict, max_tokens: int = MAX_TOKENS, prompt: bool = False) -> list[tuple[str, float | None]]:
         ids = encode(tokenizer, request)
+        if prompt:  # (the prompt's tokens instead: the first has none)
+            logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+            return [(tokenizer.decode(ids[0, :1]), None)] + [
+                (tokenizer.decode([token]), logprobs[at, token].item()) for at, token in enumerate(ids[0, 1:].tolist())
+            ]
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -240,6 +245,29 @@ def test_log_probabilities_are_the_models_own_whole_and_streamed(client, name, r
     )
 
 
+def test_echo_answers_after_the_prompt_and_lists_its_tokens(client, name, reference_logprobs) -> None:
+    """A text completion with ``echo`` (lm-evaluation-harness scores a text so: ``max_tokens`` 0, ``logprobs``)."""
+    prompted = reference_logprobs({"prompt": PROMPTS[2]}, prompt=True)
+    scored = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == PROMPTS[2] and scored.usage.completion_tokens == 0
+    assert choice.logprobs.tokens == [token for token, _ in prompted] and choice.logprobs.token_logprobs[0] is None
+    assert all(abs(got - want) < 1e-4 for got, (_, want) in zip(choice.logprobs.token_logprobs[1:], prompted[1:]))
+    assert choice.logprobs.top_logprobs[0] is None and all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
+    answered = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=4, echo=True, logprobs=0)
+    plain = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=4)
+    assert answered.choices[0].text == PROMPTS[2] + plain.choices[0].text
+    assert answered.choices[0].logprobs.tokens[: len(prompted)] == choice.logprobs.tokens
+    assert len(answered.choices[0].logprobs.tokens) == len(prompted) + 4
+    streamed = list(
+        client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=4, echo=True, logprobs=0, stream=True)
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed) == answered.choices[0].text
+    assert [t for chunk in streamed if chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.tokens] == (
+        answered.choices[0].logprobs.tokens
+    )
+
+
 def test_a_prediction_is_verified_and_counted(client, name) -> None:
     expected = client.chat.completions.create(model=name, messages=chat(PROMPTS[0]), temperature=0, max_tokens=48)
     predicted = client.chat.completions.create(
@@ -272,6 +300,7 @@ def test_concurrent_clients_each_get_their_own_answer(client, name, reference) -
     [
         ({"messages": chat("hi"), "n": 2}, "n"),
         ({"messages": chat("hi"), "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": chat("hi"), "echo": True}, "echo"),
         ({"messages": chat("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
