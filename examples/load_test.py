@@ -49,7 +49,7 @@ BAD = [
     b"[]",
     b'{"messages": []}',
     b'{"messages": [{"role": "wizard", "content": "hi"}]}',
-    b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}',
     b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}',
 ]
 GB = 1e9

@@ -711,9 +711,9 @@ def test_generate_in_batches_answers_every_good_line_as_alone(model_folder, tmp_
         specula.verifier.runner.CachedModel.forward_rows,
     )
 
-    def recording_start(self, index, token_ids, adapter=None):
+    def recording_start(self, index, token_ids, adapter=None, positions=1):
         starts.append((index, self.batch))  # (the slot it takes, rows in the batch then)
-        return start_row(self, index, token_ids, adapter)
+        return start_row(self, index, token_ids, adapter, positions)
 
     def recording_forward(self, blocks, num_logits, trees=None, argmax_only=False):
         widths.append(len(blocks))

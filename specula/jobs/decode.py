@@ -14,6 +14,7 @@ from jinja2 import TemplateError
 from transformers import LogitsProcessorList
 
 from ..core.logprobs import TokenLogprob
+from ..core.stats import SpecStats
 from ..decoding.budget import CacheBudget, OverBudget
 from ..decoding.driver import finished_rows
 from ..decoding.loop import Decoder, Job, Row, room
@@ -50,9 +51,10 @@ class Settings:
     max_memory: int | None = None  # bytes the cache's keys and values may take (None: a share of what is free)
 
 
-def generate_options(request: Request, settings: Settings, device: torch.device | str) -> dict:
-    """The ``generate()`` arguments that decode ``request``: its own settings (OpenAI's names) over the run's;
-    what neither gives comes from the model's generation config, as in ``model.generate``."""
+def generate_options(request: Request, settings: Settings, device: torch.device | str, choice: int = 0) -> dict:
+    """The ``generate()`` arguments that decode ``request`` (its ``choice``-th answer, of OpenAI's ``n``: drawn
+    from the seed after the first's, where seeded): its own settings (OpenAI's names) over the run's; what neither
+    gives comes from the model's generation config, as in ``model.generate``."""
     own = request.options
     sampling = dict(settings.sampling)
     if "temperature" in own:
@@ -68,6 +70,7 @@ def generate_options(request: Request, settings: Settings, device: torch.device 
     if sampling.get("do_sample") is False:  # (greedy: no sampling settings to warn about)
         sampling = {"do_sample": False}
     seed = own.get("seed", None if settings.seed is None else settings.seed + request.line)
+    seed = None if seed is None else seed + choice
     renamed = {"stop": "stop_strings", "min_tokens": "min_new_tokens", "repetition_penalty": "repetition_penalty"}
     return {
         "max_new_tokens": own.get("max_tokens", settings.max_new_tokens),
@@ -144,17 +147,37 @@ def cache_budget(model, settings: Settings) -> CacheBudget | None:
     return CacheBudget.of(model, limit, bool(compiles(model, settings.compile, choose(model, settings.exact).exact)))
 
 
-def job_of(model, tokenizer, request: Request, settings: Settings, budget: CacheBudget | None = None) -> Job:
-    """The job that decodes ``request`` (its key: the request) with its own settings over the run's; a
-    ``ValueError`` (or the chat template's ``TemplateError``) where it cannot be decoded, such as a prompt longer
-    than the model's context, or one whose cache would not fit ``budget`` even alone."""
+def jobs_of(model, tokenizer, request: Request, settings: Settings, budget: CacheBudget | None = None) -> list[Job]:
+    """The jobs that decode ``request``'s answers (OpenAI's ``n``; keys ``(request, choice)``): one per choice, each
+    its own random stream, or one alone where they would all be the same (greedy); a ``ValueError`` (or the chat
+    template's ``TemplateError``) where it cannot be decoded, such as a prompt longer than the model's context, or
+    one whose cache would not fit ``budget`` even alone."""
+    first = job_of(model, tokenizer, request, settings, budget)
+    if first.sampling.greedy:
+        return [first]
+    return [
+        first,
+        *(job_of(model, tokenizer, request, settings, budget, choice) for choice in range(1, choices(request))),
+    ]
+
+
+def choices(request: Request) -> int:
+    """How many answers ``request`` asks for (OpenAI's ``n``)."""
+    return request.options.get("n", 1)
+
+
+def job_of(
+    model, tokenizer, request: Request, settings: Settings, budget: CacheBudget | None = None, choice: int = 0
+) -> Job:
+    """The job that decodes ``request``'s ``choice``-th answer (its key: ``(request, choice)``) with its own
+    settings over the run's (:func:`jobs_of`)."""
     device = model_device(model)
     outside = [token for token in request.options.get("logit_bias", ()) if token >= vocab_size(model)]
     if outside:  # (transformers would find it at the first pass, in the middle of a batch)
         raise ValueError(
             f'"logit_bias" names token ids outside the model\'s vocabulary of {vocab_size(model)}: {outside[:5]}'
         )
-    prompt, options = encode(tokenizer, request).to(device), generate_options(request, settings, device)
+    prompt, options = encode(tokenizer, request).to(device), generate_options(request, settings, device, choice)
     if options["max_new_tokens"] is None:  # (the rest of the context; a prompt that fills it is refused below)
         limit = context_limit(model)
         if limit is None:  # (a model that states no context: its generation config's length, as model.generate)
@@ -176,16 +199,35 @@ def job_of(model, tokenizer, request: Request, settings: Settings, budget: Cache
         job.max_new_tokens = 0
     if budget is not None and (why := budget.refusal(room(job))):
         raise OverBudget(why)
-    job.key, job.adapter, job.logprobs = request, adapter_of(request, settings), request.options.get("logprobs")
+    job.key, job.adapter, job.logprobs = (
+        (request, choice),
+        adapter_of(request, settings),
+        request.options.get("logprobs"),
+    )
     if request.options.get("echo"):  # (its prompt's tokens are listed too: their log probabilities where asked)
         job.prompt_logprobs = job.logprobs
     return job
 
 
-def answer_of(row: Row, request: Request, tokenizer, settings: Settings) -> dict:
-    """The answer line of ``request``'s finished row: its text ends before a stop string (OpenAI's ``stop``), after
-    its prompt where it asks for ``echo``, and it finished for a ``"stop"`` (EOS, a stop string) or for its
-    ``"length"``."""
+def answer_of(rows: list[Row], request: Request, tokenizer, settings: Settings) -> dict:
+    """The answer line of ``request``'s finished rows, a choice each (one row of a greedy request gives every
+    choice it asks for: :func:`jobs_of`)."""
+    made = [choice_of(row, request, tokenizer) for row in rows] * (choices(request) if len(rows) == 1 else 1)
+    stats = rows[0].stats if len(rows) == 1 else SpecStats.total([row.stats for row in rows], 0, 0.0, 0.0)
+    return answer_line(
+        request,
+        made,
+        len(rows[0].job.prompt),
+        len(made) * stats.new_tokens if len(rows) == 1 else stats.new_tokens,
+        _stats(stats, rows, rows[0].job.prediction is not None),
+        answered_by(request, settings),
+    )
+
+
+def choice_of(row: Row, request: Request, tokenizer) -> dict:
+    """One choice of an answer: its text ends before a stop string (OpenAI's ``stop``), after its prompt where it
+    asks for ``echo``; it finished for a ``"stop"`` (EOS, a stop string) or for its ``"length"``; its tokens' log
+    probabilities where asked."""
     output = row.output
     text = tokenizer.decode(output, skip_special_tokens=True)
     ends = [at for at in (text.find(stop) for stop in request.options.get("stop", ())) if at >= 0]
@@ -195,15 +237,11 @@ def answer_of(row: Row, request: Request, tokenizer, settings: Settings) -> dict
     if request.options.get("echo"):  # (a text completion's prompt before its answer, its tokens listed first)
         content = request.prompt + content
         listed = None if listed is None else row.prompt_logprobs + listed
-    return answer_line(
-        request,
-        content,
-        "stop" if stopped else "length",
-        len(row.job.prompt),
-        _stats(row.stats, row.job.prediction is not None),
-        answered_by(request, settings),
-        None if listed is None else logprob_entries(listed, tokenizer),
-    )
+    return {
+        "text": content,
+        "finish_reason": "stop" if stopped else "length",
+        "logprobs": None if listed is None else logprob_entries(listed, tokenizer),
+    }
 
 
 def content_tokens(row: Row, tokenizer, content: str) -> int:
@@ -228,14 +266,15 @@ def logprob_entries(chosen: list[TokenLogprob], tokenizer) -> list[dict]:
     return [entry(t.token, t.logprob) | {"top_logprobs": [entry(*pair) for pair in t.top]} for t in chosen]
 
 
-def _stats(stats, predicted: bool) -> dict:
-    """An answer's stats; with a prediction, its tokens verified and kept or rejected (OpenAI's names)."""
+def _stats(stats: SpecStats, rows: list[Row], predicted: bool) -> dict:
+    """An answer's stats (``stats``: its rows' together; passes: those they took part in, seconds: until the last
+    finished); with a prediction, its tokens verified and kept or rejected (OpenAI's names)."""
     return {
         "new_tokens": stats.new_tokens,
-        "passes": stats.passes,
+        "passes": sum(row.stats.passes for row in rows),
         "accepted": stats.accepted,
         "drafted": stats.drafted,
-        "seconds": round(stats.wall_time_s, 4),
+        "seconds": round(max(row.stats.wall_time_s for row in rows), 4),
         "exact": None if stats.exactness is None else stats.exactness.exact,
         "compiled": stats.compiled,
     } | (
@@ -265,13 +304,16 @@ class Answerer:
         self.prefill_seconds = 0.0  # what its prefills took, for the summary
         self.exactness = None  # how the last call verified
         self.compiled: str | None = None  # ... and where its passes ran compiled (specula.verifier.static.compiles)
+        self._waiting: dict[int, list[Row | None]] = {}  # by id of a request: its rows, a choice each, as they end
 
-    def _job(self, request: Request) -> Job | None:
+    def _jobs_of(self, request: Request) -> list[Job]:
         try:
-            return job_of(self.model, self.tokenizer, request, self.settings, self.budget)
+            jobs = jobs_of(self.model, self.tokenizer, request, self.settings, self.budget)
         except (ValueError, TemplateError) as error:  # (the chat template's own refusal: roles out of order ...)
             self.on_skip(request, str(error))
-            return None
+            return []
+        self._waiting[id(request)] = [None] * len(jobs)
+        return jobs
 
     def __call__(
         self, requests: Iterable[Request], largest: int = 32, eager: bool = False
@@ -282,7 +324,7 @@ class Answerer:
         every :data:`REMEASURE` requests (what was kept may be out of date for this moment's machine); where it
         changed, the requests in flight finish and the rest go on in batches of the new size. Where the batch size
         changes the answers (ordinary bf16/fp16 verification), the kept one holds for the whole run."""
-        prepared = filter(None, map(self._job, requests))
+        prepared = itertools.chain.from_iterable(map(self._jobs_of, requests))
         if eager:
             prepared = iter(list(prepared))
         measured = self.settings.batch_size is None and not _fixed(self.model, self.settings)
@@ -303,7 +345,12 @@ class Answerer:
             jobs = itertools.chain([first], prepared)
             try:
                 for row in finished_rows(decoder, self._jobs(jobs, largest) if measured else jobs):
-                    yield row.job.key, self._answer(row)
+                    request, choice = row.job.key
+                    rows = self._waiting[id(request)]
+                    rows[choice] = row
+                    if None not in rows:  # (its last choice)
+                        del self._waiting[id(request)]
+                        yield request, answer_of(rows, request, self.tokenizer, self.settings)
             finally:
                 self.sizes.append(self.slots)
                 self.comparisons.append(decoder.plain_comparison())
@@ -315,9 +362,6 @@ class Answerer:
         if not self.comparisons or None in self.comparisons:
             return None
         return sum(plain for plain, _ in self.comparisons) / sum(cost for _, cost in self.comparisons)
-
-    def _answer(self, row: Row) -> dict:
-        return answer_of(row, row.job.key, self.tokenizer, self.settings)
 
     def _jobs(self, prepared: Iterator[Job], largest: int) -> Iterator[Job]:
         """The jobs of ``prepared`` until, measured again after every :data:`REMEASURE` of them, the fastest batch

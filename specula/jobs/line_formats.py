@@ -5,6 +5,7 @@ torch.
 specula's own::
 
     {"id", "text", "finish_reason", ["logprobs": [{"token", "logprob", "bytes", "top_logprobs"}]],
+     (with "n" > 1, "choices": [{"index", "text", "finish_reason", ["logprobs"]}] in place of the first three)
      "stats": {"new_tokens", "passes", "accepted", "drafted", "seconds", "exact", "compiled",
                ["accepted_prediction_tokens", "rejected_prediction_tokens"]}}
 
@@ -26,42 +27,45 @@ from .requests import Request, answer_key
 
 
 def answer_line(
-    request: Request,
-    text: str,
-    finish_reason: str,
-    prompt_tokens: int,
-    stats: dict,
-    model: str,
-    logprobs: list[dict] | None = None,
+    request: Request, choices: list[dict], prompt_tokens: int, completion_tokens: int, stats: dict, model: str
 ) -> dict:
-    """The line answering ``request`` with ``text`` (``finish_reason``: ``"stop"`` or ``"length"``); ``stats`` are
-    specula's (with the prediction's counts where it had one), ``model`` the loaded model's name, ``logprobs`` its
-    tokens' where asked (OpenAI's chat completion entries: :func:`choice_logprobs`)."""
+    """The line answering ``request`` with ``choices`` (each ``{"text", "finish_reason": "stop" or "length",
+    "logprobs": its tokens' where asked, OpenAI's chat completion entries (:func:`choice_logprobs`), else None}``;
+    several where it asked for ``n``); ``completion_tokens`` counts their tokens, ``stats`` are specula's (with the
+    prediction's counts where it had one), ``model`` the loaded model's name."""
     if not request.batch:
-        line = {"id": request.id, "text": text, "finish_reason": finish_reason}
-        return line | ({} if logprobs is None else {"logprobs": logprobs}) | {"stats": stats}
+        own = [
+            {"text": choice["text"], "finish_reason": choice["finish_reason"]}
+            | ({} if choice["logprobs"] is None else {"logprobs": choice["logprobs"]})
+            for choice in choices
+        ]
+        several = request.options.get("n", 1) > 1  # (then a list of them, each with its index)
+        listed = {"choices": [{"index": index} | choice for index, choice in enumerate(own)]} if several else own[0]
+        return {"id": request.id} | listed | {"stats": stats}
     chat = request.url == "/v1/chat/completions"
     usage = {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": stats["new_tokens"],
-        "total_tokens": prompt_tokens + stats["new_tokens"],
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
     if "accepted_prediction_tokens" in stats:  # (OpenAI's names and place for a request with a prediction)
         usage["completion_tokens_details"] = {
             name: stats[name] for name in ("accepted_prediction_tokens", "rejected_prediction_tokens")
         }
-    choice = {
-        "index": 0,
-        **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
-        "logprobs": choice_logprobs(request.url, logprobs),
-        "finish_reason": finish_reason,
-    }
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": [
+            {
+                "index": index,
+                **({"message": {"role": "assistant", "content": choice["text"]}} if chat else {"text": choice["text"]}),
+                "logprobs": choice_logprobs(request.url, choice["logprobs"]),
+                "finish_reason": choice["finish_reason"],
+            }
+            for index, choice in enumerate(choices)
+        ],
         "usage": usage,
         "specula": stats,
     }

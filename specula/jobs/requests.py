@@ -47,12 +47,13 @@ SETTINGS = (
     "logprobs",
     "echo",
     "top_logprobs",
+    "n",
 )
+MAX_CHOICES = 128  # OpenAI's most choices a request may ask for
 TOP_LOGPROBS = {"/v1/chat/completions": 20, "/v1/completions": 5}  # OpenAI's most alternatives a token may list
 # Fields specula honours only at their default (null is the default too), and why it cannot honour another value.
 DEFAULT_ONLY = {
-    "n": (1, "specula makes one answer per request; repeat the line (with its own id and seed) for more"),
-    "best_of": (1, "specula makes one answer per request"),
+    "best_of": (1, "specula ranks no answers: n makes several, each returned"),
     "suffix": ("", "specula does not insert text before a suffix"),
     "stream": (False, "a file's answers are written whole, not streamed"),
     "stream_options": ({}, "a file's answers are written whole, not streamed"),
@@ -307,6 +308,10 @@ def _options(fields: dict, url: str | None = None, chat: bool = False) -> dict:
             f'"max_tokens" ({limits["max_tokens"]}) and "max_completion_tokens" '
             f"({limits['max_completion_tokens']}) differ; give one"
         )
+    if "n" in given and _whole("n", given["n"], 1, f" (at most {MAX_CHOICES})") > MAX_CHOICES:
+        raise _Problem(f'"n" must be at most {MAX_CHOICES}, got {given["n"]}')
+    if given.get("n") == 1:
+        del given["n"]
     echo = given.get("echo", False)
     for name, value in limits.items():  # (0 with echo: the prompt alone, and its log probabilities if asked)
         given["max_tokens"] = _whole(name, value, 0 if echo else 1, "" if echo else ' (0 only with "echo")')

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -26,7 +26,18 @@ from starlette.concurrency import run_in_threadpool
 
 from ..core.logprobs import TokenLogprob
 from ..decoding.budget import CacheBudget, OverBudget
-from ..jobs.decode import Settings, answer_of, answered_by, content_tokens, job_of, logprob_entries, names
+from ..decoding.loop import Row
+from ..jobs.decode import (
+    Settings,
+    answer_of,
+    answered_by,
+    choice_of,
+    choices,
+    content_tokens,
+    jobs_of,
+    logprob_entries,
+    names,
+)
 from ..jobs.line_formats import choice_logprobs
 from ..jobs.requests import BadRequest, parse_request
 from ..machine.memory import resident_bytes
@@ -129,7 +140,7 @@ def create_app(
         if isinstance(parsed, BadRequest):
             raise HTTPError(400, str(parsed), _param(str(parsed)))
         try:
-            job = await run_in_threadpool(job_of, model, tokenizer, parsed, settings, budget)
+            jobs = await run_in_threadpool(jobs_of, model, tokenizer, parsed, settings, budget)
         except OverBudget as error:
             raise HTTPError(400, str(error), "max_tokens") from None
         except (ValueError, TemplateError) as error:  # (a prompt longer than the context, a template's refusal ...)
@@ -137,21 +148,29 @@ def create_app(
             raise HTTPError(400, str(error), field) from None
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        handle = engine.submit(
-            job,
-            lambda kept, logprobs: loop.call_soon_threadsafe(events.put_nowait, Kept(kept, logprobs)),
-            lambda row, error: loop.call_soon_threadsafe(events.put_nowait, (row, error)),
-        )
+        handles = [
+            engine.submit(
+                job,
+                lambda kept, logprobs, index=index: loop.call_soon_threadsafe(
+                    events.put_nowait, Kept(index, kept, logprobs)
+                ),
+                lambda row, error, index=index: loop.call_soon_threadsafe(events.put_nowait, Ended(index, row, error)),
+            )
+            for index, job in enumerate(jobs)
+        ]
         if stream:
-            chunks = _chunks(events, handle, parsed, tokenizer, settings, include_usage)
+            chunks = _chunks(events, handles, parsed, tokenizer, settings, include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
+        rows: list[Row | None] = [None] * len(handles)
         try:
-            while isinstance(event := await _next(events, request, handle), Kept):
-                pass  # (tokens: whole answers wait for the end)
+            while None in rows:
+                if isinstance(event := await _next(events, request, handles), Ended):  # (whole answers wait)
+                    rows[event.job] = _ended(event)
         except asyncio.CancelledError:
-            handle.cancel()
+            for handle in handles:
+                handle.cancel()
             raise
-        return _answer(event, parsed, tokenizer, settings)["response"]["body"]
+        return answer_of(rows, parsed, tokenizer, settings)["response"]["body"]
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -203,117 +222,137 @@ def _param(message: str) -> str | None:
 
 @dataclass(frozen=True)
 class Kept:
-    """An event of a request: the tokens a pass kept for it, and their log probabilities where it asked."""
+    """An event of a request: the tokens a pass kept for its ``job``-th job, and their log probabilities where it
+    asked."""
 
+    job: int
     tokens: list[int]
     logprobs: list[TokenLogprob] | None
 
 
-async def _next(events: asyncio.Queue, request: Request, handle) -> object:
-    """The next event of a request (:class:`Kept` tokens, or its end: ``(row, error)``); a client that went away
-    cancels it."""
+@dataclass(frozen=True)
+class Ended:
+    """An event of a request: its ``job``-th job ended, in ``row``, or failed with ``error``."""
+
+    job: int
+    row: Row | None
+    error: BaseException | None
+
+
+async def _next(events: asyncio.Queue, request: Request, handles: list) -> Kept | Ended:
+    """The next event of a request's jobs; a client that went away cancels them."""
     while True:
         try:
             return await asyncio.wait_for(events.get(), WAIT)
         except TimeoutError:
             if await request.is_disconnected():
-                handle.cancel()
+                for handle in handles:
+                    handle.cancel()
                 raise asyncio.CancelledError from None
 
 
-def _answer(event: tuple, parsed, tokenizer, settings: Settings) -> dict:
-    """The answer line of a request's end (``(row, error)``); a failure of the loop is a 500."""
-    row, error = event
-    if error is not None:
+def _ended(event: Ended) -> Row:
+    """The row of a job that ended; a failure of the loop is a 500."""
+    if event.error is not None:
+        error = event.error
         raise HTTPError(
             500, f"decoding failed ({type(error).__name__}: {str(error).splitlines()[0]})", kind="server_error"
         )
-    return answer_of(row, parsed, tokenizer, settings)
+    return event.row
+
+
+@dataclass
+class _Stream:
+    """What a streamed job has sent so far: its tokens (and their log probabilities, where asked), the text sent of
+    them, and how many tokens' log probabilities."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    sent: str = ""
+    listed: int = 0
 
 
 async def _chunks(
-    events: asyncio.Queue, handle, parsed, tokenizer, settings: Settings, include_usage: bool
+    events: asyncio.Queue, handles: list, parsed, tokenizer, settings: Settings, include_usage: bool
 ) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk shape: text as passes accept tokens (held back only while it may end
-    in a broken character or the start of a stop string), the finish reason, usage if asked, ``[DONE]``."""
+    """Server-sent events in OpenAI's chunk shape, each choice's (``index``) as its job's passes accept tokens (text
+    held back only while it may end in a broken character or the start of a stop string; with ``echo``, sent whole
+    at its end), then its finish reason; usage if asked, ``[DONE]``. One job of a greedy request serves every
+    choice it asks for (:func:`specula.jobs.decode.jobs_of`)."""
     chat = parsed.url == "/v1/chat/completions"
     name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     stops = parsed.options.get("stop", ())
+    echo = parsed.options.get("echo", False)
+    indices = [range(choices(parsed))] if len(handles) == 1 else [[job] for job in range(len(handles))]
 
-    def chunk(
-        text: str | None,
-        finish: str | None = None,
-        usage: dict | None = None,
-        first: bool = False,
-        logprobs: list[TokenLogprob] | None = None,
-    ) -> str:
+    def chunks(job: int, text: str | None, finish: str | None = None, logprobs=None, offset: int = 0, first=False):
+        """The chunk of each choice job ``job`` serves: ``text`` (and its tokens' ``logprobs``, from ``offset``)."""
         listed = None if logprobs is None else choice_logprobs(parsed.url, logprob_entries(logprobs, tokenizer), offset)
-        choices = (
-            []
-            if usage is not None
-            else [
-                {
-                    "index": 0,
-                    "delta": ({"role": "assistant"} if first else {}) | ({} if text is None else {"content": text}),
-                    "logprobs": listed,
-                    "finish_reason": finish,
-                }
+        for index in indices[job]:
+            delta = ({"role": "assistant"} if first else {}) | ({} if text is None else {"content": text})
+            choice = (
+                {"index": index, "delta": delta, "logprobs": listed, "finish_reason": finish}
                 if chat
-                else {"index": 0, "text": text or "", "logprobs": listed, "finish_reason": finish}
-            ]
-        )
+                else {"index": index, "text": text or "", "logprobs": listed, "finish_reason": finish}
+            )
+            yield event({"choices": [choice]})
+
+    def event(data: dict) -> str:
         data = {
             "id": name,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created,
             "model": answered_by(parsed, settings),
-            "choices": choices,
-        } | ({"usage": usage} if usage is not None else {})
+        } | data
         return f"data: {json.dumps(data)}\n\n"
 
-    ids: list[int] = []
-    logprobs: list[TokenLogprob] = []  # (where asked: those of ids)
-    sent, listed = "", 0  # the text sent, and how many tokens' log probabilities
-    offset = 0  # (where a chunk's text starts in the answer: text completions' offsets)
-    echo = parsed.options.get("echo", False)  # (the answer after its prompt: sent whole at the end)
-    done = False
+    streams = [_Stream() for _ in handles]
+    rows: list[Row | None] = [None] * len(handles)
     try:
-        if chat:
-            yield chunk("", first=True)
-        while isinstance(event := await events.get(), Kept):
-            ids += event.tokens
-            logprobs += event.logprobs or []
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            ready = _ready(text, stops)
-            if len(ready) > len(sent) and not echo:
-                whole = _whole_tokens(tokenizer, ids, ready, text) if event.logprobs is not None else listed
-                offset = len(sent)
-                yield chunk(ready[len(sent) :], logprobs=logprobs[listed:whole] if event.logprobs is not None else None)
-                sent, listed = ready, whole
-        done = True
-        row = event[0]
-        answer = _answer(event, parsed, tokenizer, settings)["response"]["body"]
-        choice = answer["choices"][0]
-        final = choice["message"]["content"] if chat else choice["text"]
-        rest = None
-        if row.job.logprobs is not None:
-            answered = final[len(parsed.prompt) :] if echo else final
-            rest = row.logprobs[listed : max(listed, content_tokens(row, tokenizer, answered))]
-            rest = row.prompt_logprobs + rest if echo else rest
-        offset = len(sent)
-        if final.startswith(sent) and (len(final) > len(sent) or rest):
-            yield chunk(final[len(sent) :], logprobs=rest)
-        yield chunk(None if chat else "", choice["finish_reason"])
+        for job in range(len(handles) if chat else 0):
+            for line in chunks(job, "", first=True):
+                yield line
+        while None in rows:
+            got = await events.get()
+            stream = streams[got.job]
+            if isinstance(got, Kept):
+                stream.ids += got.tokens
+                stream.logprobs += got.logprobs or []
+                text = tokenizer.decode(stream.ids, skip_special_tokens=True)
+                ready = _ready(text, stops)
+                if len(ready) > len(stream.sent) and not echo:
+                    whole = stream.listed if got.logprobs is None else _whole_tokens(tokenizer, stream.ids, ready, text)
+                    listed = None if got.logprobs is None else stream.logprobs[stream.listed : whole]
+                    for line in chunks(got.job, ready[len(stream.sent) :], None, listed, len(stream.sent)):
+                        yield line
+                    stream.sent, stream.listed = ready, whole
+                continue
+            row = rows[got.job] = _ended(got)
+            made = choice_of(row, parsed, tokenizer)
+            rest = None
+            if row.job.logprobs is not None:
+                answered = made["text"][len(parsed.prompt) :] if echo else made["text"]
+                rest = row.logprobs[stream.listed : max(stream.listed, content_tokens(row, tokenizer, answered))]
+                rest = row.prompt_logprobs + rest if echo else rest
+            final, sent = made["text"], stream.sent
+            if final.startswith(sent) and (len(final) > len(sent) or rest):
+                for line in chunks(got.job, final[len(sent) :], None, rest, len(sent)):
+                    yield line
+            for line in chunks(got.job, None if chat else "", made["finish_reason"]):
+                yield line
         if include_usage:
-            yield chunk(None, usage=answer["usage"])
+            yield event(
+                {"choices": [], "usage": answer_of(rows, parsed, tokenizer, settings)["response"]["body"]["usage"]}
+            )
         yield "data: [DONE]\n\n"
     except HTTPError as error:
         body = {"error": {"message": str(error), "type": error.kind, "param": None, "code": None}}
         yield f"data: {json.dumps(body)}\n\n"
     finally:
-        if not done:  # (the client went away: its row ends after the pass under way)
-            handle.cancel()
+        for handle, row in zip(handles, rows):
+            if row is None:  # (the client went away: its row ends after the pass under way)
+                handle.cancel()
 
 
 def _whole_tokens(tokenizer, ids: list[int], ready: str, text: str) -> int:

@@ -34,7 +34,9 @@ def batch_line(custom_id: str, body: dict, url: str = "/v1/chat/completions") ->
 @pytest.mark.parametrize(
     "fields, problem",
     [
-        ({"n": 2}, '"n": 2 cannot be honoured: specula makes one answer'),
+        ({"n": 0}, '"n" must be a whole number >= 1'),
+        ({"n": 129}, '"n" must be at most 128, got 129'),
+        ({"best_of": 2}, '"best_of": 2 cannot be honoured: specula ranks no answers'),
         ({"logprobs": 2}, '"logprobs" must be true or false, got 2'),
         ({"top_logprobs": 3}, '"top_logprobs" needs "logprobs": true'),
         ({"logprobs": True, "top_logprobs": 21}, '"top_logprobs" must be at most 20, got 21'),
@@ -236,7 +238,7 @@ def batch_file(model_folder, tmp_path):
             batch_line("text", {"prompt": PROMPT, "max_completion_tokens": NEW, "logprobs": 3}, "/v1/completions")
         ),
         "not JSON",
-        json.dumps(batch_line("n2", chat(n=2))),
+        json.dumps(batch_line("n0", chat(n=0))),
         json.dumps(
             batch_line(
                 "predicted",
@@ -287,7 +289,7 @@ def test_a_batch_api_file_is_answered_in_the_batch_api_shape(model_folder, batch
     run(model_folder, path, tmp_path / "out.jsonl", "--batch-size", 3)
     err = capsys.readouterr().err
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [line["custom_id"] for line in out] == ["chat", "text", None, "n2", "predicted", "long", None, "other-model"]
+    assert [line["custom_id"] for line in out] == ["chat", "text", None, "n0", "predicted", "long", None, "other-model"]
     assert all(
         set(line) == {"id", "custom_id", "response", "error"} and line["id"].startswith("batch_req_") for line in out
     )
@@ -333,7 +335,7 @@ def test_a_batch_api_file_is_answered_in_the_batch_api_shape(model_folder, batch
     assert answered["predicted"]["response"]["body"]["choices"][0]["text"] == texts["predicted"]
     errors = {index: line["error"] for index, line in enumerate(out) if line["error"] is not None}
     assert all(error["code"] == "invalid_request" and out[index]["response"] is None for index, error in errors.items())
-    assert "not JSON" in errors[2]["message"] and '"n": 2 cannot be honoured' in errors[3]["message"]
+    assert "not JSON" in errors[2]["message"] and '"n" must be a whole number >= 1' in errors[3]["message"]
     assert (
         "the model accepts at most 512 positions" in errors[5]["message"]
         and 'custom_id "chat" is line 1\'s too' in errors[6]["message"]

@@ -219,3 +219,62 @@ def test_bench_batch_rows_decode_each_prompt_with_its_own_processors(eager_to_en
     prompts = [tokenizer(text, return_tensors="pt").input_ids[0] for text in (SHORT, LONG, SHORT + " " + LONG)]
     outputs, _, _ = bench.specula_batch_method(model, specula.PromptLookup, do_sample=False)(prompts, NEW, 3)
     assert outputs == [reference(model, prompt[None], max_new_tokens=NEW, do_sample=False) for prompt in prompts]
+
+
+def test_several_choices_are_each_model_generates_with_its_own_seed(eager_to_end, tmp_path) -> None:
+    """OpenAI's ``n``: a sampled request's choice i is ``model.generate``'s after ``torch.manual_seed(seed + i)``,
+    the choices sharing passes; a greedy one's n choices are one decode; usage counts every choice's tokens."""
+    model, tokenizer = eager_to_end
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    lines = [
+        {"id": "drawn", "prompt": LONG, "n": 3, "temperature": 0.9, "seed": 21, "min_tokens": 0},
+        {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": LONG, "n": 2, "seed": 4}},
+        {"id": "greedy", "prompt": SHORT, "n": 2, "temperature": 0, "logprobs": True},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines[::2]))
+    (tmp_path / "batch.jsonl").write_text(json.dumps(lines[1]) + "\n")
+    for name in ("in", "batch"):
+        cli.main(
+            [
+                str(arg)
+                for arg in [
+                    "generate",
+                    "--input",
+                    tmp_path / f"{name}.jsonl",
+                    "--output",
+                    tmp_path / f"{name}_out.jsonl",
+                    "--model",
+                    folder,
+                    "--dtype",
+                    "fp32",
+                    "--max-new-tokens",
+                    NEW,
+                    "--temperature",
+                    1.0,
+                    "--batch-size",
+                    4,
+                ]
+            ]
+        )
+    drawn, greedy = [json.loads(line) for line in (tmp_path / "in_out.jsonl").read_text().splitlines()]
+    ids = tokenizer(LONG, return_tensors="pt").input_ids
+    expected = [
+        tokenizer.decode(
+            reference(model, ids, 21 + i, max_new_tokens=NEW, do_sample=True, temperature=0.9, min_new_tokens=0),
+            skip_special_tokens=True,
+        )
+        for i in range(3)
+    ]
+    assert [choice["text"] for choice in drawn["choices"]] == expected and len(set(expected)) == 3
+    assert [choice["index"] for choice in drawn["choices"]] == [0, 1, 2] and "text" not in drawn
+    assert greedy["choices"][0] == greedy["choices"][1] | {"index": 0} and greedy["choices"][0]["logprobs"]
+    (answer,) = [json.loads(line) for line in (tmp_path / "batch_out.jsonl").read_text().splitlines()]
+    body = answer["response"]["body"]
+    made = [reference(model, ids, 4 + i, max_new_tokens=NEW, do_sample=True) for i in range(2)]
+    assert [choice["text"] for choice in body["choices"]] == [
+        tokenizer.decode(t, skip_special_tokens=True) for t in made
+    ]
+    assert body["usage"]["completion_tokens"] == body["specula"]["new_tokens"] == sum(map(len, made))
+    assert greedy["stats"]["new_tokens"] == len(greedy["choices"][0]["logprobs"])  # (one decode for both)
