@@ -37,7 +37,7 @@ def new_tokens(out: torch.Tensor) -> list[int]:
     return out[0, PROMPT.shape[1] :].tolist()
 
 
-def test_a_peft_model_decodes_as_its_own_generate_through_both_entry_points() -> None:
+def test_a_peft_model_decodes_as_its_own_generate_through_both_entry_points(drafts_cost_nothing) -> None:
     base = tiny_model("llama")
     plain = new_tokens(hf_greedy(base, PROMPT, 24, eos_token_id=[]))
     model = lora(base)
