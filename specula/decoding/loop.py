@@ -195,6 +195,7 @@ class Row:
         self.started = time.perf_counter()
         self.logprobs: list[TokenLogprob] = []  # [len(output)] where its job asks for them
         self.prompt_logprobs: list[TokenLogprob] = []  # [len(prompt)] where its job asks for them (the first: None)
+        self.first_logits: torch.Tensor | None = None  # [1, vocab] its prompt's last, in a batch (a twin's: Decoder)
 
     @property
     def output(self) -> np.ndarray:
@@ -383,8 +384,8 @@ class Decoder:
                 self._trees = False
         return make()
 
-    def _start(self, index: int, job: Job) -> tuple[Row, list[int]]:
-        """Make ``job`` row ``index`` of the batch: prefill its prompt alone, take its first token."""
+    def _start(self, index: int, job: Job, rows: list[Row | None] = ()) -> tuple[Row, list[int]]:
+        """Make ``job`` row ``index`` of the batch (beside ``rows``): its prompt in the cache, its first token."""
         row = Row(job, self.policy.start(drawn=self._draws and not job.sampling.greedy))
         row.stats.exactness = self.exactness
         if self.proposer is not None:
@@ -394,19 +395,52 @@ class Decoder:
             self._target = self._cached_model(job, capacity)  # (compiled passes keep their cache and its shapes)
         row.stats.compiled = self._target.compiled is not None
         started = time.perf_counter()
-        feed = job.prompt if job.padded is None else job.padded[0]  # (padded: alone, as model.generate feeds it)
-        positions = 1 if job.prompt_logprobs is None else len(job.prompt)  # (whose logits are kept)
-        logits = self._target.start_row(index, torch.from_numpy(feed).to(self._target.device), job.adapter, positions)
-        if job.prompt_logprobs is not None:  # (position i chose prompt token i + 1)
-            first = TokenLogprob(int(job.prompt[0]), None)
-            row.prompt_logprobs = [first, *token_logprobs(logits[:-1], job.prompt[1:].tolist(), job.prompt_logprobs)]
-            logits = logits[-1:]
-        self.passes += 1
+        logits = self._prefill(index, row, rows)
         nothing = Draft.empty()
         first = accept_draft(logits, nothing, row.sampling, self._tokens(row, nothing))
         kept = advance(row, self.proposer, first, nothing, _logprobs(job, logits, first, nothing))
         self.prefill_seconds += time.perf_counter() - started
         return row, kept
+
+    def _prefill(self, index: int, row: Row, rows: list[Row | None]) -> torch.Tensor:
+        """Row ``index`` holds ``row``'s prompt; the logits its first token is chosen from (``[1, vocab]``). A live
+        row of the same prompt (OpenAI's ``n``, a file's repeated prompt) gives its states and logits, the very ones
+        a prefill would compute; else the prompt is computed alone (its every position's logits where its job asks
+        for the prompt's log probabilities)."""
+        job = row.job
+        if job.prompt_logprobs is None and (twin := self._twin(job, rows)) is not None:
+            self._target.copy_prefix(rows.index(twin), index, len(job.prompt))
+            row.first_logits = twin.first_logits
+            return twin.first_logits
+        feed = job.prompt if job.padded is None else job.padded[0]  # (padded: alone, as model.generate feeds it)
+        positions = 1 if job.prompt_logprobs is None else len(job.prompt)  # (whose logits are kept)
+        logits = self._target.start_row(index, torch.from_numpy(feed).to(self._target.device), job.adapter, positions)
+        self.passes += 1
+        if job.prompt_logprobs is not None:  # (position i chose prompt token i + 1)
+            first = TokenLogprob(int(job.prompt[0]), None)
+            row.prompt_logprobs = [first, *token_logprobs(logits[:-1], job.prompt[1:].tolist(), job.prompt_logprobs)]
+            logits = logits[-1:]
+        if self.slots > 1:
+            row.first_logits = logits
+        return logits
+
+    def _twin(self, job: Job, rows: list[Row | None]) -> Row | None:
+        """A live row of the batch whose prompt and adapter are ``job``'s, where a row's states can be copied (every
+        layer full attention: a sliding window's may have given its first tokens back)."""
+        target = self._target  # (a batch's: RaggedRows)
+        if self.slots == 1 or job.padded is not None or target.window is not None or target.rows_state is not None:
+            return None
+        return next(
+            (
+                other
+                for other in rows
+                if other is not None
+                and other.first_logits is not None
+                and other.job.adapter == job.adapter
+                and np.array_equal(other.job.prompt, job.prompt)
+            ),
+            None,
+        )
 
     def plain_comparison(self) -> tuple[float, float] | None:
         """What the run would have cost as plain decoding of the same requests in batches of as many rows, and what it
@@ -451,7 +485,7 @@ class Decoder:
         """Start requests in the free slots; one may end with its first token (the next one then takes the slot)."""
         for index in range(self.slots):
             while (index >= len(rows) or rows[index] is None) and (job := self._admitted(rows, index, jobs)):
-                row, kept = self._start(index, job)
+                row, kept = self._start(index, job, rows)
                 rows[index : index + 1] = [None if row.finished else row]
                 self._hold(rows)
                 yield row, kept
