@@ -27,6 +27,18 @@ SHORT, LONG = (
 )
 
 
+def generate(requests, output, folder, *more) -> None:
+    """``specula generate`` over ``requests`` with the model saved in ``folder`` (fp32, ``NEW`` new tokens at most),
+    ``more`` options after."""
+    cli.main(
+        [
+            str(arg)
+            for arg in ["generate", "--input", requests, "--output", output, "--model", folder, "--dtype", "fp32"]
+            + ["--max-new-tokens", NEW, *more]
+        ]
+    )
+
+
 def reference(model, ids: torch.Tensor, seed: int | None = None, **kwargs) -> list[int]:
     """``model.generate`` on this request alone (seeded with ``torch.manual_seed(seed)`` where given)."""
     if seed is not None:
@@ -114,29 +126,8 @@ def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) ->
     (tmp_path / "in.jsonl").write_text(
         "".join(json.dumps({"id": n, **line}) + "\n" for n, (line, _, _) in enumerate(lines))
     )
-    cli.main(
-        [
-            str(arg)
-            for arg in [
-                "generate",
-                "--input",
-                tmp_path / "in.jsonl",
-                "--output",
-                tmp_path / "out.jsonl",
-                "--model",
-                folder,
-                "--dtype",
-                "fp32",
-                "--max-new-tokens",
-                NEW,
-                "--seed",
-                100,
-                "--temperature",
-                0,
-                "--batch-size",
-                3,
-            ]
-        ]
+    generate(
+        tmp_path / "in.jsonl", tmp_path / "out.jsonl", folder, "--seed", 100, "--temperature", 0, "--batch-size", 3
     )
     answers = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [answer["id"] for answer in answers] == list(range(len(lines)))
@@ -181,26 +172,7 @@ def test_a_stop_string_ends_the_answer_before_it(eager_to_end, tmp_path) -> None
         + json.dumps({"id": "c", "prompt": LONG, "stop": spanning, "min_tokens": 0, "logprobs": True})
         + "\n"
     )
-    cli.main(
-        [
-            str(arg)
-            for arg in [
-                "generate",
-                "--input",
-                tmp_path / "in.jsonl",
-                "--output",
-                tmp_path / "out.jsonl",
-                "--model",
-                folder,
-                "--dtype",
-                "fp32",
-                "--max-new-tokens",
-                NEW,
-                "--temperature",
-                0,
-            ]
-        ]
-    )
+    generate(tmp_path / "in.jsonl", tmp_path / "out.jsonl", folder, "--temperature", 0)
     a, b, c = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert a["text"] == whole[: whole.index(stop)] and a["finish_reason"] == "stop"
     assert b["text"] == whole and b["finish_reason"] == "length"
@@ -236,27 +208,8 @@ def test_several_choices_are_each_model_generates_with_its_own_seed(eager_to_end
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines[::2]))
     (tmp_path / "batch.jsonl").write_text(json.dumps(lines[1]) + "\n")
     for name in ("in", "batch"):
-        cli.main(
-            [
-                str(arg)
-                for arg in [
-                    "generate",
-                    "--input",
-                    tmp_path / f"{name}.jsonl",
-                    "--output",
-                    tmp_path / f"{name}_out.jsonl",
-                    "--model",
-                    folder,
-                    "--dtype",
-                    "fp32",
-                    "--max-new-tokens",
-                    NEW,
-                    "--temperature",
-                    1.0,
-                    "--batch-size",
-                    4,
-                ]
-            ]
+        generate(
+            tmp_path / f"{name}.jsonl", tmp_path / f"{name}_out.jsonl", folder, "--temperature", 1.0, "--batch-size", 4
         )
     drawn, greedy = [json.loads(line) for line in (tmp_path / "in_out.jsonl").read_text().splitlines()]
     ids = tokenizer(LONG, return_tensors="pt").input_ids
