@@ -143,11 +143,11 @@ def advance(
     proposer: RequestProposer | None,
     new_tokens: list[int],
     sent: Draft,
-    logprobs: list[TokenLogprob] | None = None,
+    seen: "Seen | None" = None,
 ) -> list[int]:
-    """A pass's last part for one row: append the tokens it gave the row (``sent`` verified; ``logprobs``: theirs,
-    where its job asks) and tell the proposer what the row's output kept; return those."""
-    kept = row.advance(new_tokens, sent, logprobs)
+    """A pass's last part for one row: append the tokens it gave the row (``sent`` verified; ``seen``: what its job
+    asks to see of their positions) and tell the proposer what the row's output kept; return those."""
+    kept = row.advance(new_tokens, sent, seen)
     if proposer is not None:
         proposer.observe_request(row.request_id, kept, min(len(new_tokens) - 1, len(kept)))
     return kept
@@ -172,6 +172,8 @@ class Job:
     cancelled: bool = False  # set (from any thread) to end its row after the pass under way: its caller went away
     logprobs: int | None = None  # each new token's log probability and its k likeliest alternatives (None: not asked)
     prompt_logprobs: int | None = None  # ... each prompt token's after its first (vLLM's name)
+    keep_logits: bool = False  # each new token's position's logits, as the pass computed them (output_logits)
+    keep_scores: bool = False  # ... its scores after the job's logits processors (output_scores)
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -194,6 +196,8 @@ class Row:
         self.finished = False
         self.started = time.perf_counter()
         self.logprobs: list[TokenLogprob] = []  # [len(output)] where its job asks for them
+        self.logits: list[torch.Tensor] = []  # [len(output)] of [vocab], where its job keeps them
+        self.scores: list[torch.Tensor] = []  # [len(output)] of [vocab], where its job keeps them
         self.prompt_logprobs: list[TokenLogprob] = []  # [len(prompt)] where its job asks for them (the first: None)
         self.first_logits: torch.Tensor | None = None  # [1, vocab] its prompt's last, in a batch (a twin's: Decoder)
 
@@ -202,9 +206,9 @@ class Row:
         """The tokens it generated so far (a view)."""
         return self.sequence.ids[len(self.job.prompt) :]
 
-    def advance(self, new_tokens: list[int], sent: Draft, logprobs: list[TokenLogprob] | None = None) -> list[int]:
-        """Record a pass that verified ``sent`` and produced ``new_tokens`` (``logprobs``: theirs) for this row;
-        return the tokens its output kept."""
+    def advance(self, new_tokens: list[int], sent: Draft, seen: "Seen | None" = None) -> list[int]:
+        """Record a pass that verified ``sent`` and produced ``new_tokens`` (``seen``: what the job asks to see of
+        their positions) for this row; return the tokens its output kept."""
         accepted = len(new_tokens) - 1
         alone = len(sent.chain().path(new_tokens[:-1])) if sent.is_tree else None  # its first branch's
         self.stats.record_pass(len(sent), accepted, None if alone is None else accepted - alone)
@@ -213,8 +217,10 @@ class Row:
             self.stats.accepted_prediction_tokens = self.prediction.accepted
             self.stats.rejected_prediction_tokens = self.prediction.rejected
         kept, self.finished = self.sequence.append(new_tokens)
-        if logprobs is not None:
-            self.logprobs += logprobs[: len(kept)]
+        if seen is not None:
+            self.logprobs += seen.logprobs[: len(kept)]
+            self.logits += seen.logits[: len(kept)]
+            self.scores += seen.scores[: len(kept)]
         self.finished = self.finished or self.job.cancelled
         now = time.perf_counter() - self.started
         if self.stats.passes == 1:
@@ -398,7 +404,7 @@ class Decoder:
         logits = self._prefill(index, row, rows)
         nothing = Draft.empty()
         first = accept_draft(logits, nothing, row.sampling, self._tokens(row, nothing))
-        kept = advance(row, self.proposer, first, nothing, _logprobs(job, logits, first, nothing))
+        kept = advance(row, self.proposer, first, nothing, _seen(row, logits, first, nothing))
         self.prefill_seconds += time.perf_counter() - started
         return row, kept
 
@@ -471,9 +477,9 @@ class Decoder:
                     return
                 started = time.perf_counter()
                 proposed, sent = self._propose(rows)
-                outcomes, logprobs = self._verify(rows, proposed, sent)
+                outcomes, seen = self._verify(rows, proposed, sent)
                 self.pass_seconds += time.perf_counter() - started
-                yield from self._advance(rows, outcomes, sent, logprobs)
+                yield from self._advance(rows, outcomes, sent, seen)
         finally:  # (a run given up keeps no request in the proposer)
             for row in rows:
                 if row is not None and not row.finished:
@@ -550,9 +556,9 @@ class Decoder:
 
     def _verify(
         self, rows: list[Row], proposed: list[Draft], sent: list[Draft]
-    ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+    ) -> tuple[list[list[int]], list["Seen | None"]]:
         """One pass over each row's last token and sent draft: the tokens each row keeps (the accepted drafts and the
-        target's own) and, where its job asks, their log probabilities; the KV cache rolled back past the rest, the
+        target's own) and what its job asks to see of their positions; the KV cache rolled back past the rest, the
         policy told."""
         started = time.perf_counter()
         device = self._target.device
@@ -564,12 +570,12 @@ class Decoder:
         on_device = torch.from_numpy(tokens).to(device)  # (one copy)
         blocks = [on_device[b, :length] for b, length in enumerate(lengths)]
         argmax_only = all(  # (logits unused but for their argmax)
-            row.sampling.greedy and not row.sampling.processors and row.job.logprobs is None for row in rows
+            row.sampling.greedy and not row.sampling.processors and not _sees(row.job) for row in rows
         )
         keys = self._target.cached_tokens
         logits = self._target.forward_rows(blocks, lengths, [_tree(d) for d in sent], argmax_only)
         outcomes = accept_drafts(logits, sent, [row.sampling for row in rows], lambda r: self._tokens(rows[r], sent[r]))
-        logprobs = [_logprobs(row.job, *made) for row, made in zip(rows, zip(logits, outcomes, sent))]
+        seen = [_seen(row, *made) for row, made in zip(rows, zip(logits, outcomes, sent))]
         self.passes += 1
         verified = time.perf_counter()
         self._target.keep_rows(
@@ -591,12 +597,12 @@ class Decoder:
                 sum(map(len, outcomes)) if width > 1 else None,
                 self.estimate.plain.get(len(rows), []),
             )
-        return outcomes, logprobs
+        return outcomes, seen
 
-    def _advance(self, rows: list[Row | None], outcomes: list[list[int]], sent: list[Draft], logprobs: list):
-        """Append each row's new tokens (and their log probabilities) and yield what its output kept; a finished row
-        frees its slot."""
-        for index, (row, tokens, draft, own) in enumerate(zip(rows, outcomes, sent, logprobs)):
+    def _advance(self, rows: list[Row | None], outcomes: list[list[int]], sent: list[Draft], seen: list):
+        """Append each row's new tokens (and what its job sees of them) and yield what its output kept; a finished
+        row frees its slot."""
+        for index, (row, tokens, draft, own) in enumerate(zip(rows, outcomes, sent, seen)):
             yield row, advance(row, self.proposer, tokens, draft, own)
             if row.finished:
                 rows[index] = None
@@ -619,14 +625,37 @@ def _tree(draft: Draft) -> list[int] | None:
     return None if draft.parents is None else [-1] + [parent + 1 for parent in draft.parents]
 
 
-def _logprobs(job: Job, logits: torch.Tensor, new_tokens: list[int], sent: Draft) -> list[TokenLogprob] | None:
-    """The log probabilities of a row's ``new_tokens`` where its job asks for them: each read from the pass's
-    ``logits`` (``[len(sent) + 1, vocab]``) at the block position that chose it (a tree's: along its accepted
-    path)."""
-    if job.logprobs is None:
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """What a job asks to see of the positions that chose a row's new tokens, one entry per token (empty: not
+    asked): their log probabilities, their logits, their scores after the job's logits processors."""
+
+    logprobs: list[TokenLogprob]
+    logits: list[torch.Tensor]  # [vocab] each
+    scores: list[torch.Tensor]  # [vocab] each
+
+
+def _sees(job: Job) -> bool:
+    """Whether ``job`` asks to see anything of its tokens' positions."""
+    return job.logprobs is not None or job.keep_logits or job.keep_scores
+
+
+def _seen(row: Row, logits: torch.Tensor, new_tokens: list[int], sent: Draft) -> Seen | None:
+    """What ``row``'s job asks to see of the positions that chose its ``new_tokens``, read from the pass's ``logits``
+    (``[len(sent) + 1, vocab]``) at the block position that chose each (a tree's: along its accepted path); scores
+    as the acceptance computes them there (:meth:`~specula.core.sampling.Sampling.scores`, each position after the
+    tokens before it)."""
+    job = row.job
+    if not _sees(job):
         return None
     positions = _path(sent, new_tokens) or list(range(len(new_tokens)))  # (a tree's: the last token, then its path)
-    return token_logprobs(logits[positions[: len(new_tokens)]], new_tokens, job.logprobs)
+    picked = logits[positions[: len(new_tokens)]]  # [len(new_tokens), vocab]
+    before = row.sequence.with_draft(Draft(new_tokens[:-1]), picked.device)  # (the tokens each position follows)
+    return Seen(
+        [] if job.logprobs is None else token_logprobs(picked, new_tokens, job.logprobs),
+        list(picked.float()) if job.keep_logits else [],
+        list(row.sampling.scores(picked, before)) if job.keep_scores else [],
+    )
 
 
 def _path(draft: Draft, new_tokens: list[int]) -> list[int] | None:

@@ -25,7 +25,7 @@ from ..verifier.cache_names import cache_in
 from ..verifier.support import model_device
 from .inputs import Request, prepare_request
 
-_UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+_UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
 
 
 def prepared(model, input_ids, logits_processor, generation_config, generator, model_kwargs):
@@ -55,9 +55,11 @@ def jobs_of(
     stopping_criteria: StoppingCriteriaList | None = None,
     row_generators: list[torch.Generator] | None = None,
     predictions: list[np.ndarray | None] | None = None,
+    keep: tuple[bool, bool] = (False, False),
 ) -> list[Job]:
     """One :class:`Job` per row of ``request`` (its key: the row, ``None`` alone), with its sampling (its own random
-    stream where ``row_generators`` gives one) and prediction."""
+    stream where ``row_generators`` gives one) and prediction, keeping each new token's logits and scores where
+    ``keep`` says (:func:`kept_outputs`)."""
     batch, width = request.input_ids.shape
     padded = batch == 1 and request.attention_mask is not None
     stopping_criteria = _beyond_own(stopping_criteria, request)
@@ -71,9 +73,18 @@ def jobs_of(
             key=b if batch > 1 else None,
             padded=(request.input_ids[0], request.positions, request.attention_mask) if padded else None,
             prediction=None if predictions is None else predictions[b],
+            keep_logits=keep[0],
+            keep_scores=keep[1],
         )
         for b in range(batch)
     ]
+
+
+def kept_outputs(generation_config: GenerationConfig) -> tuple[bool, bool]:
+    """Whether ``generate`` returns each step's logits and scores (``output_logits``, ``output_scores``, in a
+    dict)."""
+    returned = bool(generation_config.return_dict_in_generate)
+    return returned and bool(generation_config.output_logits), returned and bool(generation_config.output_scores)
 
 
 def _beyond_own(criteria: StoppingCriteriaList | None, request: Request) -> StoppingCriteriaList | None:
@@ -105,13 +116,15 @@ def decode(
     row_generators: list[torch.Generator] | None = None,
     predictions: list[np.ndarray | None] | None = None,
     compile: bool | None = None,
+    keep: tuple[bool, bool] = (False, False),
 ) -> GenerateOutput:
     """:class:`Decoder` on a validated request of one or more rows, all in one batch (see :func:`specula.generate`);
     ``row_generators`` gives each row its own random stream, ``predictions`` each its prediction's tokens;
-    ``compile`` as in :func:`specula.generate`."""
+    ``compile`` as in :func:`specula.generate`; ``keep``: return each step's logits and scores
+    (:func:`kept_outputs`)."""
     started = time.perf_counter()
     batch, width = request.input_ids.shape
-    jobs = jobs_of(request, sampling, stopping_criteria, row_generators, predictions)
+    jobs = jobs_of(request, sampling, stopping_criteria, row_generators, predictions, keep)
     for job, adapter in zip(jobs, names_given(adapter_layers(model)) or ()):  # (PeftModel.generate(adapter_names=))
         job.adapter = adapter
     decoder = Decoder(
@@ -135,7 +148,25 @@ def decode(
         wall_time_s=time.perf_counter() - started,
         prefill_time_s=sum(row.prefill_time_s for row in per_row),
     )
-    return GenerateOutput(sequences=_padded(request, new).to(request.device), stats=stats)
+    found = [rows.get(job.key) for job in jobs]
+    return GenerateOutput(
+        sequences=_padded(request, new).to(request.device),
+        stats=stats,
+        logits=_steps([[] if row is None else row.logits for row in found]) if keep[0] else None,
+        scores=_steps([[] if row is None else row.scores for row in found]) if keep[1] else None,
+    )
+
+
+def _steps(rows: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...] | None:
+    """Each step's ``[B, vocab]`` from each row's ``[vocab]`` per new token, as ``generate`` returns its logits and
+    scores; a row that ended earlier has zeros there (``generate`` computes the model on its padding)."""
+    steps = max(map(len, rows), default=0)
+    if not steps:
+        return None
+    like = next(row[0] for row in rows if row)
+    return tuple(
+        torch.stack([row[t] if t < len(row) else torch.zeros_like(like) for row in rows]) for t in range(steps)
+    )
 
 
 def _padded(request: Request, new: list[np.ndarray]) -> torch.Tensor:

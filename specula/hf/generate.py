@@ -20,7 +20,7 @@ from ..core.stats import GenerateOutput
 from ..decoding.loop import Job
 from ..proposers.base import Proposer
 from ..verifier.support import context_limit, vocab_size
-from .bridge import decode, jobs_of, prepared
+from .bridge import decode, jobs_of, kept_outputs, prepared
 from .inputs import check_max_new_tokens, check_prompt, eos_ids
 from .predictions import PredictionInput, checked_predictions
 from .wrapped import unwrapped
@@ -62,7 +62,9 @@ def generate(
     ``generation_config`` -- ``do_sample`` and the sampling settings, ``repetition_penalty``, ``no_repeat_ngram_size``,
     ``min_new_tokens``, forced BOS/EOS, suppressed and bad words, ``max_new_tokens``, ``eos_token_id`` -- then from
     transformers' defaults. What specula cannot reproduce exactly (beam search, several sequences, assisted
-    generation, per-step scores) is refused with a ``ValueError``.
+    generation, attentions and hidden states) is refused with a ``ValueError``; ``output_logits=True`` and
+    ``output_scores=True`` return each step's logits and processed scores as ``model.generate`` does (a row of a
+    batch that ended earlier has zeros at the later steps).
 
     Args:
         model: any HF decoder-only causal LM (``AutoModelForCausalLM``), also inside a ``peft.PeftModel`` (its
@@ -181,7 +183,8 @@ def custom_generate(
     Greedy or sampled per the generation config, with the logits processors, stopping criteria (EOS, max length,
     ``stop_strings`` with ``tokenizer=``, custom ones) and streamer ``generate`` prepared; a stop inside an accepted
     block ends the output exactly there. Returns the sequences, or with ``return_dict_in_generate=True`` a
-    :class:`GenerateOutput` (``sequences`` and specula's ``stats``). ``generator`` (a ``torch.Generator`` on the
+    :class:`GenerateOutput` (``sequences`` and specula's ``stats``; ``logits`` and ``scores`` where asked).
+    ``generator`` (a ``torch.Generator`` on the
     model's device, or a list of one per row of a batch) makes sampling independent of torch's global RNG (and,
     one per row, of the other rows: a seeded request samples the same in any batch); ``adaptive_draft``,
     ``exact``, ``prediction`` (text encoded with ``tokenizer``) and ``compile`` as in :func:`specula.generate`.
@@ -205,6 +208,7 @@ def custom_generate(
         generators,
         predictions,
         compile,
+        kept_outputs(generation_config),
     )
     return out if generation_config.return_dict_in_generate else out.sequences
 
@@ -224,7 +228,7 @@ def _jobs_only(model, input_ids, logits_processor, stopping_criteria, generation
         kwargs.get("generator"),
         {k: v for k, v in kwargs.items() if k not in own},
     )
-    return jobs_of(request, sampling, stopping_criteria, generators, predictions)
+    return jobs_of(request, sampling, stopping_criteria, generators, predictions, kept_outputs(generation_config))
 
 
 _jobs_only.__signature__ = inspect.signature(custom_generate)

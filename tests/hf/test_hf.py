@@ -237,7 +237,7 @@ def test_sampling_through_model_generate_is_reproducible() -> None:
         (dict(num_beams=2), "ask for beam search"),
         (dict(prompt_lookup_num_tokens=3), "ask for assisted generation"),
         (dict(guidance_scale=1.5), "UnbatchedClassifierFreeGuidanceLogitsProcessor keeps state"),
-        (dict(output_scores=True, return_dict_in_generate=True), "cannot return output_scores"),
+        (dict(output_attentions=True, return_dict_in_generate=True), "cannot return output_attentions"),
         (dict(num_return_sequences=2, do_sample=True), "one sequence per prompt"),
     ],
 )
