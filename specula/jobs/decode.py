@@ -19,6 +19,7 @@ from ..decoding.budget import CacheBudget, OverBudget
 from ..decoding.driver import finished_rows
 from ..decoding.loop import Decoder, Job, Row, room
 from ..hf.generate import prepare_jobs
+from ..hf.grammar import GrammarConstraint, json_grammar
 from ..hf.penalties import PresenceFrequencyPenalty
 from ..machine.memory import spare_bytes
 from ..policy.batch_size import fastest_batch_size, kept_batch_size
@@ -184,9 +185,15 @@ def job_of(
             del options["max_new_tokens"]
         else:
             options["max_new_tokens"] = max(limit - prompt.shape[1], 1)
+    processors = LogitsProcessorList()  # (OpenAI's settings transformers has no name for, applied after its own)
     penalties = {name: request.options.get(f"{name}_penalty", 0) for name in ("frequency", "presence")}
-    if any(penalties.values()):  # (OpenAI's, over the output: a processor of its own)
-        options["logits_processor"] = LogitsProcessorList([PresenceFrequencyPenalty(prompt.shape[1], **penalties)])
+    if any(penalties.values()):  # (over the output)
+        processors.append(PresenceFrequencyPenalty(prompt.shape[1], **penalties))
+    if "response_format" in request.options:  # (the output held to a JSON schema)
+        grammar = json_grammar(request.options["response_format"])
+        processors.append(GrammarConstraint(tokenizer, vocab_size(model), grammar, prompt.shape[1]))
+    if processors:
+        options["logits_processor"] = processors
     empty = options.get("max_new_tokens") == 0  # (echo's: the prompt alone; generate() makes a token at least)
     (job,) = prepare_jobs(
         model,

@@ -48,6 +48,7 @@ SETTINGS = (
     "echo",
     "top_logprobs",
     "n",
+    "response_format",
 )
 MAX_CHOICES = 128  # OpenAI's most choices a request may ask for
 TOP_LOGPROBS = {"/v1/chat/completions": 20, "/v1/completions": 5}  # OpenAI's most alternatives a token may list
@@ -61,7 +62,6 @@ DEFAULT_ONLY = {
     "functions": ([], "specula does not call tools"),
     "tool_choice": ("none", "specula does not call tools"),
     "function_call": ("none", "specula does not call tools"),
-    "response_format": ({"type": "text"}, "specula does not constrain the output to a format"),
     "modalities": (["text"], "specula answers in text"),
     "audio": (None, "specula answers in text"),
     "reasoning_effort": (None, "specula does not reason apart from its answer"),
@@ -312,6 +312,8 @@ def _options(fields: dict, url: str | None = None, chat: bool = False) -> dict:
         raise _Problem(f'"n" must be at most {MAX_CHOICES}, got {given["n"]}')
     if given.get("n") == 1:
         del given["n"]
+    if "response_format" in given and _response_format(given["response_format"]) == "text":
+        del given["response_format"]
     echo = given.get("echo", False)
     for name, value in limits.items():  # (0 with echo: the prompt alone, and its log probabilities if asked)
         given["max_tokens"] = _whole(name, value, 0 if echo else 1, "" if echo else ' (0 only with "echo")')
@@ -374,6 +376,19 @@ def _logprobs(given: dict, url: str | None) -> None:
         raise _Problem('"top_logprobs" needs "logprobs": true')
     if asked:
         given["logprobs"] = top
+
+
+def _response_format(shape: object) -> str:
+    """The kind of OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema`` with its ``schema``),
+    checked."""
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(shape, dict) or shape.get("type") not in kinds:
+        raise _Problem(f'"response_format" must be {{"type": one of {", ".join(kinds)}}}, got {json.dumps(shape)[:60]}')
+    if shape["type"] == "json_schema" and not (
+        isinstance(shape.get("json_schema"), dict) and isinstance(shape["json_schema"].get("schema", {}), dict)
+    ):
+        raise _Problem('"response_format": a json_schema one needs "json_schema": {"name": ..., "schema": {...}}')
+    return shape["type"]
 
 
 def _logit_bias(bias: object) -> dict[int, float]:
