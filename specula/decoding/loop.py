@@ -425,7 +425,7 @@ class Decoder:
         if job.prompt_logprobs is not None:  # (position i chose prompt token i + 1)
             first = TokenLogprob(int(job.prompt[0]), None)
             row.prompt_logprobs = [first, *token_logprobs(logits[:-1], job.prompt[1:].tolist(), job.prompt_logprobs)]
-            logits = logits[-1:]
+            logits = logits[-1:].clone()  # (not a view keeping every position's logits alive)
         if self.slots > 1:
             row.first_logits = logits
         return logits
