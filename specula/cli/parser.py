@@ -191,7 +191,8 @@ def _add_generate_parser(commands) -> None:
         description='Each input line is a JSON object with "messages" (a chat, through the model\'s chat template) '
         'or "prompt" (raw text), optionally "id", "prediction" and its own settings under OpenAI\'s names '
         "(max_tokens, temperature, top_p, top_k, seed, stop, min_tokens, repetition_penalty: the options below are "
-        "their defaults); a field it cannot honour (best_of, tools ...) makes a bad line. Each output line "
+        "their defaults; also n, logprobs, top_logprobs, echo, frequency_penalty, presence_penalty, logit_bias, "
+        "response_format); a field it cannot honour (best_of, tools ...) makes a bad line. Each output line "
         'keeps the id and adds "text", "finish_reason" and "stats" (new_tokens, passes, accepted, drafted, '
         "seconds). A file of OpenAI Batch API lines (custom_id, method, url, body) is answered with Batch API output "
         "lines, a bad line with an error line. Answers are written in the order of their requests' lines. Bad lines "
