@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import ctypes
+import os
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import specula
 from specula.machine.memory import Pages
 from specula.tools.replay import Replay
+
+MODELS = Path(os.environ.get("SPECULA_MODELS", Path.home() / ".cache" / "specula-models"))  # Qwen2.5-Coder's
+SHARED = Path(__file__).resolve().parents[2] / "shared"  # ../shared beside the clone: workloads, scripts
+
+
+def qwen_folder(size: str) -> Path:
+    """The folder of Qwen2.5-Coder-``size``-Instruct, converted by ``../shared/scripts/get-models.sh`` (the README's
+    test command runs it); a skip where neither it nor the script is here."""
+    folder = MODELS / f"qwen2.5-coder-{size}"
+    fetch = f"bash ../shared/scripts/get-models.sh {MODELS} qwen2.5-coder-0.5b qwen2.5-coder-1.5b"
+    if not (folder / "config.json").exists() and not (SHARED / "scripts" / "get-models.sh").exists():
+        pytest.skip(f"{folder} is missing, and so is the shared folder whose script fetches it ({fetch})")
+    assert (folder / "config.json").exists(), f"{folder} is missing: run `{fetch}`"
+    return folder
 
 
 class TickingClock:

@@ -5,6 +5,7 @@ batch of them at a time in the same passes (continuous batching), each with its 
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -21,6 +22,7 @@ from ..decoding.loop import Decoder, Job, Row, room
 from ..hf.generate import prepare_jobs
 from ..hf.grammar import GrammarConstraint, json_grammar
 from ..hf.penalties import PresenceFrequencyPenalty
+from ..hf.tools import call_grammar, read_calls
 from ..machine.memory import spare_bytes
 from ..policy.batch_size import fastest_batch_size, kept_batch_size
 from ..verifier.adapters import BASE, adapters_of
@@ -192,6 +194,11 @@ def job_of(
     if "response_format" in request.options:  # (the output held to a JSON schema)
         grammar = json_grammar(request.options["response_format"])
         processors.append(GrammarConstraint(tokenizer, vocab_size(model), grammar, prompt.shape[1]))
+    if "tool_choice" in request.options:  # (a call required: the output held to calls of its tools)
+        asked, one = request.options["tool_choice"], not request.options.get("parallel_tool_calls", True)
+        name = asked["function"]["name"] if isinstance(asked, dict) else None
+        grammar = call_grammar(tokenizer, request.options["tools"], name, one)
+        processors.append(GrammarConstraint(tokenizer, vocab_size(model), grammar, prompt.shape[1]))
     if processors:
         options["logits_processor"] = processors
     empty = options.get("max_new_tokens") == 0  # (echo's: the prompt alone; generate() makes a token at least)
@@ -244,11 +251,14 @@ def choice_of(row: Row, request: Request, tokenizer) -> dict:
     if request.options.get("echo"):  # (a text completion's prompt before its answer, its tokens listed first)
         content = request.prompt + content
         listed = None if listed is None else row.prompt_logprobs + listed
+    calls = []
+    if "tools" in request.options:  # (the calls it wrote, and the text before them)
+        content, calls = read_calls(content, {tool["function"]["name"] for tool in request.options["tools"]})
     return {
         "text": content,
-        "finish_reason": "stop" if stopped else "length",
+        "finish_reason": "tool_calls" if calls and stopped else "stop" if stopped else "length",
         "logprobs": None if listed is None else logprob_entries(listed, tokenizer),
-    }
+    } | ({"tool_calls": [call.openai(f"call_{uuid.uuid4().hex[:24]}") for call in calls]} if calls else {})
 
 
 def content_tokens(row: Row, tokenizer, content: str) -> int:

@@ -37,6 +37,7 @@ def answer_line(
         own = [
             {"text": choice["text"], "finish_reason": choice["finish_reason"]}
             | ({} if choice["logprobs"] is None else {"logprobs": choice["logprobs"]})
+            | ({"tool_calls": choice["tool_calls"]} if "tool_calls" in choice else {})
             for choice in choices
         ]
         several = request.options.get("n", 1) > 1  # (then a list of them, each with its index)
@@ -60,7 +61,7 @@ def answer_line(
         "choices": [
             {
                 "index": index,
-                **({"message": {"role": "assistant", "content": choice["text"]}} if chat else {"text": choice["text"]}),
+                **({"message": message(choice)} if chat else {"text": choice["text"]}),
                 "logprobs": choice_logprobs(request.url, choice["logprobs"]),
                 "finish_reason": choice["finish_reason"],
             }
@@ -75,6 +76,14 @@ def answer_line(
         "response": {"status_code": 200, "request_id": f"req_{uuid.uuid4().hex}", "body": body},
         "error": None,
     }
+
+
+def message(choice: dict) -> dict:
+    """A chat choice's ``message``: its text, and the tools it called (where it called one and wrote nothing
+    before, its content is null, as OpenAI's)."""
+    if "tool_calls" not in choice:
+        return {"role": "assistant", "content": choice["text"]}
+    return {"role": "assistant", "content": choice["text"] or None, "tool_calls": choice["tool_calls"]}
 
 
 def choice_logprobs(url: str, entries: list[dict] | None, offset: int = 0) -> dict | None:

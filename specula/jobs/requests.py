@@ -18,12 +18,14 @@ import difflib
 import enum
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..hf.openai import prediction_content
+from ..hf.tools import shows_tools
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +51,9 @@ SETTINGS = (
     "top_logprobs",
     "n",
     "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 )
 MAX_CHOICES = 128  # OpenAI's most choices a request may ask for
 TOP_LOGPROBS = {"/v1/chat/completions": 20, "/v1/completions": 5}  # OpenAI's most alternatives a token may list
@@ -58,10 +63,8 @@ DEFAULT_ONLY = {
     "suffix": ("", "specula does not insert text before a suffix"),
     "stream": (False, "a file's answers are written whole, not streamed"),
     "stream_options": ({}, "a file's answers are written whole, not streamed"),
-    "tools": ([], "specula does not call tools"),
-    "functions": ([], "specula does not call tools"),
-    "tool_choice": ("none", "specula does not call tools"),
-    "function_call": ("none", "specula does not call tools"),
+    "functions": ([], 'OpenAI\'s older shape of "tools": give "tools"'),
+    "function_call": ("none", 'OpenAI\'s older shape of "tool_choice": give "tools" and "tool_choice"'),
     "modalities": (["text"], "specula answers in text"),
     "audio": (None, "specula answers in text"),
     "reasoning_effort": (None, "specula does not reason apart from its answer"),
@@ -76,7 +79,6 @@ NO_EFFECT = (
     "service_tier",
     "prompt_cache_key",
     "safety_identifier",
-    "parallel_tool_calls",
 )
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's chat roles
 _OWN_FIELDS = ("id", "messages", "prompt", "prediction", "model")
@@ -228,7 +230,7 @@ def _request(fields: dict, number: int, key: object, chat: bool, url: str | None
         if (
             value is not None
             and value != default
-            and not (name in ("tool_choice", "function_call") and value == "auto" and not fields.get("tools"))
+            and not (name == "function_call" and value == "auto" and not fields.get("functions"))
         ):
             raise _Problem(f'"{name}": {json.dumps(value)[:60]} cannot be honoured: {why}')
     prediction = fields.get("prediction")
@@ -282,12 +284,40 @@ def _messages(messages: object) -> list[dict]:
                     '{"type": "text", "text": ...}'
                 )
             content = "".join(part["text"] for part in content)
+        calls = message.get("tool_calls")
+        if content is None and calls and message["role"] == "assistant":  # (an answer that only called tools)
+            content = ""
         if not isinstance(content, str):
             raise _Problem(f'"messages"[{index}] must have a "content": text, or a list of text parts')
+        role = "system" if message["role"] == "developer" else message["role"]
         chat.append(
-            {**message, "role": "system" if message["role"] == "developer" else message["role"], "content": content}
+            {**message, "role": role, "content": content} | ({"tool_calls": _calls(calls, index)} if calls else {})
         )
     return chat
+
+
+def _calls(calls: object, index: int) -> list[dict]:
+    """An assistant message's ``tool_calls`` as chat templates read them: each call's arguments an object (OpenAI
+    gives their JSON text; templates write them with ``tojson``).
+
+    >>> _calls([{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}], 0)
+    [{'id': 'c', 'type': 'function', 'function': {'name': 'f', 'arguments': {'x': 1}}}]
+    """
+    shape = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": JSON text of an object}}'
+    if not isinstance(calls, list):
+        raise _Problem(f'"messages"[{index}]: "tool_calls" must be a list of {shape}')
+    read = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            arguments = None
+        if not isinstance(arguments, dict) or not isinstance(function.get("name"), str):
+            raise _Problem(f'"messages"[{index}]: each of its "tool_calls" must be {shape}')
+        read.append(call | {"function": function | {"arguments": arguments}})
+    return read
 
 
 def _options(fields: dict, url: str | None = None, chat: bool = False) -> dict:
@@ -314,6 +344,7 @@ def _options(fields: dict, url: str | None = None, chat: bool = False) -> dict:
         del given["n"]
     if "response_format" in given and _response_format(given["response_format"]) == "text":
         del given["response_format"]
+    _tools(given, chat)
     echo = given.get("echo", False)
     for name, value in limits.items():  # (0 with echo: the prompt alone, and its log probabilities if asked)
         given["max_tokens"] = _whole(name, value, 0 if echo else 1, "" if echo else ' (0 only with "echo")')
@@ -376,6 +407,56 @@ def _logprobs(given: dict, url: str | None) -> None:
         raise _Problem('"top_logprobs" needs "logprobs": true')
     if asked:
         given["logprobs"] = top
+
+
+def _tools(given: dict, chat: bool) -> None:
+    """``given``'s tool settings, checked: ``tools`` (OpenAI's functions) left out where none are offered or
+    ``tool_choice`` is ``"none"`` (the model is not shown them), ``tool_choice`` left out at ``"auto"``."""
+    tools, choice = given.get("tools", []), given.get("tool_choice", "auto")
+    if tools and not chat:
+        raise _Problem('"tools" is a chat completions field: give "messages"')
+    if not isinstance(tools, list):
+        raise _Problem(
+            f'"tools" must be a list of {{"type": "function", "function": {{...}}}}, got {json.dumps(tools)[:60]}'
+        )
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function":
+            raise _Problem(
+                f'"tools"[{index}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}'
+            )
+        if not isinstance(function.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", function["name"]):
+            raise _Problem(f'"tools"[{index}]: a function\'s "name" must be 1-64 letters, digits, _ or -')
+        if not isinstance(function.get("parameters", {}), dict) or not isinstance(function.get("description", ""), str):
+            raise _Problem(f'"tools"[{index}]: "parameters" must be a JSON schema object, "description" text')
+    names = [tool["function"]["name"] for tool in tools]
+    if len(set(names)) < len(names):
+        raise _Problem(f'"tools": each function needs its own name; {sorted(names)} repeat one')
+    function = choice.get("function") if isinstance(choice, dict) else None
+    named = function.get("name") if isinstance(function, dict) else None
+    if choice not in ("none", "auto", "required") and not (choice == {"type": "function", "function": {"name": named}}):
+        raise _Problem(
+            '"tool_choice" must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}, '
+            f"got {json.dumps(choice)[:60]}"
+        )
+    if choice == "required" and not names:
+        raise _Problem('"tool_choice": "required" needs "tools"')
+    if named is not None and named not in names:
+        raise _Problem(f'"tool_choice" names the function {json.dumps(named)}, which "tools" does not offer')
+    if not isinstance(given.get("parallel_tool_calls", True), bool):
+        raise _Problem(f'"parallel_tool_calls" must be true or false, got {json.dumps(given["parallel_tool_calls"])}')
+    if tools and choice != "none" and "response_format" in given:
+        raise _Problem(
+            '"response_format" and "tools" cannot hold one answer together: give one, or "tool_choice": "none"'
+        )
+    if not tools or choice == "none":
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            given.pop(name, None)
+        return
+    if choice == "auto":
+        given.pop("tool_choice", None)
+    if given.get("parallel_tool_calls", True):
+        given.pop("parallel_tool_calls", None)
 
 
 def _response_format(shape: object) -> str:
@@ -499,8 +580,14 @@ def encode(tokenizer, request: Request | dict) -> torch.Tensor:
         request = Request(0, None, request.get("messages"), request.get("prompt"))
     if request.messages is not None and tokenizer.chat_template is None:
         raise ValueError('this model\'s tokenizer has no chat template; give "prompt" (plain text) instead')
+    tools = request.options.get("tools")
+    if tools and not shows_tools(tokenizer):
+        raise ValueError(
+            '"tools": this model\'s chat template does not show the model its tools; give a model whose template '
+            'takes them (Qwen2.5 ...), or leave "tools" out'
+        )
     if request.messages is not None:
         return tokenizer.apply_chat_template(
-            request.messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            request.messages, tools=tools, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
     return tokenizer(request.prompt, return_tensors="pt")["input_ids"]

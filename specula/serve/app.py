@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from ..core.logprobs import TokenLogprob
 from ..decoding.budget import CacheBudget, OverBudget
 from ..decoding.loop import Row
+from ..hf.tools import sendable
 from ..jobs.decode import (
     Settings,
     answer_of,
@@ -283,14 +284,17 @@ async def _chunks(
     name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     stops = parsed.options.get("stop", ())
-    echo = parsed.options.get("echo", False)
+    echo, tools = parsed.options.get("echo", False), "tools" in parsed.options
     indices = [range(choices(parsed))] if len(handles) == 1 else [[job] for job in range(len(handles))]
 
-    def chunks(job: int, text: str | None, finish: str | None = None, logprobs=None, offset: int = 0, first=False):
-        """The chunk of each choice job ``job`` serves: ``text`` (and its tokens' ``logprobs``, from ``offset``)."""
+    def chunks(job: int, text: str | None, finish=None, logprobs=None, offset: int = 0, first=False, calls=()):
+        """The chunk of each choice job ``job`` serves: ``text`` (and its tokens' ``logprobs``, from ``offset``), the
+        tools it ``calls``."""
         listed = None if logprobs is None else choice_logprobs(parsed.url, logprob_entries(logprobs, tokenizer), offset)
         for index in indices[job]:
             delta = ({"role": "assistant"} if first else {}) | ({} if text is None else {"content": text})
+            if calls:
+                delta["tool_calls"] = [{"index": at} | call for at, call in enumerate(calls)]
             choice = (
                 {"index": index, "delta": delta, "logprobs": listed, "finish_reason": finish}
                 if chat
@@ -321,6 +325,8 @@ async def _chunks(
                 stream.logprobs += got.logprobs or []
                 text = tokenizer.decode(stream.ids, skip_special_tokens=True)
                 ready = _ready(text, stops)
+                if tools:  # (not what may be a call)
+                    ready = sendable(ready)
                 if len(ready) > len(stream.sent) and not echo:
                     whole = stream.listed if got.logprobs is None else _whole_tokens(tokenizer, stream.ids, ready, text)
                     listed = None if got.logprobs is None else stream.logprobs[stream.listed : whole]
@@ -338,6 +344,9 @@ async def _chunks(
             final, sent = made["text"], stream.sent
             if final.startswith(sent) and (len(final) > len(sent) or rest):
                 for line in chunks(got.job, final[len(sent) :], None, rest, len(sent)):
+                    yield line
+            if "tool_calls" in made:
+                for line in chunks(got.job, None, calls=made["tool_calls"]):
                     yield line
             for line in chunks(got.job, None if chat else "", made["finish_reason"]):
                 yield line

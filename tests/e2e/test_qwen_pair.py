@@ -7,30 +7,22 @@ The converted model folders come from ``../shared/scripts/get-models.sh`` (the R
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_greedy
-from test_smollm2 import SHARED, workloads
+from helpers import hf_greedy, qwen_folder
+from test_smollm2 import workloads
 
 import specula
 from specula.hf.loading import load_model
 from specula.jobs.requests import encode, load_workloads
 
-MODELS = Path(os.environ.get("SPECULA_MODELS", Path.home() / ".cache" / "specula-models"))
 pytestmark = pytest.mark.slow
 
 
 @functools.cache
 def qwen(size: str):
-    folder = MODELS / f"qwen2.5-coder-{size}"
-    fetch = f"bash ../shared/scripts/get-models.sh {MODELS} qwen2.5-coder-0.5b qwen2.5-coder-1.5b"
-    if not (folder / "config.json").exists() and not (SHARED / "scripts" / "get-models.sh").exists():
-        pytest.skip(f"{folder} is missing, and so is the shared folder whose script fetches it ({fetch})")
-    assert (folder / "config.json").exists(), f"{folder} is missing: run `{fetch}`"
-    return load_model(folder, dtype=torch.float32, tune_layout=False)  # (the layout is not what this checks)
+    return load_model(qwen_folder(size), dtype=torch.float32, tune_layout=False)  # (the layout is not checked here)
 
 
 @pytest.mark.parametrize("index", [0, 1])

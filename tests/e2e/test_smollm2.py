@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Oracle, hf_greedy
+from helpers import SHARED, Oracle, hf_greedy
 
 import specula
 from specula.hf.inputs import left_padded
 from specula.hf.loading import load_model
 from specula.jobs.requests import encode, load_workloads
 
-SHARED = Path(__file__).resolve().parents[3] / "shared"  # (beside a development checkout; a bare clone has none)
 WORKLOADS = Path(os.environ.get("SPECULA_WORKLOADS", SHARED / "workloads"))
 pytestmark = pytest.mark.slow
 

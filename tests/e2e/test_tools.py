@@ -1,0 +1,139 @@
+"""OpenAI's ``tools`` on a model whose chat template takes them (Qwen2.5-Coder-0.5B-Instruct, fp32): a required or
+named call is held to the request's functions at every verified position, as ``model.generate`` holds it with the
+same processor, drafts or none; request files answer with the calls read back, in either line shape; a chat that
+carries a call and its result is decoded."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from helpers import qwen_folder
+from transformers import LogitsProcessorList
+
+import specula
+from specula import cli
+from specula.hf.grammar import GrammarConstraint
+from specula.hf.loading import load_model
+from specula.hf.tools import call_grammar, read_calls
+from specula.jobs.requests import parse_request
+
+pytestmark = pytest.mark.slow
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@functools.cache
+def qwen():
+    return load_model(qwen_folder("0.5b"), dtype=torch.float32, tune_layout=False)
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_required_call_is_held_to_the_tools_as_model_generate_holds_it(choice) -> None:
+    model, tokenizer = qwen()
+    ask = [{"role": "user", "content": "Write a haiku about autumn."}]  # (unheld, it writes one: no call)
+    request = parse_request({"messages": ask, "tools": [WEATHER], "tool_choice": choice}, 1)
+    ids = tokenizer.apply_chat_template(
+        request.messages, tools=[WEATHER], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    grammar = call_grammar(tokenizer, [WEATHER], None if choice == "required" else "get_weather")
+
+    def held() -> LogitsProcessorList:
+        return LogitsProcessorList([GrammarConstraint(tokenizer, model.config.vocab_size, grammar, ids.shape[1])])
+
+    eos = model.generation_config.eos_token_id
+    expected = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, logits_processor=held(), eos_token_id=eos
+    )
+    out = specula.generate(
+        model, ids, specula.PromptLookup(), max_new_tokens=40, logits_processor=held(), eos_token_id=eos
+    )
+    assert torch.equal(out.sequences, expected) and out.stats.drafted > 0
+    text = tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True)
+    if choice == NAMED:  # (one call, then the end)
+        content, calls = read_calls(text, {"get_weather"})
+        assert content == "" and len(calls) == 1 and isinstance(calls[0].arguments["city"], str), text
+    else:  # (calls until the tokens run out: the first whole)
+        assert text.startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": "'), text
+
+
+def test_request_files_answer_with_the_calls_in_either_shape(tmp_path) -> None:
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    haiku = [{"role": "user", "content": "Write a haiku about autumn."}]
+    own = [
+        {"id": "auto", "messages": weather, "tools": [WEATHER]},
+        {"id": "named", "messages": haiku, "tools": [WEATHER], "tool_choice": NAMED},  # (held: else a haiku)
+        {"id": "none", "messages": weather, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 8},
+        {
+            "id": "result",
+            "messages": weather
+            + [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": '{"temperature": 21, "sky": "sunny"}'},
+            ],
+            "tools": [WEATHER],
+            "max_tokens": 8,
+        },
+    ]
+    batch = [
+        {"custom_id": line["id"], "method": "POST", "url": "/v1/chat/completions", "body": without_id}
+        for line in own[:2]
+        for without_id in [{name: value for name, value in line.items() if name != "id"}]
+    ]
+    answers = {}
+    for name, lines in (("own", own), ("batch", batch)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        cli.main(
+            [
+                "generate",
+                "--input",
+                str(tmp_path / f"{name}.jsonl"),
+                "--output",
+                str(tmp_path / f"{name}-out.jsonl"),
+                "--model",
+                str(qwen_folder("0.5b")),
+                "--dtype",
+                "fp32",
+                "--max-new-tokens",
+                "48",
+            ]
+        )
+        answers[name] = [json.loads(line) for line in (tmp_path / f"{name}-out.jsonl").read_text().splitlines()]
+    auto, named, none, result = answers["own"]
+    for answer in (auto, named):
+        assert answer["finish_reason"] == "tool_calls", answer
+        (call,) = answer["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+        assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    assert json.loads(auto["tool_calls"][0]["function"]["arguments"])["city"] == "Paris"
+    assert none["finish_reason"] == "length" and "tool_calls" not in none and none["text"]
+    assert result["stats"]["new_tokens"] == 8  # (a chat that goes on from a call and its result: decoded)
+    for line, own_line in zip(answers["batch"], (auto, named)):
+        message = line["response"]["body"]["choices"][0]["message"]
+        assert message["content"] is None and line["response"]["body"]["choices"][0]["finish_reason"] == "tool_calls"
+        assert [call["function"] for call in message["tool_calls"]] == [
+            call["function"] for call in own_line["tool_calls"]
+        ]
