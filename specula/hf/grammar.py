@@ -53,6 +53,26 @@ class GrammarConstraint(LogitsProcessor):
         return scores.masked_fill(~mask.to(scores.device), float("-inf"))
 
 
+def guide_grammar(options: dict) -> str | None:
+    """The llguidance grammar a request's settings hold its output to: OpenAI's ``response_format``
+    (:func:`json_grammar`; vLLM's ``guided_json`` comes as one), vLLM's ``guided_regex`` (a regular expression the
+    whole output matches) or ``guided_choice`` (one of its texts); ``None``: free text."""
+    from llguidance import LLMatcher
+
+    if "response_format" in options:
+        return json_grammar(options["response_format"])
+    if "guided_choice" in options:  # (each text a string of the grammar: JSON's escapes are its own)
+        grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, options["guided_choice"])))
+    elif "guided_regex" in options:
+        grammar = LLMatcher.grammar_from_regex(options["guided_regex"])
+    else:
+        return None
+    if error := LLMatcher.validate_grammar(grammar):
+        name = "guided_choice" if "guided_choice" in options else "guided_regex"
+        raise ValueError(f'"{name}" cannot be used ({error})')
+    return grammar
+
+
 def json_grammar(response_format: dict) -> str | None:
     """The llguidance grammar of OpenAI's ``response_format`` (``{"type": "json_object"}``: any JSON object;
     ``{"type": "json_schema", "json_schema": {"schema": ...}}``: that schema); ``None`` for text."""

@@ -20,7 +20,8 @@ from ..decoding.budget import CacheBudget, OverBudget
 from ..decoding.driver import finished_rows
 from ..decoding.loop import Decoder, Job, Row, room
 from ..hf.generate import prepare_jobs
-from ..hf.grammar import GrammarConstraint, json_grammar
+from ..hf.grammar import GrammarConstraint, guide_grammar
+from ..hf.inputs import eos_ids
 from ..hf.penalties import PresenceFrequencyPenalty
 from ..hf.tools import call_grammar, read_calls
 from ..machine.memory import spare_bytes
@@ -70,6 +71,8 @@ def generate_options(request: Request, settings: Settings, device: torch.device 
         sampling["top_k"] = max(own["top_k"], 0)  # (-1, vLLM's "every token", is 0 to transformers)
     if "top_p" in own:
         sampling["top_p"] = float(own["top_p"])
+    if "min_p" in own:
+        sampling["min_p"] = float(own["min_p"])
     if sampling.get("do_sample") is False:  # (greedy: no sampling settings to warn about)
         sampling = {"do_sample": False}
     seed = own.get("seed", None if settings.seed is None else settings.seed + request.line)
@@ -175,11 +178,12 @@ def job_of(
     """The job that decodes ``request``'s ``choice``-th answer (its key: ``(request, choice)``) with its own
     settings over the run's (:func:`jobs_of`)."""
     device = model_device(model)
-    outside = [token for token in request.options.get("logit_bias", ()) if token >= vocab_size(model)]
-    if outside:  # (transformers would find it at the first pass, in the middle of a batch)
-        raise ValueError(
-            f'"logit_bias" names token ids outside the model\'s vocabulary of {vocab_size(model)}: {outside[:5]}'
-        )
+    for name in ("logit_bias", "stop_token_ids"):
+        outside = [token for token in request.options.get(name, ()) if token >= vocab_size(model)]
+        if outside:  # (transformers would find it at the first pass, in the middle of a batch)
+            raise ValueError(
+                f'"{name}" names token ids outside the model\'s vocabulary of {vocab_size(model)}: {outside[:5]}'
+            )
     prompt, options = encode(tokenizer, request).to(device), generate_options(request, settings, device, choice)
     if options["max_new_tokens"] is None:  # (the rest of the context; a prompt that fills it is refused below)
         limit = context_limit(model)
@@ -187,12 +191,15 @@ def job_of(
             del options["max_new_tokens"]
         else:
             options["max_new_tokens"] = max(limit - prompt.shape[1], 1)
+    stop_ids, ignore_eos = frozenset(request.options.get("stop_token_ids", ())), request.options.get("ignore_eos")
+    if stop_ids or ignore_eos:  # (vLLM's: tokens that end the answer as its end of sequence does; on past that)
+        ends = frozenset() if ignore_eos else eos_ids(model.generation_config.eos_token_id)
+        options["eos_token_id"] = sorted(ends | stop_ids)
     processors = LogitsProcessorList()  # (OpenAI's settings transformers has no name for, applied after its own)
     penalties = {name: request.options.get(f"{name}_penalty", 0) for name in ("frequency", "presence")}
     if any(penalties.values()):  # (over the output)
         processors.append(PresenceFrequencyPenalty(prompt.shape[1], **penalties))
-    if "response_format" in request.options:  # (the output held to a JSON schema)
-        grammar = json_grammar(request.options["response_format"])
+    if grammar := guide_grammar(request.options):  # (the output held to a JSON schema, a regex, a choice)
         processors.append(GrammarConstraint(tokenizer, vocab_size(model), grammar, prompt.shape[1]))
     if "tool_choice" in request.options:  # (a call required: the output held to calls of its tools)
         asked, one = request.options["tool_choice"], not request.options.get("parallel_tool_calls", True)
@@ -242,12 +249,11 @@ def choice_of(row: Row, request: Request, tokenizer) -> dict:
     """One choice of an answer: its text ends before a stop string (OpenAI's ``stop``), after its prompt where it
     asks for ``echo``; it finished for a ``"stop"`` (EOS, a stop string) or for its ``"length"``; its tokens' log
     probabilities where asked."""
-    output = row.output
-    text = tokenizer.decode(output, skip_special_tokens=True)
-    ends = [at for at in (text.find(stop) for stop in request.options.get("stop", ())) if at >= 0]
-    stopped = bool(ends) or (len(output) > 0 and int(output[-1]) in row.job.eos_token_ids)
-    content = text[: min(ends)] if ends else text
-    listed = row.logprobs[: content_tokens(row, tokenizer, content)] if row.job.logprobs is not None else None
+    output, skip = row.output, request.options.get("skip_special_tokens", True)
+    text = tokenizer.decode(output, skip_special_tokens=skip)
+    content, stop = stopped_text(text, request.options)
+    stopped = stop or (len(output) > 0 and int(output[-1]) in row.job.eos_token_ids)
+    listed = row.logprobs[: content_tokens(row, tokenizer, content, skip)] if row.job.logprobs is not None else None
     if request.options.get("echo"):  # (a text completion's prompt before its answer, its tokens listed first)
         content = request.prompt + content
         listed = None if listed is None else row.prompt_logprobs + listed
@@ -261,12 +267,29 @@ def choice_of(row: Row, request: Request, tokenizer) -> dict:
     } | ({"tool_calls": [call.openai(f"call_{uuid.uuid4().hex[:24]}") for call in calls]} if calls else {})
 
 
-def content_tokens(row: Row, tokenizer, content: str) -> int:
-    """How many of ``row``'s output tokens make ``content`` (a prefix of its text): not the EOS that ended it, nor
-    the tokens of a stop string the text ends before (a token is content where the text before it is shorter)."""
+def stopped_text(text: str, options: dict) -> tuple[str, bool]:
+    """``text`` up to the first stop string it holds (``options``' ``stop``; with vLLM's
+    ``include_stop_str_in_output``, that string included), and whether it held one.
+
+    >>> stopped_text("a. b. c", {"stop": [". c", "."]})
+    ('a', True)
+    >>> stopped_text("b. c", {"stop": ["."], "include_stop_str_in_output": True})
+    ('b.', True)
+    """
+    ends = [(at, len(stop)) for at, stop in ((text.find(stop), stop) for stop in options.get("stop", ())) if at >= 0]
+    if not ends:
+        return text, False
+    at, length = min(ends)
+    return text[: at + length * options.get("include_stop_str_in_output", False)], True
+
+
+def content_tokens(row: Row, tokenizer, content: str, skip: bool = True) -> int:
+    """How many of ``row``'s output tokens make ``content`` (a prefix of its text, decoded skipping special tokens
+    where ``skip``): not the EOS that ended it, nor the tokens of a stop string the text ends before (a token is
+    content where the text before it is shorter)."""
     output = row.output.tolist()
     count = len(output) - (len(output) > 0 and output[-1] in row.job.eos_token_ids)
-    while count and len(tokenizer.decode(output[: count - 1], skip_special_tokens=True)) >= len(content):
+    while count and len(tokenizer.decode(output[: count - 1], skip_special_tokens=skip)) >= len(content):
         count -= 1
     return count
 

@@ -54,6 +54,18 @@ SETTINGS = (
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    # vLLM's names for what OpenAI's API lacks
+    "min_p",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
 )
 MAX_CHOICES = 128  # OpenAI's most choices a request may ask for
 TOP_LOGPROBS = {"/v1/chat/completions": 20, "/v1/completions": 5}  # OpenAI's most alternatives a token may list
@@ -70,6 +82,25 @@ DEFAULT_ONLY = {
     "reasoning_effort": (None, "specula does not reason apart from its answer"),
     "verbosity": (None, "specula does not set a verbosity"),
     "web_search_options": (None, "specula does not search the web"),
+    # vLLM's
+    "use_beam_search": (False, "specula does not search beams"),
+    "length_penalty": (1, "specula does not search beams"),
+    "allowed_token_ids": (None, 'give "logit_bias" -100 to the tokens left out'),
+    "bad_words": ([], 'give "logit_bias" -100 to their tokens, or "stop"'),
+    "truncate_prompt_tokens": (None, "specula does not cut prompts: shorten the prompt"),
+    "prompt_logprobs": (None, 'a text completion lists its prompt\'s with "echo" and "logprobs"'),
+    "guided_grammar": (None, 'give "guided_json", "guided_regex" or "guided_choice"'),
+    "guided_whitespace_pattern": (None, "specula's JSON grammar takes any white space"),
+    "structured_outputs": (None, 'give "guided_json", "guided_regex", "guided_choice" or "response_format"'),
+    "structural_tag": (None, 'give "guided_json", "guided_regex", "guided_choice" or "response_format"'),
+    "logits_processors": (None, "specula runs no processors named in a request"),
+    "return_tokens_as_token_ids": (False, "specula lists tokens as text"),
+    "spaces_between_special_tokens": (True, "specula decodes as the tokenizer does"),
+    "add_special_tokens": (False, "the chat template adds what the model needs"),
+    "documents": (None, "give the documents in the messages"),
+    "chat_template": (None, "specula uses the model's own chat template"),
+    "mm_processor_kwargs": (None, "specula reads text only"),
+    "vllm_xargs": (None, "specula runs no vLLM extensions"),
 }
 # Fields that do not change an answer: accepted and kept out of its decoding.
 NO_EFFECT = (
@@ -79,6 +110,10 @@ NO_EFFECT = (
     "service_tier",
     "prompt_cache_key",
     "safety_identifier",
+    "priority",
+    "request_id",
+    "cache_salt",
+    "guided_decoding_backend",
 )
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's chat roles
 _OWN_FIELDS = ("id", "messages", "prompt", "prediction", "model")
@@ -310,10 +345,7 @@ def _calls(calls: object, index: int) -> list[dict]:
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
         arguments = function.get("arguments") if isinstance(function, dict) else None
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
-            arguments = None
+        arguments = _json_text(arguments) if isinstance(arguments, str) else arguments
         if not isinstance(arguments, dict) or not isinstance(function.get("name"), str):
             raise _Problem(f'"messages"[{index}]: each of its "tool_calls" must be {shape}')
         read.append(call | {"function": function | {"arguments": arguments}})
@@ -345,6 +377,7 @@ def _options(fields: dict, url: str | None = None, chat: bool = False) -> dict:
     if "response_format" in given and _response_format(given["response_format"]) == "text":
         del given["response_format"]
     _tools(given, chat)
+    _vllm(given, chat)
     echo = given.get("echo", False)
     for name, value in limits.items():  # (0 with echo: the prompt alone, and its log probabilities if asked)
         given["max_tokens"] = _whole(name, value, 0 if echo else 1, "" if echo else ' (0 only with "echo")')
@@ -445,10 +478,6 @@ def _tools(given: dict, chat: bool) -> None:
         raise _Problem(f'"tool_choice" names the function {json.dumps(named)}, which "tools" does not offer')
     if not isinstance(given.get("parallel_tool_calls", True), bool):
         raise _Problem(f'"parallel_tool_calls" must be true or false, got {json.dumps(given["parallel_tool_calls"])}')
-    if tools and choice != "none" and "response_format" in given:
-        raise _Problem(
-            '"response_format" and "tools" cannot hold one answer together: give one, or "tool_choice": "none"'
-        )
     if not tools or choice == "none":
         for name in ("tools", "tool_choice", "parallel_tool_calls"):
             given.pop(name, None)
@@ -457,6 +486,82 @@ def _tools(given: dict, chat: bool) -> None:
         given.pop("tool_choice", None)
     if given.get("parallel_tool_calls", True):
         given.pop("parallel_tool_calls", None)
+
+
+def _vllm(given: dict, chat: bool) -> None:
+    """``given``'s settings under vLLM's names, checked; those at their default left out, ``guided_json`` as the
+    ``response_format`` of its schema."""
+    defaults = {
+        "ignore_eos": False,
+        "include_stop_str_in_output": False,
+        "skip_special_tokens": True,
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+    }
+    for name, default in defaults.items():
+        if not isinstance(given.get(name, default), bool):
+            raise _Problem(f'"{name}" must be true or false, got {json.dumps(given[name])}')
+        if given.get(name) == default:
+            del given[name]
+    if not chat and {"chat_template_kwargs", "add_generation_prompt", "continue_final_message"} & set(given):
+        raise _Problem('"chat_template_kwargs", "add_generation_prompt" and "continue_final_message" are a chat\'s')
+    if given.get("continue_final_message") and given.get("add_generation_prompt", True):
+        raise _Problem('"continue_final_message" goes on with the last message: give "add_generation_prompt": false')
+    kwargs = given.get("chat_template_kwargs", {})
+    if not isinstance(kwargs, dict) or set(kwargs) & _TEMPLATE_ARGUMENTS:
+        raise _Problem(
+            '"chat_template_kwargs" must be an object of the template\'s own variables (none of '
+            f"{', '.join(sorted(_TEMPLATE_ARGUMENTS))}), got {json.dumps(kwargs)[:60]}"
+        )
+    if not kwargs:
+        given.pop("chat_template_kwargs", None)
+    if "min_p" in given and not 0 <= _number(given["min_p"]) <= 1:
+        raise _Problem(f'"min_p" must be a number from 0 to 1 (0: none), got {json.dumps(given["min_p"])}')
+    if given.get("min_p") == 0:
+        del given["min_p"]
+    ids = given.get("stop_token_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(id, int) and not isinstance(id, bool) and id >= 0 for id in ids):
+        raise _Problem(f'"stop_token_ids" must be a list of token ids, got {json.dumps(ids)[:60]}')
+    if not ids:
+        given.pop("stop_token_ids", None)
+    guides = [
+        name for name in ("guided_json", "guided_regex", "guided_choice", "response_format", "tools") if name in given
+    ]
+    if len(guides) > 1:
+        raise _Problem(f"{' and '.join(map(json.dumps, guides))} cannot hold one answer together: give one")
+    if "guided_json" in given:
+        schema = given.pop("guided_json")
+        schema = _json_text(schema) if isinstance(schema, str) else schema
+        if not isinstance(schema, dict):
+            raise _Problem('"guided_json" must be a JSON schema: an object, or its JSON text')
+        given["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
+    if "guided_regex" in given and not isinstance(given["guided_regex"], str):
+        raise _Problem(
+            f'"guided_regex" must be a regular expression (text), got {json.dumps(given["guided_regex"])[:60]}'
+        )
+    choices = given.get("guided_choice", ["-"])
+    if not isinstance(choices, list) or not choices or not all(isinstance(text, str) and text for text in choices):
+        raise _Problem(f'"guided_choice" must be a non-empty list of texts, got {json.dumps(choices)[:60]}')
+
+
+_TEMPLATE_ARGUMENTS = {  # what specula gives apply_chat_template itself
+    "conversation",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "return_tensors",
+    "return_dict",
+}
+
+
+def _json_text(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 def _response_format(shape: object) -> str:
@@ -587,7 +692,14 @@ def encode(tokenizer, request: Request | dict) -> torch.Tensor:
             'takes them (Qwen2.5 ...), or leave "tools" out'
         )
     if request.messages is not None:
+        options = request.options
         return tokenizer.apply_chat_template(
-            request.messages, tools=tools, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            request.messages,
+            tools=tools,
+            add_generation_prompt=options.get("add_generation_prompt", True),
+            continue_final_message=options.get("continue_final_message", False),
+            return_tensors="pt",
+            return_dict=True,
+            **options.get("chat_template_kwargs", {}),
         )["input_ids"]
     return tokenizer(request.prompt, return_tensors="pt")["input_ids"]

@@ -38,6 +38,7 @@ from ..jobs.decode import (
     jobs_of,
     logprob_entries,
     names,
+    stopped_text,
 )
 from ..jobs.line_formats import choice_logprobs
 from ..jobs.requests import BadRequest, parse_request
@@ -283,7 +284,7 @@ async def _chunks(
     chat = parsed.url == "/v1/chat/completions"
     name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    stops = parsed.options.get("stop", ())
+    skip = parsed.options.get("skip_special_tokens", True)
     echo, tools = parsed.options.get("echo", False), "tools" in parsed.options
     indices = [range(choices(parsed))] if len(handles) == 1 else [[job] for job in range(len(handles))]
 
@@ -323,12 +324,16 @@ async def _chunks(
             if isinstance(got, Kept):
                 stream.ids += got.tokens
                 stream.logprobs += got.logprobs or []
-                text = tokenizer.decode(stream.ids, skip_special_tokens=True)
-                ready = _ready(text, stops)
+                text = tokenizer.decode(stream.ids, skip_special_tokens=skip)
+                ready = _ready(text, parsed.options)
                 if tools:  # (not what may be a call)
                     ready = sendable(ready)
                 if len(ready) > len(stream.sent) and not echo:
-                    whole = stream.listed if got.logprobs is None else _whole_tokens(tokenizer, stream.ids, ready, text)
+                    whole = (
+                        stream.listed
+                        if got.logprobs is None
+                        else _whole_tokens(tokenizer, stream.ids, ready, text, skip)
+                    )
                     listed = None if got.logprobs is None else stream.logprobs[stream.listed : whole]
                     for line in chunks(got.job, ready[len(stream.sent) :], None, listed, len(stream.sent)):
                         yield line
@@ -339,7 +344,7 @@ async def _chunks(
             rest = None
             if row.job.logprobs is not None:
                 answered = made["text"][len(parsed.prompt) :] if echo else made["text"]
-                rest = row.logprobs[stream.listed : max(stream.listed, content_tokens(row, tokenizer, answered))]
+                rest = row.logprobs[stream.listed : max(stream.listed, content_tokens(row, tokenizer, answered, skip))]
                 rest = row.prompt_logprobs + rest if echo else rest
             final, sent = made["text"], stream.sent
             if final.startswith(sent) and (len(final) > len(sent) or rest):
@@ -364,26 +369,31 @@ async def _chunks(
                 handle.cancel()
 
 
-def _whole_tokens(tokenizer, ids: list[int], ready: str, text: str) -> int:
-    """How many of ``ids`` (whose text is ``text``) have their text within ``ready``, a prefix of it."""
+def _whole_tokens(tokenizer, ids: list[int], ready: str, text: str, skip: bool) -> int:
+    """How many of ``ids`` (whose text is ``text``, special tokens skipped where ``skip``) have their text within
+    ``ready``, a prefix of it."""
     count = len(ids)
     while count and len(ready) < len(text):
-        text = tokenizer.decode(ids[: count - 1], skip_special_tokens=True)
+        text = tokenizer.decode(ids[: count - 1], skip_special_tokens=skip)
         count -= 1
     return count
 
 
-def _ready(text: str, stops) -> str:
-    """What of ``text`` can be sent now: up to a stop string it holds, less what a later token may still change: a
-    last broken character, a tail that may become a stop string, trailing spaces (a tokenizer's clean-up joins
-    ``" ."`` into ``"."``).
+def _ready(text: str, options: dict) -> str:
+    """What of ``text`` can be sent now (``options``: its request's): up to a stop string it holds
+    (:func:`stopped_text`), less what a later token may still change: a last broken character, a tail that may
+    become a stop string, trailing spaces (a tokenizer's clean-up joins ``" ."`` into ``"."``).
 
-    >>> _ready("ab\\ufffd", ()), _ready("hello wo", ["world"]), _ready("hello world!", ["world"]), _ready("a b ", ())
-    ('ab', 'hello', 'hello ', 'a b')
+    >>> _ready("ab\\ufffd", {}), _ready("hello wo", {"stop": ["world"]}), _ready("hello world!", {"stop": ["world"]})
+    ('ab', 'hello', 'hello ')
+    >>> _ready("a b ", {}), _ready("hello world!", {"stop": ["world"], "include_stop_str_in_output": True})
+    ('a b', 'hello world')
     """
-    ends = [at for at in (text.find(stop) for stop in stops) if at >= 0]
-    if ends:
-        return text[: min(ends)]
+    content, stopped = stopped_text(text, options)
+    if stopped:
+        return content
     text = text.rstrip("\ufffd")
-    held = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+    held = max(
+        (n for stop in options.get("stop", ()) for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0
+    )
     return text[: len(text) - held].rstrip(" ")

@@ -104,7 +104,7 @@ def test_a_field_specula_cannot_honour_makes_a_bad_line_naming_it(fields, proble
         ({"messages": chat()["messages"], "max_token": 5}, 'unknown field "max_token": did you mean "max_tokens"\\?'),
         ({"prompt": "x", "temprature": 0.5}, 'unknown field "temprature": did you mean "temperature"\\?'),
         (batch_line("a", chat(foo=1)), 'body: unknown field "foo" for /v1/chat/completions'),
-        (batch_line("a", chat(min_p=0.1)), 'body: unknown field "min_p"'),
+        (batch_line("a", chat(mirostat=0.1)), 'body: unknown field "mirostat"'),
         (batch_line("a", {"prompt": "x", "logprobs": 6}, "/v1/completions"), '"logprobs" must be at most 5'),
         (batch_line("a", {"prompt": "x", "logprobs": True}, "/v1/completions"), '"logprobs" must be a whole'),
         (batch_line("a", {"prompt": "x", "top_logprobs": 2}, "/v1/completions"), '"top_logprobs" is a chat'),

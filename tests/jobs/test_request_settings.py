@@ -92,6 +92,10 @@ def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) ->
     folder = tmp_path / "model"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    eos = model.generation_config.eos_token_id
+    short = reference(model, tokenizer(SHORT, return_tensors="pt").input_ids, max_new_tokens=NEW, do_sample=False)
+    stop = short[6]  # (a token its greedy answer makes after the 6 the generation config asks for: it ends there)
+    assert stop != eos and stop not in short[:6]
     lines = [
         ({"prompt": SHORT}, {"do_sample": False}, None),
         ({"prompt": LONG}, {"do_sample": False}, None),
@@ -122,6 +126,14 @@ def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) ->
             {"do_sample": True, "max_new_tokens": 3, "temperature": 0.5, "top_k": 0},
             5,
         ),
+        # vLLM's: min_p; more tokens that end the answer; on past the end of sequence
+        (
+            {"prompt": LONG, "temperature": 1.5, "min_p": 0.9, "seed": 9},
+            {"do_sample": True, "temperature": 1.5, "min_p": 0.9},
+            9,
+        ),
+        ({"prompt": SHORT, "stop_token_ids": [stop]}, {"do_sample": False, "eos_token_id": [eos, stop]}, None),
+        ({"prompt": LONG, "ignore_eos": True}, {"do_sample": False, "eos_token_id": []}, None),
     ]
     (tmp_path / "in.jsonl").write_text(
         "".join(json.dumps({"id": n, **line}) + "\n" for n, (line, _, _) in enumerate(lines))
@@ -142,12 +154,14 @@ def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) ->
         tokens = reference(model, ids, seed, **{"max_new_tokens": NEW, **settings})
         assert answer["text"] == tokenizer.decode(tokens, skip_special_tokens=True), line
         assert answer["stats"]["new_tokens"] == len(tokens)
-        eos = model.generation_config.eos_token_id
-        assert answer["finish_reason"] == ("stop" if tokens[-1] == eos else "length")
+        ends = settings.get("eos_token_id", [model.generation_config.eos_token_id])
+        assert answer["finish_reason"] == ("stop" if tokens[-1] in ends else "length")
+    assert answers[-1]["finish_reason"] == "length" and answers[-2]["finish_reason"] == "stop"  # (they mattered)
 
 
 def test_a_stop_string_ends_the_answer_before_it(eager_to_end, tmp_path) -> None:
-    """OpenAI's "stop": generation stops at the first stop string, and the answer's text ends just before it."""
+    """OpenAI's "stop": generation stops at the first stop string, and the answer's text ends just before it (after
+    it with vLLM's ``include_stop_str_in_output``)."""
     model, tokenizer = eager_to_end
     ids = tokenizer(LONG, return_tensors="pt").input_ids
     greedy = reference(model, ids, max_new_tokens=NEW, do_sample=False, min_new_tokens=0, eos_token_id=None)
@@ -171,9 +185,12 @@ def test_a_stop_string_ends_the_answer_before_it(eager_to_end, tmp_path) -> None
         + "\n"
         + json.dumps({"id": "c", "prompt": LONG, "stop": spanning, "min_tokens": 0, "logprobs": True})
         + "\n"
+        + json.dumps({"id": "d", "prompt": LONG, "stop": stop, "min_tokens": 0, "include_stop_str_in_output": True})
+        + "\n"
     )
     generate(tmp_path / "in.jsonl", tmp_path / "out.jsonl", folder, "--temperature", 0)
-    a, b, c = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    a, b, c, d = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert d["text"] == a["text"] + stop and d["finish_reason"] == "stop"  # (vLLM's: the stop string kept)
     assert a["text"] == whole[: whole.index(stop)] and a["finish_reason"] == "stop"
     assert b["text"] == whole and b["finish_reason"] == "length"
     # log probabilities: of every token of b's answer; of a's, only the tokens its text is made of (its text ends
