@@ -24,14 +24,18 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+QWEN_FILES = ("test_qwen_pair.py", "test_tool_calls.py", "test_tools_served.py")  # (tests of the Qwen2.5-Coder pair)
+
+
 def pytest_collection_modifyitems(items) -> None:
     """Tests that start a local Ray instance run on one worker, one after another (``--dist loadgroup``): two
     instances at once would share the machine's cores and memory; so do the tests of the Qwen2.5-Coder pair (a
-    worker holding both models takes most of a 24 GB machine: two would not fit)."""
+    worker holding both models takes most of a 24 GB machine: two would not fit; the files that load one of them
+    share the worker's copy)."""
     for item in items:
         if "ray" in item.name.split("[")[0].split("_") or item.path.name == "test_ray.py":
             item.add_marker(pytest.mark.xdist_group("ray"))
-        elif item.path.name == "test_qwen_pair.py":
+        elif item.path.name in QWEN_FILES:
             item.add_marker(pytest.mark.xdist_group("qwen pair"))
 
 

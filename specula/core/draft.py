@@ -148,6 +148,9 @@ def _checked_parents(parents: Sequence[int], tokens: list[int]) -> tuple[int, ..
     return None if parents == tuple(range(-1, len(parents) - 1)) else parents
 
 
+# The source of tokens a grammar forces (specula.proposers.guide): the target writes them unless it spells their text
+# with other tokens, so the draft policy expects them accepted (FORCED_PRIOR) until it learns otherwise.
+FORCED, FORCED_PRIOR = "grammar", 0.95
 DEPTH_DECAY = 0.8  # how much less likely a token is than its parent on the same continuation (merged's prior)
 
 

@@ -27,6 +27,7 @@ from ..policy.guard import DraftGuard
 from ..policy.kept_costs import kept_pass_costs
 from ..policy.protocol import DraftPolicy, Pass
 from ..proposers.base import Proposer, RequestFailed, RequestProposer, for_requests
+from ..proposers.guide import Guide, guided
 from ..proposers.prediction import Prediction, with_prediction
 from ..verifier.exactness import Exactness, choose
 from ..verifier.invariant import holds as invariant_holds
@@ -129,6 +130,12 @@ def propose(
         else draft
         for row, draft, budget in zip(rows, proposed, budgets)
     ]
+    proposed = [  # (a grammar's: what it takes of the draft, then what it forces, as far as the policy's trim sends)
+        guided(row.guide, row.output, draft, min(MAX_DRAFT, row.sequence.room - 1))
+        if row.guide is not None and budget > 0
+        else draft
+        for row, draft, budget in zip(rows, proposed, budgets)
+    ]
     seconds = [one_call if budget > 0 else None for budget in budgets]
     for row, asked in zip(rows, seconds):
         row.stats.draft_time_s += asked or 0.0
@@ -193,6 +200,7 @@ class Row:
         self.sequence = Sequence(job.prompt, job.max_new_tokens, job.eos_token_ids, job.stopping_criteria)
         self.stats = SpecStats(prompt_tokens=len(job.prompt))
         self.prediction = None if job.prediction is None else Prediction(job.prediction)
+        self.guide = next((p for p in job.sampling.processors or () if isinstance(p, Guide)), None)  # (a grammar)
         self.finished = False
         self.started = time.perf_counter()
         self.logprobs: list[TokenLogprob] = []  # [len(output)] where its job asks for them

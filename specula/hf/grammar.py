@@ -35,7 +35,27 @@ class GrammarConstraint(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if input_ids.shape[0] != 1:
             raise ValueError("a grammar constraint holds one sequence: give each request its own")
-        generated = input_ids[0, self.prompt_length :].tolist()
+        if not self._follow(input_ids[0, self.prompt_length :].tolist()):
+            return scores  # (after a draft token the grammar refuses: a position the acceptance never reads)
+        allowed = np.frombuffer(self.matcher.compute_logit_bias(), dtype=np.uint8)[: scores.shape[-1]] > 0
+        mask = torch.zeros(scores.shape[-1], dtype=torch.bool)
+        mask[: len(allowed)] = torch.from_numpy(allowed.copy())
+        return scores.masked_fill(~mask.to(scores.device), float("-inf"))
+
+    def guide(self, output: np.ndarray, draft: list[int], budget: int) -> tuple[int, list[int]]:
+        """How many of ``draft``'s tokens the grammar takes after ``output`` (the output so far), and the tokens it
+        then forces, ``budget`` in all (:class:`specula.proposers.guide.Guide`)."""
+        if not self._follow(output.tolist()):
+            return 0, []
+        taken = self.matcher.validate_tokens(draft) if draft else 0
+        self.matcher.consume_tokens(draft[:taken])
+        forced = self.matcher.compute_ff_tokens()[: max(budget - taken, 0)]
+        self.matcher.rollback(taken)
+        return taken, forced
+
+    def _follow(self, generated: list[int]) -> bool:
+        """Bring the matcher to ``generated`` (rolled back to what it shares with what it consumed, the rest
+        consumed); ``False`` where the grammar refuses one of them (it then holds those before)."""
         shared = next((i for i, (a, b) in enumerate(zip(self.consumed, generated)) if a != b), None)
         shared = min(len(self.consumed), len(generated)) if shared is None else shared
         if len(self.consumed) > shared:
@@ -45,12 +65,7 @@ class GrammarConstraint(LogitsProcessor):
         valid = self.matcher.validate_tokens(rest) if rest else 0
         self.matcher.consume_tokens(rest[:valid])
         self.consumed += rest[:valid]
-        if valid < len(rest):  # (after a draft token the grammar refuses: a position the acceptance never reads)
-            return scores
-        allowed = np.frombuffer(self.matcher.compute_logit_bias(), dtype=np.uint8)[: scores.shape[-1]] > 0
-        mask = torch.zeros(scores.shape[-1], dtype=torch.bool)
-        mask[: len(allowed)] = torch.from_numpy(allowed.copy())
-        return scores.masked_fill(~mask.to(scores.device), float("-inf"))
+        return valid == len(rest)
 
 
 def guide_grammar(options: dict) -> str | None:

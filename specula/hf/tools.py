@@ -116,12 +116,18 @@ def sendable(text: str) -> str:
 def call_grammar(tokenizer, tools: list[dict], name: str | None = None, one: bool = False) -> str:
     """An llguidance grammar (:mod:`.grammar`) of what the model may write where a call is required: one or more
     calls of ``tools`` (one where ``one``; one of ``name`` where it names one, as OpenAI's ``tool_choice`` does),
-    each ``{"name": ..., "arguments": ...}`` with arguments of the function's schema, in Hermes' tags where the
-    template asks for them (each tag the token it is in the vocabulary, where it is one)."""
+    each ``{"name": ..., "arguments": ...}`` with arguments of the function's schema, on one line as chat templates
+    show calls (``", "`` and ``": "`` between items and after keys: what the grammar then forces, drafts take), in
+    Hermes' tags where the template asks for them (each tag the token it is in the vocabulary, where it is one)."""
     from llguidance import LLMatcher
 
     functions = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
     schema = {
+        "x-guidance": {
+            "whitespace_flexible": False,
+            "item_separator": ", ",
+            "key_separator": ": ",
+        },  # (as templates show)
         "anyOf": [
             {
                 "type": "object",
@@ -133,7 +139,7 @@ def call_grammar(tokenizer, tools: list[dict], name: str | None = None, one: boo
                 "additionalProperties": False,
             }
             for function in functions
-        ]
+        ],
     }
     call = f"%json {json.dumps(schema)}"
     if tagged(tokenizer):

@@ -199,12 +199,12 @@ def job_of(
     penalties = {name: request.options.get(f"{name}_penalty", 0) for name in ("frequency", "presence")}
     if any(penalties.values()):  # (over the output)
         processors.append(PresenceFrequencyPenalty(prompt.shape[1], **penalties))
-    if grammar := guide_grammar(request.options):  # (the output held to a JSON schema, a regex, a choice)
-        processors.append(GrammarConstraint(tokenizer, vocab_size(model), grammar, prompt.shape[1]))
+    grammar = guide_grammar(request.options)  # (the output held to a JSON schema, a regex, a choice)
     if "tool_choice" in request.options:  # (a call required: the output held to calls of its tools)
         asked, one = request.options["tool_choice"], not request.options.get("parallel_tool_calls", True)
         name = asked["function"]["name"] if isinstance(asked, dict) else None
         grammar = call_grammar(tokenizer, request.options["tools"], name, one)
+    if grammar is not None:
         processors.append(GrammarConstraint(tokenizer, vocab_size(model), grammar, prompt.shape[1]))
     if processors:
         options["logits_processor"] = processors

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..core.draft import FORCED, FORCED_PRIOR
+
 if TYPE_CHECKING:
     from ..core.draft import Draft
 
@@ -131,7 +133,8 @@ class RequestAcceptance:
         for position_accepts, position_trials in zip(accepts.tolist(), trials.tolist()):
             estimate: list[float] = []
             for rank, (accepted, tried) in enumerate(zip(position_accepts, position_trials)):
-                prior = rates[-1][rank] if rates else self.prior if rank == 0 else estimate[-1] / 2
+                first = FORCED_PRIOR if source == FORCED else self.prior  # (a grammar's forced tokens: near-certain)
+                prior = rates[-1][rank] if rates else first if rank == 0 else estimate[-1] / 2
                 estimate.append((accepted + prior) / (tried + 1.0))
             rates.append(estimate)
         return np.array(rates)

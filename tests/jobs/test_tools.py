@@ -1,6 +1,6 @@
 """OpenAI's ``tools``: what the request reader takes and refuses, the calls read back from an answer's text (and
 what of it may stream first), and the answer lines that carry them. No model: the decoding is in
-``tests/e2e/test_tools.py``."""
+``tests/e2e/test_tool_calls.py``."""
 
 from __future__ import annotations
 

@@ -5,19 +5,17 @@ carries a call and its result is decoded."""
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
 import torch
-from helpers import qwen_folder
-from transformers import LogitsProcessorList
+from test_qwen_pair import qwen as qwen_pair
+from transformers import LogitsProcessor, LogitsProcessorList
 
 import specula
-from specula import cli
 from specula.hf.grammar import GrammarConstraint
-from specula.hf.loading import load_model
 from specula.hf.tools import call_grammar, read_calls
+from specula.jobs.decode import Answerer, Settings
 from specula.jobs.requests import parse_request
 
 pytestmark = pytest.mark.slow
@@ -36,9 +34,8 @@ WEATHER = {
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@functools.cache
 def qwen():
-    return load_model(qwen_folder("0.5b"), dtype=torch.float32, tune_layout=False)
+    return qwen_pair("0.5b")  # (one copy a process: a worker holding it and the 1.5B model takes 8 GB)
 
 
 @pytest.mark.parametrize("choice", ["required", NAMED])
@@ -70,7 +67,15 @@ def test_a_required_call_is_held_to_the_tools_as_model_generate_holds_it(choice)
         assert text.startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": "'), text
 
 
-def test_request_files_answer_with_the_calls_in_either_shape(tmp_path) -> None:
+def on_skip(request, reason: str) -> None:
+    raise AssertionError(f"request {request.id} skipped: {reason}")
+
+
+def line_of(answered) -> int:
+    return answered[0].line
+
+
+def test_request_files_answer_with_the_calls_in_either_shape() -> None:
     weather = [{"role": "user", "content": "What is the weather in Paris?"}]
     haiku = [{"role": "user", "content": "Write a haiku about autumn."}]
     own = [
@@ -103,25 +108,17 @@ def test_request_files_answer_with_the_calls_in_either_shape(tmp_path) -> None:
         for line in own[:2]
         for without_id in [{name: value for name, value in line.items() if name != "id"}]
     ]
-    answers = {}
-    for name, lines in (("own", own), ("batch", batch)):
-        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-        cli.main(
-            [
-                "generate",
-                "--input",
-                str(tmp_path / f"{name}.jsonl"),
-                "--output",
-                str(tmp_path / f"{name}-out.jsonl"),
-                "--model",
-                str(qwen_folder("0.5b")),
-                "--dtype",
-                "fp32",
-                "--max-new-tokens",
-                "48",
-            ]
-        )
-        answers[name] = [json.loads(line) for line in (tmp_path / f"{name}-out.jsonl").read_text().splitlines()]
+    model, tokenizer = qwen()
+    answerer = Answerer(
+        model, tokenizer, specula.PromptLookup(), Settings(max_new_tokens=48, sampling={"do_sample": False}), on_skip
+    )
+    answers = {
+        name: [
+            answer
+            for _, answer in sorted(answerer([parse_request(line, n) for n, line in enumerate(lines)]), key=line_of)
+        ]
+        for name, lines in (("own", own), ("batch", batch))
+    }
     auto, named, none, result = answers["own"]
     for answer in (auto, named):
         assert answer["finish_reason"] == "tool_calls", answer
@@ -137,3 +134,40 @@ def test_request_files_answer_with_the_calls_in_either_shape(tmp_path) -> None:
         assert [call["function"] for call in message["tool_calls"]] == [
             call["function"] for call in own_line["tool_calls"]
         ]
+
+
+class Unguided(LogitsProcessor):
+    """The same mask, without the grammar's drafts (the loop finds no guide among the processors)."""
+
+    def __init__(self, inner: GrammarConstraint) -> None:
+        self.inner = inner
+
+    def __call__(self, input_ids, scores):
+        return self.inner(input_ids, scores)
+
+
+def test_what_the_call_grammar_forces_is_drafted_and_accepted() -> None:
+    model, tokenizer = qwen()
+    ask = [{"role": "user", "content": "Is it cold in Oslo? Answer in fahrenheit."}]
+    ids = tokenizer.apply_chat_template(
+        ask, tools=[WEATHER], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    grammar = call_grammar(tokenizer, [WEATHER], "get_weather")
+    eos = model.generation_config.eos_token_id
+    runs = {}
+    for name, wrap in (("guided", lambda held: held), ("unguided", Unguided)):
+        held = wrap(GrammarConstraint(tokenizer, model.config.vocab_size, grammar, ids.shape[1]))
+        runs[name] = specula.generate(
+            model,
+            ids,
+            specula.PromptLookup(),
+            max_new_tokens=48,
+            logits_processor=LogitsProcessorList([held]),
+            eos_token_id=eos,
+            adaptive_draft=False,  # (every draft sent whole: what is drafted, not what the clock says pays)
+        )
+    assert torch.equal(runs["guided"].sequences, runs["unguided"].sequences)
+    text = tokenizer.decode(runs["guided"].sequences[0, ids.shape[1] :], skip_special_tokens=True)
+    assert text.startswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": "'), text
+    guided, unguided = runs["guided"].stats, runs["unguided"].stats
+    assert guided.passes < unguided.passes and guided.accepted > unguided.accepted, (guided, unguided)
