@@ -18,6 +18,20 @@ MODELS = Path(os.environ.get("SPECULA_MODELS", Path.home() / ".cache" / "specula
 SHARED = Path(__file__).resolve().parents[2] / "shared"  # ../shared beside the clone: workloads, scripts
 
 
+WEATHER = {  # a function OpenAI's API would be offered (OpenAI's "tools" shape)
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
 def qwen_folder(size: str) -> Path:
     """The folder of Qwen2.5-Coder-``size``-Instruct, converted by ``../shared/scripts/get-models.sh`` (the README's
     test command runs it); a skip where neither it nor the script is here."""

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from helpers import WEATHER
 from test_qwen_pair import qwen as qwen_pair
 from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -19,18 +20,6 @@ from specula.jobs.decode import Answerer, Settings
 from specula.jobs.requests import parse_request
 
 pytestmark = pytest.mark.slow
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city"],
-        },
-    },
-}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 

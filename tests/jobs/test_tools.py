@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import WEATHER
 from hypothesis import given
 from hypothesis import strategies as st
 from tiny_models import tiny_tokenizer
@@ -15,14 +16,6 @@ from specula.hf.tools import ToolCall, read_calls, sendable, shows_tools
 from specula.jobs.line_formats import answer_line
 from specula.jobs.requests import BadRequest, encode, parse_request
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 SHOWS = (  # a chat template that shows its tools (as Qwen2.5's does, shorter)
     "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}"

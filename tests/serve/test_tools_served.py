@@ -7,19 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import qwen_folder
+from helpers import WEATHER, qwen_folder
 from test_server import start_server, stop
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 
 
 @pytest.fixture(scope="module")
