@@ -192,9 +192,11 @@ def _add_generate_parser(commands) -> None:
         'or "prompt" (raw text), optionally "id", "prediction" and its own settings under OpenAI\'s names '
         "(max_tokens, temperature, top_p, top_k, seed, stop, min_tokens, repetition_penalty: the options below are "
         "their defaults; also n, logprobs, top_logprobs, echo, frequency_penalty, presence_penalty, logit_bias, "
-        "response_format); a field it cannot honour (best_of, tools ...) makes a bad line. Each output line "
-        'keeps the id and adds "text", "finish_reason" and "stats" (new_tokens, passes, accepted, drafted, '
-        "seconds). A file of OpenAI Batch API lines (custom_id, method, url, body) is answered with Batch API output "
+        "response_format, tools, tool_choice; and vLLM's min_p, stop_token_ids, ignore_eos, guided_json, "
+        "guided_regex, guided_choice, chat_template_kwargs ...); a field it cannot honour (best_of, "
+        'use_beam_search ...) makes a bad line. Each output line keeps the id and adds "text", "finish_reason" '
+        '(and "tool_calls" where it called tools) and "stats" (new_tokens, passes, accepted, drafted, seconds). '
+        "A file of OpenAI Batch API lines (custom_id, method, url, body) is answered with Batch API output "
         "lines, a bad line with an error line. Answers are written in the order of their requests' lines. Bad lines "
         "are reported with their line number and skipped (--strict: every line is checked "
         "before the model loads and the run stops at the first bad one, before any answer is written; an existing "
