@@ -193,7 +193,8 @@ def _add_generate_parser(commands) -> None:
         "(max_tokens, temperature, top_p, top_k, seed, stop, min_tokens, repetition_penalty: the options below are "
         "their defaults; also n, logprobs, top_logprobs, echo, frequency_penalty, presence_penalty, logit_bias, "
         "response_format, tools, tool_choice; and vLLM's min_p, stop_token_ids, ignore_eos, guided_json, "
-        "guided_regex, guided_choice, chat_template_kwargs ...); a field it cannot honour (best_of, "
+        "guided_regex, guided_choice, guided_grammar, structured_outputs, allowed_token_ids, bad_words, "
+        "truncate_prompt_tokens, chat_template_kwargs ...); a field it cannot honour (best_of, "
         'use_beam_search ...) makes a bad line. Each output line keeps the id and adds "text", "finish_reason" '
         '(and "tool_calls" where it called tools) and "stats" (new_tokens, passes, accepted, drafted, seconds). '
         "A file of OpenAI Batch API lines (custom_id, method, url, body) is answered with Batch API output "

@@ -71,19 +71,26 @@ class GrammarConstraint(LogitsProcessor):
 def guide_grammar(options: dict) -> str | None:
     """The llguidance grammar a request's settings hold its output to: OpenAI's ``response_format``
     (:func:`json_grammar`; vLLM's ``guided_json`` comes as one), vLLM's ``guided_regex`` (a regular expression the
-    whole output matches) or ``guided_choice`` (one of its texts); ``None``: free text."""
-    from llguidance import LLMatcher
+    whole output matches), ``guided_choice`` (one of its texts) or ``guided_grammar`` (a Lark or GBNF grammar, as
+    vLLM's llguidance backend takes it); ``None``: free text."""
+    from llguidance import LLMatcher, grammar_from
 
     if "response_format" in options:
         return json_grammar(options["response_format"])
-    if "guided_choice" in options:  # (each text a string of the grammar: JSON's escapes are its own)
-        grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, options["guided_choice"])))
-    elif "guided_regex" in options:
-        grammar = LLMatcher.grammar_from_regex(options["guided_regex"])
-    else:
-        return None
-    if error := LLMatcher.validate_grammar(grammar):
-        name = "guided_choice" if "guided_choice" in options else "guided_regex"
+    name = next((name for name in ("guided_choice", "guided_regex", "guided_grammar") if name in options), None)
+    try:
+        if name == "guided_choice":  # (each text a string of the grammar: JSON's escapes are its own)
+            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, options[name])))
+        elif name == "guided_regex":
+            grammar = LLMatcher.grammar_from_regex(options[name])
+        elif name == "guided_grammar":
+            grammar = grammar_from("grammar", options[name])
+        else:
+            return None
+        error = LLMatcher.validate_grammar(grammar)
+    except ValueError as failure:
+        error = str(failure)
+    if error:
         raise ValueError(f'"{name}" cannot be used ({error})')
     return grammar
 
@@ -115,5 +122,6 @@ def _tokenizer_info(tokenizer, vocab: int):
         return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
     except ValueError as error:  # (a slow tokenizer, or a decoder llguidance does not read: SentencePiece's Metaspace)
         raise ValueError(
-            f'"response_format": this model\'s tokenizer is not one llguidance reads ({error}); ask for text'
+            f"this model's tokenizer is not one llguidance reads ({error}): no grammar can hold its answers; "
+            "ask for text"
         ) from None

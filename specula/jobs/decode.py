@@ -22,7 +22,7 @@ from ..decoding.loop import Decoder, Job, Row, room
 from ..hf.generate import prepare_jobs
 from ..hf.grammar import GrammarConstraint, guide_grammar
 from ..hf.inputs import eos_ids
-from ..hf.penalties import PresenceFrequencyPenalty
+from ..hf.penalties import AllowedTokens, PresenceFrequencyPenalty, word_token_ids
 from ..hf.tools import call_grammar, read_calls
 from ..machine.memory import spare_bytes
 from ..policy.batch_size import fastest_batch_size, kept_batch_size
@@ -34,6 +34,7 @@ from ..verifier.support import context_limit, model_device, tokens_meet, vocab_s
 from .line_formats import answer_line
 from .requests import Request, encode, model_name, names_model
 
+GRAMMARS = ("response_format", "guided_choice", "guided_regex", "guided_grammar", "tool_choice")  # what asks for one
 FREE_SHARE = 0.5  # of the memory free at start, what the cache may take where --max-memory is not given
 REMEASURE = 256  # requests between measurements of the batch size, where it is measured (not given)
 
@@ -178,7 +179,7 @@ def job_of(
     """The job that decodes ``request``'s ``choice``-th answer (its key: ``(request, choice)``) with its own
     settings over the run's (:func:`jobs_of`)."""
     device = model_device(model)
-    for name in ("logit_bias", "stop_token_ids"):
+    for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):
         outside = [token for token in request.options.get(name, ()) if token >= vocab_size(model)]
         if outside:  # (transformers would find it at the first pass, in the middle of a batch)
             raise ValueError(
@@ -199,13 +200,21 @@ def job_of(
     penalties = {name: request.options.get(f"{name}_penalty", 0) for name in ("frequency", "presence")}
     if any(penalties.values()):  # (over the output)
         processors.append(PresenceFrequencyPenalty(prompt.shape[1], **penalties))
+    if "allowed_token_ids" in request.options:
+        processors.append(AllowedTokens(request.options["allowed_token_ids"], vocab_size(model)))
+    if "bad_words" in request.options:
+        options["bad_words_ids"] = word_token_ids(tokenizer, request.options["bad_words"])
     grammar = guide_grammar(request.options)  # (the output held to a JSON schema, a regex, a choice)
     if "tool_choice" in request.options:  # (a call required: the output held to calls of its tools)
         asked, one = request.options["tool_choice"], not request.options.get("parallel_tool_calls", True)
         name = asked["function"]["name"] if isinstance(asked, dict) else None
         grammar = call_grammar(tokenizer, request.options["tools"], name, one)
     if grammar is not None:
-        processors.append(GrammarConstraint(tokenizer, vocab_size(model), grammar, prompt.shape[1]))
+        try:
+            processors.append(GrammarConstraint(tokenizer, vocab_size(model), grammar, prompt.shape[1]))
+        except ValueError as error:  # (named by the field that asked for a grammar)
+            held = next(name for name in GRAMMARS if name in request.options)
+            raise ValueError(f'"{held}": {error}') from None
     if processors:
         options["logits_processor"] = processors
     empty = options.get("max_new_tokens") == 0  # (echo's: the prompt alone; generate() makes a token at least)

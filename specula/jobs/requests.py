@@ -66,6 +66,11 @@ SETTINGS = (
     "guided_json",
     "guided_regex",
     "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
 )
 MAX_CHOICES = 128  # OpenAI's most choices a request may ask for
 TOP_LOGPROBS = {"/v1/chat/completions": 20, "/v1/completions": 5}  # OpenAI's most alternatives a token may list
@@ -85,14 +90,12 @@ DEFAULT_ONLY = {
     # vLLM's
     "use_beam_search": (False, "specula does not search beams"),
     "length_penalty": (1, "specula does not search beams"),
-    "allowed_token_ids": (None, 'give "logit_bias" -100 to the tokens left out'),
-    "bad_words": ([], 'give "logit_bias" -100 to their tokens, or "stop"'),
-    "truncate_prompt_tokens": (None, "specula does not cut prompts: shorten the prompt"),
     "prompt_logprobs": (None, 'a text completion lists its prompt\'s with "echo" and "logprobs"'),
-    "guided_grammar": (None, 'give "guided_json", "guided_regex" or "guided_choice"'),
     "guided_whitespace_pattern": (None, "specula's JSON grammar takes any white space"),
-    "structured_outputs": (None, 'give "guided_json", "guided_regex", "guided_choice" or "response_format"'),
-    "structural_tag": (None, 'give "guided_json", "guided_regex", "guided_choice" or "response_format"'),
+    "structural_tag": (
+        None,
+        'give "guided_json", "guided_regex", "guided_choice", "guided_grammar" or "response_format"',
+    ),
     "logits_processors": (None, "specula runs no processors named in a request"),
     "return_tokens_as_token_ids": (False, "specula lists tokens as text"),
     "spaces_between_special_tokens": (True, "specula decodes as the tokenizer does"),
@@ -489,8 +492,10 @@ def _tools(given: dict, chat: bool) -> None:
 
 
 def _vllm(given: dict, chat: bool) -> None:
-    """``given``'s settings under vLLM's names, checked; those at their default left out, ``guided_json`` as the
-    ``response_format`` of its schema."""
+    """``given``'s settings under vLLM's names, checked; those at their default left out, ``structured_outputs`` as
+    the ``guided_*`` setting it holds, ``guided_json`` as the ``response_format`` of its schema."""
+    _structured(given)
+    _token_controls(given)
     defaults = {
         "ignore_eos": False,
         "include_stop_str_in_output": False,
@@ -520,12 +525,14 @@ def _vllm(given: dict, chat: bool) -> None:
     if given.get("min_p") == 0:
         del given["min_p"]
     ids = given.get("stop_token_ids", [])
-    if not isinstance(ids, list) or not all(isinstance(id, int) and not isinstance(id, bool) and id >= 0 for id in ids):
+    if not isinstance(ids, list) or not all(_token_id(id) for id in ids):
         raise _Problem(f'"stop_token_ids" must be a list of token ids, got {json.dumps(ids)[:60]}')
     if not ids:
         given.pop("stop_token_ids", None)
     guides = [
-        name for name in ("guided_json", "guided_regex", "guided_choice", "response_format", "tools") if name in given
+        name
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "response_format", "tools")
+        if name in given
     ]
     if len(guides) > 1:
         raise _Problem(f"{' and '.join(map(json.dumps, guides))} cannot hold one answer together: give one")
@@ -539,9 +546,75 @@ def _vllm(given: dict, chat: bool) -> None:
         raise _Problem(
             f'"guided_regex" must be a regular expression (text), got {json.dumps(given["guided_regex"])[:60]}'
         )
+    if "guided_grammar" in given and not (isinstance(given["guided_grammar"], str) and given["guided_grammar"]):
+        raise _Problem(
+            f'"guided_grammar" must be a grammar (Lark or GBNF text), got {json.dumps(given["guided_grammar"])[:60]}'
+        )
     choices = given.get("guided_choice", ["-"])
     if not isinstance(choices, list) or not choices or not all(isinstance(text, str) and text for text in choices):
         raise _Problem(f'"guided_choice" must be a non-empty list of texts, got {json.dumps(choices)[:60]}')
+
+
+STRUCTURED = {  # vLLM's structured_outputs: its constraints, under the names of the settings that hold them
+    "json": "guided_json",
+    "regex": "guided_regex",
+    "choice": "guided_choice",
+    "grammar": "guided_grammar",
+    "json_object": "response_format",
+}
+STRUCTURED_OPTIONS = {  # and its options: the value each takes here (None: any), and why no other
+    "disable_fallback": (None, ""),
+    "disable_any_whitespace": (False, "specula's JSON grammar takes any white space"),
+    "disable_additional_properties": (False, 'give the schema "additionalProperties": false'),
+    "whitespace_pattern": (None, "specula's JSON grammar takes any white space"),
+    "structural_tag": (None, "give one of " + ", ".join(map(json.dumps, STRUCTURED))),
+}
+
+
+def _structured(given: dict) -> None:
+    """vLLM's ``structured_outputs`` (``{"json": schema}``, ``{"regex": ...}``, ``{"choice": [...]}``,
+    ``{"grammar": ...}`` or ``{"json_object": true}``) as the setting of vLLM's older names that holds the same."""
+    if "structured_outputs" not in given:
+        return
+    shape = given.pop("structured_outputs")
+    if not isinstance(shape, dict) or set(shape) - set(STRUCTURED) - set(STRUCTURED_OPTIONS):
+        raise _Problem(
+            '"structured_outputs" must be an object of one of '
+            f"{', '.join(map(json.dumps, STRUCTURED))} (and vLLM's options), got {json.dumps(shape)[:80]}"
+        )
+    for name, (value, why) in STRUCTURED_OPTIONS.items():
+        if why and shape.get(name) not in (None, value):
+            raise _Problem(f'"structured_outputs": "{name}": {json.dumps(shape[name])[:60]} cannot be honoured: {why}')
+    held = {name: value for name, value in shape.items() if name in STRUCTURED and value not in (None, False)}
+    if len(held) > 1:
+        raise _Problem(f'"structured_outputs" holds one of {" and ".join(map(json.dumps, held))}: give one')
+    for name, value in held.items():
+        if STRUCTURED[name] in given:
+            raise _Problem(f'"structured_outputs" and "{STRUCTURED[name]}" cannot hold one answer together: give one')
+        if name == "json_object" and value is not True:
+            raise _Problem(f'"structured_outputs": "json_object" must be true or false, got {json.dumps(value)[:60]}')
+        given[STRUCTURED[name]] = {"type": "json_object"} if name == "json_object" else value
+
+
+def _token_controls(given: dict) -> None:
+    """vLLM's ``allowed_token_ids`` (the only tokens an answer may hold), ``bad_words`` (words it may not hold) and
+    ``truncate_prompt_tokens`` (the prompt's last tokens kept), checked; those at their default left out."""
+    ids = given.get("allowed_token_ids", [0])
+    if not isinstance(ids, list) or not ids or not all(_token_id(id) for id in ids):
+        raise _Problem(f'"allowed_token_ids" must be a non-empty list of token ids, got {json.dumps(ids)[:60]}')
+    words = given.get("bad_words", [])
+    if not isinstance(words, list) or not all(isinstance(word, str) and word.strip() for word in words):
+        raise _Problem(f'"bad_words" must be a list of words (texts), got {json.dumps(words)[:60]}')
+    if not words:
+        given.pop("bad_words", None)
+    if "truncate_prompt_tokens" in given:
+        _whole("truncate_prompt_tokens", given["truncate_prompt_tokens"], 1, " (the prompt's last tokens kept)")
+        if given.get("echo"):
+            raise _Problem('"truncate_prompt_tokens" and "echo": an answer echoes its whole prompt; give one')
+
+
+def _token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 _TEMPLATE_ARGUMENTS = {  # what specula gives apply_chat_template itself
@@ -680,7 +753,7 @@ def load_workloads(directory: Path, limit: int, names: list[str] | None = None) 
 
 def encode(tokenizer, request: Request | dict) -> torch.Tensor:
     """Token ids of one request (a :class:`Request`, or a dict with ``messages`` or ``prompt``), through the chat
-    template when it has messages."""
+    template when it has messages; its last ``truncate_prompt_tokens`` only, where it gives that (vLLM's)."""
     if isinstance(request, dict):
         request = Request(0, None, request.get("messages"), request.get("prompt"))
     if request.messages is not None and tokenizer.chat_template is None:
@@ -691,9 +764,9 @@ def encode(tokenizer, request: Request | dict) -> torch.Tensor:
             '"tools": this model\'s chat template does not show the model its tools; give a model whose template '
             'takes them (Qwen2.5 ...), or leave "tools" out'
         )
+    options = request.options
     if request.messages is not None:
-        options = request.options
-        return tokenizer.apply_chat_template(
+        ids = tokenizer.apply_chat_template(
             request.messages,
             tools=tools,
             add_generation_prompt=options.get("add_generation_prompt", True),
@@ -702,4 +775,6 @@ def encode(tokenizer, request: Request | dict) -> torch.Tensor:
             return_dict=True,
             **options.get("chat_template_kwargs", {}),
         )["input_ids"]
-    return tokenizer(request.prompt, return_tensors="pt")["input_ids"]
+    else:
+        ids = tokenizer(request.prompt, return_tensors="pt")["input_ids"]
+    return ids[:, -options.get("truncate_prompt_tokens", 0) :]  # [1, tokens] (vLLM's: the last ones kept)

@@ -9,12 +9,12 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_model, tiny_tokenizer
+from tiny_models import VOCAB, tiny_model, tiny_tokenizer
 from transformers import LogitsProcessorList
 
 import specula
 from specula import cli
-from specula.hf.penalties import PresenceFrequencyPenalty
+from specula.hf.penalties import PresenceFrequencyPenalty, word_token_ids
 from specula.tools import bench
 
 NEW = 12
@@ -96,6 +96,13 @@ def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) ->
     short = reference(model, tokenizer(SHORT, return_tensors="pt").input_ids, max_new_tokens=NEW, do_sample=False)
     stop = short[6]  # (a token its greedy answer makes after the 6 the generation config asks for: it ends there)
     assert stop != eos and stop not in short[:6]
+    long = reference(model, tokenizer(LONG, return_tensors="pt").input_ids, max_new_tokens=NEW, do_sample=False)
+    allowed = sorted({*long[2:4], eos})  # (vLLM's allowed_token_ids: the greedy answer's first two not among them)
+    assert not {*long[:2]} & {*allowed}
+    # (vLLM's bad_words: a word its greedy answer holds, a token of its own)
+    words = [tokenizer.decode([token]).strip() for token in long]
+    word = next(word for token, word in zip(long, words) if [token] in word_token_ids(tokenizer, [word]))
+    word_ids = word_token_ids(tokenizer, [word])
     lines = [
         ({"prompt": SHORT}, {"do_sample": False}, None),
         ({"prompt": LONG}, {"do_sample": False}, None),
@@ -126,6 +133,14 @@ def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) ->
             {"do_sample": True, "max_new_tokens": 3, "temperature": 0.5, "top_k": 0},
             5,
         ),
+        # vLLM's: the only tokens allowed; words refused; the prompt's last tokens
+        (
+            {"prompt": LONG, "allowed_token_ids": allowed},
+            {"do_sample": False, "suppress_tokens": [token for token in range(VOCAB) if token not in allowed]},
+            None,
+        ),
+        ({"prompt": LONG, "bad_words": [word]}, {"do_sample": False, "bad_words_ids": word_ids}, None),
+        ({"prompt": LONG, "truncate_prompt_tokens": 9}, {"do_sample": False, "last": 9}, None),
         # vLLM's: min_p; more tokens that end the answer; on past the end of sequence
         (
             {"prompt": LONG, "temperature": 1.5, "min_p": 0.9, "seed": 9},
@@ -145,8 +160,10 @@ def test_request_lines_decode_with_their_own_settings(eager_to_end, tmp_path) ->
     assert [answer["id"] for answer in answers] == list(range(len(lines)))
     for (line, settings, seed), answer in zip(lines, answers):
         ids = tokenizer(line["prompt"], return_tensors="pt").input_ids
-        if "penalties" in settings or "sequence_bias" in settings:
+        if {"penalties", "sequence_bias", "suppress_tokens", "bad_words_ids", "last"} & set(settings):
             assert answer["text"] != answers[1]["text"]  # (they change this answer)
+        if "last" in settings:
+            ids = ids[:, -settings.pop("last") :]
         if "penalties" in settings:
             settings = dict(settings)
             processor = PresenceFrequencyPenalty(ids.shape[1], *settings.pop("penalties"))

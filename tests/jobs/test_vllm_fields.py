@@ -31,7 +31,19 @@ ASK = [{"role": "user", "content": "hi"}]
         ({"guided_regex": "a+", "guided_choice": ["b"]}, '"guided_regex" and "guided_choice" cannot hold one answer'),
         ({"guided_json": {}, "response_format": {"type": "json_object"}}, "cannot hold one answer together"),
         ({"use_beam_search": True}, '"use_beam_search": true cannot be honoured: specula does not search beams'),
-        ({"bad_words": ["x"]}, '"bad_words": \\["x"\\] cannot be honoured'),
+        ({"guided_grammar": 3}, '"guided_grammar" must be a grammar'),
+        ({"guided_grammar": "start: x", "guided_regex": "a"}, '"guided_regex" and "guided_grammar" cannot hold'),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, 'holds one of "regex" and "choice": give one'),
+        ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, '"structured_outputs" and "guided_regex" cannot'),
+        ({"structured_outputs": {"structural_tag": "{}"}}, '"structural_tag": "{}" cannot be honoured'),
+        ({"structured_outputs": {"disable_any_whitespace": True}}, "takes any white space"),
+        ({"structured_outputs": {"jsn": {}}}, '"structured_outputs" must be an object of one of "json"'),
+        ({"structured_outputs": {"json_object": 1}}, '"json_object" must be true or false'),
+        ({"allowed_token_ids": []}, '"allowed_token_ids" must be a non-empty list of token ids'),
+        ({"allowed_token_ids": [1, True]}, '"allowed_token_ids" must be a non-empty list of token ids'),
+        ({"bad_words": "x"}, '"bad_words" must be a list of words'),
+        ({"bad_words": [" "]}, '"bad_words" must be a list of words'),
+        ({"truncate_prompt_tokens": 0}, '"truncate_prompt_tokens" must be a whole number >= 1'),
         ({"chat_template": "{{ x }}"}, "specula uses the model's own chat template"),
     ],
 )
@@ -39,6 +51,28 @@ def test_bad_vllm_settings_are_bad_lines_that_say_what_is_wrong(fields, says) ->
     request = parse_request({"messages": ASK, **fields}, 1)
     assert isinstance(request, BadRequest), request
     assert re.search(says, str(request)), str(request)
+
+
+def test_structured_outputs_are_the_guided_setting_they_hold() -> None:
+    schema = {"type": "object"}
+    for held, setting in (
+        ({"json": schema}, {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}),
+        ({"json_object": True, "disable_fallback": True}, {"response_format": {"type": "json_object"}}),
+        ({"regex": "a+", "json_object": False}, {"guided_regex": "a+"}),
+        ({"choice": ["a", "b"]}, {"guided_choice": ["a", "b"]}),
+        ({"grammar": 'root ::= "a"'}, {"guided_grammar": 'root ::= "a"'}),
+        ({"json": None}, {}),
+    ):
+        assert parse_request({"messages": ASK, "structured_outputs": held}, 1).options == setting, held
+
+
+def test_a_prompt_cut_to_its_last_tokens_echoes_nothing() -> None:
+    tokenizer = tiny_tokenizer()
+    whole = encode(tokenizer, parse_request({"prompt": "the quick brown fox jumps"}, 1))
+    cut = encode(tokenizer, parse_request({"prompt": "the quick brown fox jumps", "truncate_prompt_tokens": 3}, 1))
+    assert whole.shape[1] > 3 and cut.tolist() == whole[:, -3:].tolist()
+    request = parse_request({"prompt": "hi", "truncate_prompt_tokens": 3, "echo": True}, 1)
+    assert isinstance(request, BadRequest) and "an answer echoes its whole prompt" in str(request)
 
 
 def test_a_text_completion_has_no_template_settings() -> None:

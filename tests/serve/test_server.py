@@ -317,6 +317,17 @@ def test_concurrent_clients_each_get_their_own_answer(client, name, reference) -
     assert answers == [reference({"messages": chat(prompt)}) for prompt in prompts]
 
 
+def test_vllms_structured_outputs_name_their_field_and_a_prompt_is_cut(client, name) -> None:
+    with pytest.raises(openai.BadRequestError, match='"guided_grammar": this model.s tokenizer is not one llguidance'):
+        client.chat.completions.create(  # (a tiny model's Metaspace tokenizer; a real one's: tests/e2e/test_guided.py)
+            model=name, messages=chat("hi"), extra_body={"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}}
+        )
+    cut = client.completions.create(
+        model=name, prompt=PROMPTS[1], max_tokens=2, temperature=0, extra_body={"truncate_prompt_tokens": 2}
+    )
+    assert cut.usage.prompt_tokens == 2
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -333,6 +344,8 @@ def test_concurrent_clients_each_get_their_own_answer(client, name, reference) -
         ({"messages": chat("hi"), "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": chat("word " * 600)}, "messages"),
         ({"messages": chat("hi"), "logit_bias": {"5": 1, "100000": 2}}, "logit_bias"),
+        ({"messages": chat("hi"), "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"messages": chat("hi"), "guided_grammar": "start: (("}, "guided_grammar"),
     ],
 )
 def test_a_bad_request_is_a_400_naming_the_field_and_the_server_goes_on(server, body, param) -> None:
