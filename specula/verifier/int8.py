@@ -13,16 +13,15 @@ row-exact passes and the model's own ``generate`` keep the layer's product.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
-_LOCK = threading.Lock()  # (numba's fallback threading layer takes one parallel call at a time)
+from .threads import kernel_threads
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the activations (summed in fp32)
 
 
@@ -80,8 +79,7 @@ def int8_forward(
         if x.dtype not in DTYPES or (weight.most_rows is not None and len(rows) > weight.most_rows):
             return own(x)
         out = torch.empty(len(rows), len(numbers))  # [rows, out]
-        with _LOCK:
-            numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        with kernel_threads():
             int8_matmul(rows.float().contiguous().numpy(), numbers, scales, out.numpy())
         out = out.to(x.dtype)
         if bias is not None:

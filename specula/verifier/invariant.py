@@ -5,11 +5,12 @@ otherwise than the row alone, so what a request decodes to would follow its draf
 the clock. Traced on the AVX512_BF16 EPYC with torch 2.13's CPU kernels (docs/hardware.md), a row's result changes
 with the pass in three places only: how many keys an attention call reduces over (its blocks over the keys), how many
 queries share the call (its products block their rows), and a linear layer over one row (a matrix-vector kernel)
-against several. So, in these passes, every attention call after a filled cache covers its keys padded with masked
-ones to a multiple of :data:`KEY_BLOCK` and its queries, the query heads of a key/value head folded into one head, to a
-multiple of :data:`QUERY_BLOCK` rows (the last repeated), and
-a single row's one-token step is computed as a pass over two tokens, its token again after it, whose second position
-is dropped (:data:`STEP_WIDTH`). A fully masked block of keys adds exactly nothing. Passes then round as one-token
+against several. So, in these passes, every attention call after a filled cache is computed on a CPU by specula's
+kernel, each query from its own keys only (:mod:`.attend`), and elsewhere (a GPU, fp16) covers its keys padded with
+masked ones to a multiple of :data:`KEY_BLOCK` and its queries, the query heads of a key/value head folded into one
+head, to a multiple of :data:`QUERY_BLOCK` rows (the last repeated) (a fully masked block of keys adds exactly
+nothing); and a single row's one-token step is computed as a pass over two tokens, its token again after it, whose
+second position is dropped (:data:`STEP_WIDTH`). Passes then round as one-token
 steps of this kind do, whatever their widths and batch mates: output no longer depends on draft lengths, the batch,
 or the clock that sizes them. Whether it holds for a model on a machine is checked on the live model (its passes of
 several widths, alone and in a batch, against its steps, bit for bit) once per machine and model and kept
@@ -19,12 +20,13 @@ several widths, alone and in a batch, against its steps, bit for bit) once per m
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..machine import store
+from .attend import DTYPES, applies, attend, visibility
 from .gqa import _EXTRAS, sdpa_as
 from .int8 import int8_weight
 from .support import UnsupportedModelError, fit_context, model_device, vocab_size
@@ -35,20 +37,27 @@ STEP_WIDTH = 2  # tokens a single row's one-token step is computed over (its own
 
 
 @contextlib.contextmanager
-def padded_attention() -> Iterator[None]:
-    """Within the block, a model with ``sdpa`` attention attends in blocks of fixed size: each masked call, and each
-    one-query call without a mask, with the query heads of each key/value head folded into one head of their queries
-    (each key/value head read once), those rows padded to a multiple of :data:`QUERY_BLOCK` and the keys to a
-    multiple of :data:`KEY_BLOCK`; a prefill (several queries, no mask) as transformers computes it."""
+def invariant_attention() -> Iterator[None]:
+    """Within the block, a model with ``sdpa`` attention attends each masked call, and each one-query call without a
+    mask, so that every query rounds alike whatever the call: on a CPU with specula's kernel (:mod:`.attend`), else in
+    blocks of fixed size, the query heads of each key/value head folded into one head of their queries (each
+    key/value head read once), those rows padded to a multiple of :data:`QUERY_BLOCK` and the keys to a multiple of
+    :data:`KEY_BLOCK`; a prefill (several queries, no mask) as transformers computes it."""
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    masks: dict[tuple, tuple[torch.Tensor | None, torch.Tensor]] = {}  # key: (the mask it pads, the padded one)
+    masks: dict[tuple, tuple[torch.Tensor | None, object]] = {}  # key: (the mask, what a pass's calls take of it)
+
+    def memo(kind: tuple, mask: torch.Tensor | None, make: Callable[[], object]):
+        """What ``make`` makes of ``mask`` for calls of ``kind``: made once for all the layers of a pass."""
+        if (kind, id(mask)) not in masks:
+            masks[kind, id(mask)] = (mask, make())
+        return masks[kind, id(mask)][1]
 
     def padded_mask(attention_mask: torch.Tensor | None, query: torch.Tensor, keys: int, group: int) -> torch.Tensor:
         """``attention_mask`` (``[B, 1, n, keys]``, ``None``: every key) for the folded queries, padded rows and
-        keys, additive (what the kernel turns a boolean mask into): built once for all the layers of a pass."""
+        keys, additive (what the kernel turns a boolean mask into)."""
         batch, _, n, _ = query.shape
-        memo = (id(attention_mask), batch, n, keys, group, query.dtype)
-        if memo not in masks:
+
+        def make() -> torch.Tensor:
             mask = attention_mask
             if mask is None:
                 mask = torch.ones(batch, 1, n, keys, dtype=torch.bool, device=query.device)
@@ -57,8 +66,9 @@ def padded_attention() -> Iterator[None]:
             extra = -(-group * n // QUERY_BLOCK) * QUERY_BLOCK - group * n  # (the last row again)
             mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)  # [B, 1, rows + extra, padded]
             additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
-            masks[memo] = (attention_mask, additive.masked_fill_(~mask, float("-inf")))
-        return masks[memo][1]
+            return additive.masked_fill_(~mask, float("-inf"))
+
+        return memo((batch, n, keys, group, query.dtype), attention_mask, make)
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         # query: [B, heads, n, dim]; key, value: [B, kv_heads, keys, dim]; attention_mask: [B, 1, n, keys] or None
@@ -71,6 +81,9 @@ def padded_attention() -> Iterator[None]:
         ):
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         keys, group = key.shape[2], heads // key.shape[1]
+        if applies(query, key, value):
+            seen = memo(("seen", batch, n, keys), attention_mask, lambda: visibility(attention_mask, batch, n, keys))
+            return attend(query, key, value, seen, scaling), None
         mask = padded_mask(attention_mask, query, keys, group)  # [B, 1, rows + extra, padded keys]
         key, value = (_padded(t, mask.shape[3]) for t in (key, value))
         # folded: query i of head kv * group + g is row g * n + i of head kv (the mask repeats whole, group times)
@@ -103,14 +116,14 @@ def holds(model: torch.nn.Module) -> bool:
     once per machine and model (:func:`_check`; with int8 weights, as :mod:`.int8` computes them), kept."""
     weight = next(model.parameters())
     int8 = any(int8_weight(parameter) is not None for parameter in model.parameters())
+    kernel = weight.device.type == "cpu" and weight.dtype in DTYPES  # (else padded blocks)
     key = store.key(
         weight.device,
         "invariant passes, query heads folded",
         _model_key(model),
         weight.dtype,
         model.config._attn_implementation,
-        KEY_BLOCK,
-        QUERY_BLOCK,
+        *(["specula's attention kernel"] if kernel else [KEY_BLOCK, QUERY_BLOCK]),
         *(["int8 numbers read"] if int8 else []),
     )
     return store.shared().get(key, lambda: _check(model))

@@ -33,7 +33,7 @@ from .cache_layers import (
 )
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
-from .invariant import KEY_BLOCK, STEP_WIDTH, padded_attention
+from .invariant import KEY_BLOCK, STEP_WIDTH, invariant_attention
 from .packed import packed_for
 from .recurrent import (
     STEP_BY_STEP,
@@ -253,7 +253,7 @@ class CachedModel(abc.ABC):
         step = shape == (1, 1)
         with (
             self.packed.applied(step) if self.packed else contextlib.nullcontext(),
-            padded_attention()
+            invariant_attention()
             if self.invariant
             else unrepeated_kv_heads()
             if self.unrepeated

@@ -13,12 +13,18 @@ One-token steps and row-exact passes keep torch's thread count (their bits are `
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Callable
 
+import numba
+import numpy as np
 import torch
+from numba import njit, prange
 
 from ..machine.load import BUSY, LoadMeter
 from ..machine.profile import profile_of
@@ -27,6 +33,7 @@ from ..machine.timing import lower_median
 EVERY = 32  # one pass of a shape in this many runs with the thread count not chosen, to measure it again
 KEEP = 4  # recent passes kept per shape and thread count
 WINDOW = 2.0  # seconds over which what other programs take of the CPUs is read
+_KERNELS = threading.Lock()  # (numba's fallback threading layer takes one parallel call at a time)
 
 
 class ThreadChoice:
@@ -103,3 +110,34 @@ def thread_choice(model: torch.nn.Module) -> ThreadChoice | None:
     if profile.threads is None or profile.threads.counts[0] != torch.get_num_threads():
         profile.threads = ThreadChoice(torch.get_num_threads())
     return profile.threads
+
+
+@contextlib.contextmanager
+def kernel_threads() -> Iterator[None]:
+    """Within the block, numba's parallel kernels (:mod:`.attend`, :mod:`.int8`) run on as many threads as torch's
+    operations do now, one call at a time."""
+    with _KERNELS:
+        _pool_started()
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        yield
+
+
+@functools.cache
+def _pool_started() -> None:
+    """Start numba's thread pool with idle threads that sleep at once: by default (OpenMP's) they spin for a while
+    after each call, and took half the cores from torch's operations for as long (a prefill ran 2-4x slower between
+    kernel calls: docs/hardware.md). torch's own OpenMP read its settings when it loaded, so it keeps them."""
+    asked = os.environ.get("OMP_WAIT_POLICY")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        _touch(np.zeros(2))
+    finally:
+        if asked is None:
+            del os.environ["OMP_WAIT_POLICY"]
+
+
+@njit(cache=True, parallel=True)
+def _touch(x: np.ndarray) -> None:
+    """A parallel call that does nothing: numba starts its pool at the first."""
+    for i in prange(len(x)):
+        x[i] = 0.0

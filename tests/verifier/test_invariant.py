@@ -96,15 +96,22 @@ def test_where_the_check_holds_a_row_decodes_as_alone_whatever_its_batch(fresh_s
         ]
 
 
-def test_a_pass_whose_rows_follow_its_width_fails_the_check(fresh_store, monkeypatch) -> None:
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_pass_whose_rows_follow_its_width_fails_the_check(fresh_store, monkeypatch, kernel) -> None:
     """A stand-in attention whose result for a query depends on how many queries share its call (as unpadded kernels'
-    may): the check finds it (mutant: the check compares nothing)."""
-    real = torch.nn.functional.scaled_dot_product_attention
+    may), specula's kernel (a CPU's) or the padded blocks (a GPU's): the check finds it (mutant: the check compares
+    nothing)."""
+    if kernel:
+        real = invariant.attend
+        monkeypatch.setattr(invariant, "attend", lambda q, *rest: real(q, *rest) * (1.0 + 0.01 * (q.shape[2] % 3 == 0)))
+    else:
+        real = torch.nn.functional.scaled_dot_product_attention
 
-    def width_dependent(query, key, value, *args, **kwargs):
-        return real(query, key, value, *args, **kwargs) * (1.0 + 0.01 * (query.shape[2] % 3 == 0))
+        def width_dependent(query, key, value, *args, **kwargs):
+            return real(query, key, value, *args, **kwargs) * (1.0 + 0.01 * (query.shape[2] % 3 == 0))
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", width_dependent)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", width_dependent)
+        monkeypatch.setattr(invariant, "applies", lambda *states: False)
     assert not invariant.holds(model("qwen2"))
 
 
@@ -125,6 +132,7 @@ def test_the_padding_and_the_two_token_step_remove_what_kernels_round_by(fresh_s
         return real_linear(x, weight, bias) * (1.0 + 0.01 * (x.dim() > 1 and x.shape[-2] * x[..., 0, 0].numel() == 1))
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", blocked_attention)
+    monkeypatch.setattr(invariant, "applies", lambda *states: False)  # (the padded blocks: a GPU's way)
     monkeypatch.setattr(torch.nn.functional, "linear", matrix_vector)
     monkeypatch.setattr(runner, "packed_for", lambda model: None)  # (every product through the stand-in)
     assert invariant.holds(model("llama"))
@@ -149,7 +157,8 @@ def test_padded_keys_are_read_from_the_cache_buffer_as_they_are(monkeypatch) -> 
         return real(query, key, value, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    with invariant.padded_attention():
+    monkeypatch.setattr(invariant, "applies", lambda *states: False)  # (the padded blocks: a GPU's way)
+    with invariant.invariant_attention():
         attention = ALL_ATTENTION_FUNCTIONS["sdpa"]
         in_place = attention(None, query, key, value, mask)[0]
         copied = attention(None, query, key.clone(), value.clone(), mask)[0]
