@@ -142,9 +142,10 @@ def _softmax(scores, visible, n, ends, probs, bits, sums):
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"})
-def _values(head, probs, n, ends, wide, sums, out):
-    """``out[r] = (sum over keys j of probs[r, j] * value j) / sums[r]``, :data:`ROWS` queries at a time, key by
-    key (``head``: as :func:`_scores`'s)."""
+def _values(head, probs, n, ends, wide, sums, out, first):
+    """Query row ``r``'s ``(sum over keys j of probs[r, j] * value j) / sums[r]`` into ``out[r % n, first + r // n]``
+    (``out``: ``[n, heads, dim]``, the row's), :data:`ROWS` queries at a time, key by key (``head``: as
+    :func:`_scores`'s)."""
     dim = len(head) * HEAD_UNIT
     a0 = carray(_stack_head(head), (dim,))  # (one alloca each: the compiler holds them in registers)
     a1 = carray(_stack_head(head), (dim,))
@@ -171,31 +172,46 @@ def _values(head, probs, n, ends, wide, sums, out):
             inverse = np.float32(1.0) / sums[r]
             held = a0 if r == r0 else a1 if r == r0 + 1 else a2 if r == r0 + 2 else a3
             for d in range(dim):
-                out[r, d] = held[d] * inverse
+                out[r % n, first + r // n, d] = held[d] * inverse
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def _queries(query, first, group, scale, out):
+    """``out[g * n + i] = query[i, first + g] * scale`` in fp32 (``query``: ``[n, heads, dim]``, the row's)."""
+    n = query.shape[0]
+    for g in range(group):
+        for i in range(n):
+            _widen(query[i, first + g], 0, out.shape[1], out[g * n + i])
+            for d in range(out.shape[1]):
+                out[g * n + i, d] *= scale
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def attend_kernel(head, queries, keys, key_slabs, values, value_slabs, visible, ends, out):
+def attend_kernel(head, query, scale, keys, key_slabs, values, value_slabs, visible, ends, out):
     """Each query's attention over the keys it sees, one row's key/value head at a time in parallel:
 
     - ``head``: a tuple :data:`HEAD_UNIT` times shorter than a head (``dim``: a constant of the compiled code, so that
       its sums stay in registers);
-    - ``queries``: ``[B, kv_heads, rows, dim]`` fp32, scaled (row ``g * n + i`` is query head ``g`` of the key/value
-      head at token ``i`` of the pass);
+    - ``query``: ``[B, n, heads, dim]`` (bf16 as uint16, or fp32), scaled by ``scale`` as it is read (query head
+      ``g`` of a key/value head's group at token ``i`` is that head's row ``g * n + i``);
     - ``keys``, ``values``: the cache's storage, flat (bf16 as uint16, or fp32); ``key_slabs``, ``value_slabs``:
       ``[B, kv_heads]`` where each row's head starts in it (its keys ``dim`` apart);
     - ``visible``: ``[B, n, keys]`` bool, which keys token ``i`` of row ``b`` sees; ``ends``: ``[B, n]``, one past the
       last it sees (0: none);
-    - ``out``: ``[B, kv_heads, rows, dim]`` fp32, each query's attention (zeros where it sees no key).
+    - ``out``: ``[B, n, heads, dim]`` fp32, each query's attention (zeros where it sees no key).
 
     Worked example (one row, one token, a head's first two dims, the others 0): the query ``[1, 0]`` over keys
     ``[1, 0]`` and ``[0, 1]`` scores 1 and 0; ``exp(1 - 1) = 1`` and ``exp(0 - 1) = 0.3679`` sum to 1.3679; with
     values ``[1, 2]`` and ``[3, 4]`` the result is ``(1 * [1, 2] + 0.3679 * [3, 4]) / 1.3679 = [1.538, 2.538]``.
     """
-    batch, heads, rows, dim = queries.shape
-    n = visible.shape[1]
+    batch, n, query_heads, dim = query.shape
+    heads = key_slabs.shape[1]
+    group = query_heads // heads
+    rows = group * n
     for item in prange(batch * heads):
         b, h = item // heads, item % heads
+        queries = np.empty((rows, dim), np.float32)
+        _queries(query[b], h * group, group, scale, queries)
         last = 0
         for i in range(n):
             last = max(last, ends[b, i])
@@ -206,10 +222,10 @@ def attend_kernel(head, queries, keys, key_slabs, values, value_slabs, visible, 
         sums = np.empty(rows, np.float32)
         wide = np.empty(last * dim, np.float32)
         _widen(keys, key_slabs[b, h], last * dim, wide)
-        _scores(head, queries[b, h], wide, last, scores)
+        _scores(head, queries, wide, last, scores)
         _softmax(scores, visible[b], n, ends[b], probs, bits, sums)
         _widen(values, value_slabs[b, h], last * dim, wide)
-        _values(head, probs, n, ends[b], wide, sums, out[b, h])
+        _values(head, probs, n, ends[b], wide, sums, out[b], h * group)
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -235,14 +251,15 @@ def attend(
     """Attention of ``query`` (``[B, heads, n, dim]``) over ``key`` and ``value`` (``[B, kv_heads, keys, dim]``, views
     of the cache's buffers) with the visibility ``visible`` (:func:`visibility`), in the layout transformers'
     attention functions return (``[B, n, heads, dim]``)."""
-    batch, heads, n, dim = query.shape
-    kv_heads = key.shape[1]
-    scale = dim**-0.5 if scaling is None else scaling
-    queries = (query.float() * scale).reshape(batch, kv_heads, heads // kv_heads * n, dim).contiguous()
-    out = torch.empty_like(queries)  # [B, kv_heads, group * n, dim]
+    dim = query.shape[3]
+    scale = np.float32(dim**-0.5 if scaling is None else scaling)
+    rows = query.transpose(1, 2).contiguous()  # [B, n, heads, dim] (as the projection made it: no copy)
+    out = torch.empty(rows.shape)  # [B, n, heads, dim]
     with kernel_threads():
-        attend_kernel((0,) * (dim // HEAD_UNIT), queries.numpy(), *_slabs(key), *_slabs(value), *visible, out.numpy())
-    return out.reshape(batch, heads, n, dim).transpose(1, 2).to(query.dtype).contiguous()
+        attend_kernel(
+            (0,) * (dim // HEAD_UNIT), _numpy(rows), scale, *_slabs(key), *_slabs(value), *visible, out.numpy()
+        )
+    return out.to(query.dtype)
 
 
 def visibility(mask: torch.Tensor | None, batch: int, n: int, keys: int) -> tuple[np.ndarray, np.ndarray]:
@@ -253,11 +270,16 @@ def visibility(mask: torch.Tensor | None, batch: int, n: int, keys: int) -> tupl
     return seen.numpy(), ends.to(torch.int64).numpy()
 
 
+def _numpy(states: torch.Tensor) -> np.ndarray:
+    """``states`` as numpy holds its dtype (bf16 as uint16), no copy (nor gradient: passes compute none)."""
+    states = states.detach()
+    return (states.view(torch.int16) if states.dtype == torch.bfloat16 else states).numpy().view(DTYPES[states.dtype])
+
+
 def _slabs(states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """The whole storage ``states`` (``[B, kv_heads, keys, dim]``) is a view of, flat, as numpy holds its dtype, and
     where each row's head starts in it (``[B, kv_heads]``)."""
-    flat = torch.empty(0, dtype=states.dtype).set_(states.untyped_storage())
-    flat = (flat.view(torch.int16) if states.dtype == torch.bfloat16 else flat).numpy().view(DTYPES[states.dtype])
+    flat = _numpy(torch.empty(0, dtype=states.dtype).set_(states.untyped_storage()))
     batch, heads = states.shape[:2]
     starts = np.add.outer(np.arange(batch) * states.stride(0), np.arange(heads) * states.stride(1))
     return flat, states.storage_offset() + starts

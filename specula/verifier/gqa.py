@@ -6,11 +6,13 @@ after a filled cache has, transformers' SDPA function copies each key/value head
 the same attention without it: SDPA over the heads as they are (``enable_gqa``), or the query heads of each
 key/value head folded into one head of ``group x n`` queries (what transformers does for one-token steps with a
 mask), which torch's CPU flash kernel computes in far fewer, larger blocks. A one-token step without a mask (one
-request) transformers computes over the heads as they are; folded it can cost a quarter as much. Which way is
-cheapest depends on the machine, the dtype and the pass (measurements: docs/hardware.md). So it is timed
-once per head geometry, dtype and kind of pass (one query; several, one row or several) and kept with the
-calibrations (:mod:`specula.machine.store`). Only ordinary passes on a CPU attend so (``CachedModel``): the
-one-token steps of exact decoding stay ``model.generate``'s own, and row-exact passes compute attention their own way.
+request) transformers computes over the heads as they are; folded it can cost a quarter as much. A fourth way reads
+each key/value head once for all its queries in a kernel of specula's own (:mod:`.attend`, bf16 and fp32), for
+a batch's one-token steps too. Which way is cheapest depends on the machine, the dtype and the pass (measurements:
+docs/hardware.md). So it is timed once per head geometry, dtype and kind of pass (one query; several, one row or
+several) and kept with the calibrations (:mod:`specula.machine.store`). Only ordinary passes on a CPU attend so
+(``CachedModel``): the one-token steps of exact decoding stay ``model.generate``'s own, and row-exact passes compute
+attention their own way.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..machine import store
 from ..machine.timing import cheapest
+from .attend import applies, attend, visibility
 from .calibration import TIMED_KEYS, TIMED_ROWS
 
 # Arguments of HF's SDPA function that change what it computes beyond masked attention: left to it.
@@ -59,8 +62,8 @@ def _grouped(
 
 def _way(module: torch.nn.Module, sdpa: Callable, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> str:
     """The cheapest way here for this head geometry and kind of pass: "repeated" (transformers' ``sdpa``),
-    "unrepeated" or "folded", timed on ``TIMED_ROWS`` queries a row after ``TIMED_KEYS`` keys, one row or
-    ``TIMED_BATCH``, or on one query without a mask (once per machine)."""
+    "unrepeated", "folded" or "kernel" (specula's, where it applies: :mod:`.attend`), timed on ``TIMED_ROWS`` queries
+    a row after ``TIMED_KEYS`` keys, one row or ``TIMED_BATCH``, or on one query a row (once per machine)."""
     queries = 1 if query.shape[2] == 1 else TIMED_ROWS
     rows = 1 if query.shape[0] == 1 else TIMED_BATCH
     geometry = (query.shape[1], key.shape[1], query.shape[3], query.dtype, query.device.type, scaling, rows, queries)
@@ -74,19 +77,24 @@ def _way(module: torch.nn.Module, sdpa: Callable, query: torch.Tensor, key: torc
                 torch.randn(rows, h, length, dim, generator=generator).to(dtype)
                 for h, length in ((heads, queries), (kv_heads, TIMED_KEYS), (kv_heads, TIMED_KEYS))
             )
-            mask = None
-            if queries > 1:
+            mask = None  # (one request's step: none)
+            if queries > 1 or rows > 1:
                 mask = torch.ones(queries, TIMED_KEYS, dtype=torch.bool).tril(TIMED_KEYS - queries)
                 mask = mask.expand(rows, 1, -1, -1)
-            ways = ("folded",) if queries == 1 else ("unrepeated", "folded")  # (one query: transformers' is unrepeated)
+            # one request's step: transformers' is unrepeated; a batch's steps it folds itself
+            ways = ("unrepeated", "folded") if queries > 1 else ("folded",) if rows == 1 else ()
+            seen = visibility(mask, rows, queries, TIMED_KEYS)
             return cheapest(
                 {
                     "repeated": lambda: sdpa(module, q, k, v, mask, scaling=scaling),
                     **{way: lambda way=way: _grouped(way, q, k, v, mask, scaling) for way in ways},
+                    **({"kernel": lambda: attend(q, k, v, seen, scaling)} if applies(q, k, v) else {}),
                 }
             )
 
-        key_name = store.key(query.device, "grouped attention", heads, kv_heads, dim, dtype, scaling, rows, queries)
+        key_name = store.key(
+            query.device, "grouped attention, specula's kernel too", heads, kv_heads, dim, dtype, scaling, rows, queries
+        )
         ways[geometry] = store.shared().get(key_name, calibrate)
     return ways[geometry]
 
@@ -94,16 +102,17 @@ def _way(module: torch.nn.Module, sdpa: Callable, query: torch.Tensor, key: torc
 @contextlib.contextmanager
 def unrepeated_kv_heads() -> Iterator[None]:
     """Within the block, a model with ``sdpa`` attention on a CPU attends the cheapest way here (see the module
-    docstring) in masked calls over several queries and in one-token steps without a mask; otherwise (a batch's
-    one-token steps, which transformers folds itself, and every call with extras such as a position bias,
-    softcapping or sinks) transformers' own SDPA function."""
+    docstring) in masked calls (a batch's one-token steps among them) and in one-token steps without a mask; otherwise
+    (every call with extras such as a position bias, softcapping or sinks) transformers' own SDPA function."""
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    seen: dict[tuple, tuple[torch.Tensor | None, tuple]] = {}  # (id(mask), shape): the mask, its visibility
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         # query: [B, heads, n, dim]; key, value: [B, kv_heads, keys, dim]; attention_mask: [B, 1, n, keys]
         way = "repeated"
-        one_token_step = query.shape[2] == 1 and attention_mask is None and query.shape[0] == 1
-        masked = attention_mask is not None and attention_mask.shape[1] == 1 and query.shape[2] > 1
+        batch, _, n, _ = query.shape
+        one_token_step = n == 1 and attention_mask is None and batch == 1
+        masked = attention_mask is not None and attention_mask.shape[1] == 1 and attention_mask.dtype == torch.bool
         if (
             (one_token_step or masked)
             and query.shape[1] != key.shape[1]
@@ -112,7 +121,12 @@ def unrepeated_kv_heads() -> Iterator[None]:
             and all(kwargs.get(name) is None for name in _EXTRAS)
         ):
             way = _way(module, sdpa, query, key, scaling)
-        if way == "repeated":
+        if way == "kernel" and applies(query, key, value):
+            memo = (id(attention_mask), batch, n, key.shape[2])
+            if memo not in seen:  # (once for all the layers of a pass)
+                seen[memo] = (attention_mask, visibility(attention_mask, batch, n, key.shape[2]))
+            return attend(query, key, value, seen[memo][1], scaling), None
+        if way in ("repeated", "kernel"):
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return _grouped(way, query, key, value, attention_mask, scaling), None
 

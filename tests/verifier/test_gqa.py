@@ -1,6 +1,6 @@
-"""Ordinary passes over several tokens attend without repeating the key/value heads (over them as they are, or with
-each one's query heads folded into one): the same attention as transformers' SDPA function with the heads repeated,
-only where timed faster here, never in one-token steps or row-exact passes."""
+"""Ordinary passes attend without repeating the key/value heads (over them as they are, with each one's query heads
+folded into one, or by specula's kernel): the same attention as transformers' SDPA function with the heads repeated,
+only where timed faster here, never in the steps of plain or exact decoding or in row-exact passes."""
 
 from __future__ import annotations
 
@@ -20,16 +20,17 @@ from specula.verifier.runner import OneSequence, RaggedRows
 PROMPT = torch.tensor([[1, 40, 3, 77, 12, 55, 23, 9, 60, 14, 30, 41, 33, 70, 4, 8] * 2])
 
 
-@pytest.fixture(params=["unrepeated", "folded"])
+@pytest.fixture(params=["unrepeated", "folded", "kernel"])
 def calls(monkeypatch, request):
     """The query shapes of attention computed without repeating the key/value heads (each way in turn taken as the
-    fastest)."""
+    fastest; "kernel": specula's, :mod:`specula.verifier.attend`)."""
     seen = []
-    inner = gqa_module._grouped
+    grouped, attend = gqa_module._grouped, gqa_module.attend
     monkeypatch.setattr(gqa_module, "_way", lambda *args: request.param)
     monkeypatch.setattr(
-        gqa_module, "_grouped", lambda way, q, *rest: seen.append(tuple(q.shape)) or inner(way, q, *rest)
+        gqa_module, "_grouped", lambda way, q, *rest: seen.append(tuple(q.shape)) or grouped(way, q, *rest)
     )
+    monkeypatch.setattr(gqa_module, "attend", lambda q, *rest: seen.append(tuple(q.shape)) or attend(q, *rest))
     return seen
 
 
@@ -94,20 +95,26 @@ def test_left_to_transformers_where_not_faster(fresh_store, monkeypatch, tmp_pat
     transformers' SDPA function; the answer is kept with the calibrations."""
     now = [0.0]
     monkeypatch.setattr(timing, "CLOCK", lambda: now[0])
-    inner, seen = gqa_module._grouped, []
+    grouped, attend, seen = gqa_module._grouped, gqa_module.attend, []
 
     def dear(way, q, *rest):
         now[0] += 1.0
         seen.append(q.shape[2])
-        return inner(way, q, *rest)
+        return grouped(way, q, *rest)
+
+    def dear_kernel(q, *rest):
+        now[0] += 1.0
+        seen.append(q.shape[2])
+        return attend(q, *rest)
 
     monkeypatch.setattr(gqa_module, "_grouped", dear)
+    monkeypatch.setattr(gqa_module, "attend", dear_kernel)
     model = tiny_model("llama")
     runner = OneSequence(model, rollback=True, capacity=64, row_exact=False)
     runner.start_row(0, PROMPT[0, :20])
     runner.forward_rows([PROMPT[0, 20:28]], [8])
     timed = len(seen)
-    assert timed == 2 * (timing.TIMING_REPEATS + 1)  # (the calibration's own calls: a warm-up, the timed ones)
+    assert timed == 3 * (timing.TIMING_REPEATS + 1)  # (the calibration's own calls: a warm-up, the timed ones)
     assert any("grouped attention" in key and value == "repeated" for key, value in store.shared().known.items())
     runner.forward_rows([PROMPT[0, 28:32]], [4])
     assert len(seen) == timed
@@ -143,3 +150,21 @@ def test_one_token_steps_of_ordinary_decoding_only(calls) -> None:
             exact=exact,
         )
     assert calls == []
+
+
+def test_a_batchs_one_token_steps_take_the_cheapest_way_too(monkeypatch) -> None:
+    """A batch's one-token steps (transformers folds them itself) attend by specula's kernel where it is the
+    cheapest: the logits of transformers' own attention (fp32; mutant: the rows' keys mixed up)."""
+    seen, attend = [], gqa_module.attend
+    monkeypatch.setattr(gqa_module, "_way", lambda *args: "kernel")
+    monkeypatch.setattr(gqa_module, "attend", lambda q, *rest: seen.append(tuple(q.shape[:3])) or attend(q, *rest))
+    model = tiny_model("llama")
+    logits = []
+    for unrepeated in (False, True):
+        runner = RaggedRows(model, rollback=True, capacity=64, row_exact=False, slots=2, cheap_steps=True)
+        runner.unrepeated = unrepeated
+        runner.start_row(0, PROMPT[0, :20])
+        runner.start_row(1, PROMPT[0, 3:14])
+        logits.append(torch.cat(runner.forward_rows([PROMPT[0, 20:21], PROMPT[0, 14:15]], [1, 1], [None, None])))
+    assert seen and all(shape == (2, model.config.num_attention_heads, 1) for shape in seen)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-6, atol=1e-6)
