@@ -33,6 +33,7 @@ LOG2E = np.float32(1.4426950408889634)
 LN2 = (np.float32(0.693359375), np.float32(-2.12194440e-4))  # ln 2 in two parts (the first exact in few bits)
 EXP_LOW = np.float32(-87.0)  # from it down, exp underflows fp32's normal numbers: 0
 MAX_TUPLE = 100  # the longest tuple numba passes into a parallel loop (NUMBA_PARFOR_MAX_TUPLE_SIZE)
+MOST_TOKENS = 128  # tokens of a row a call may hold (a verification pass's; more, a prompt's, are torch's to attend)
 
 
 @intrinsic
@@ -229,10 +230,12 @@ def attend_kernel(head, query, scale, keys, key_slabs, values, value_slabs, visi
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether :func:`attend` computes this call: on a CPU, heads of a length it is compiled for, keys and values of
-    a dtype it reads, each row's a head's length apart (as the cache's buffers hold them)."""
+    """Whether :func:`attend` computes this call: on a CPU, at most :data:`MOST_TOKENS` tokens a row (its scores
+    take ``tokens x keys`` a row at once), heads of a length it is compiled for, keys and values of a dtype it reads,
+    each row's a head's length apart (as the cache's buffers hold them)."""
     return (
         query.device.type == "cpu"
+        and query.shape[2] <= MOST_TOKENS
         and query.shape[3] % HEAD_UNIT == 0
         and query.shape[3] // HEAD_UNIT < MAX_TUPLE
         and key.dtype in DTYPES
