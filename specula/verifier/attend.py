@@ -33,6 +33,7 @@ LOG2E = np.float32(1.4426950408889634)
 LN2 = (np.float32(0.693359375), np.float32(-2.12194440e-4))  # ln 2 in two parts (the first exact in few bits)
 EXP_LOW = np.float32(-87.0)  # from it down, exp underflows fp32's normal numbers: 0
 MAX_TUPLE = 100  # the longest tuple numba passes into a parallel loop (NUMBA_PARFOR_MAX_TUPLE_SIZE)
+PARALLEL_WORK = 4096  # keys of all a call's rows and key/value heads, from which its heads are read in parallel
 MOST_TOKENS = 128  # tokens of a row a call may hold (a verification pass's; more, a prompt's, are torch's to attend)
 
 
@@ -187,9 +188,37 @@ def _queries(query, first, group, scale, out):
                 out[g * n + i, d] *= scale
 
 
+@njit(cache=True, nogil=True)
+def _attend_head(head, query, scale, keys, key_slabs, values, value_slabs, visible, ends, out, item):
+    """Item ``item`` of :func:`attend_kernel`'s work: row ``item // kv_heads``'s key/value head
+    ``item % kv_heads``, all its queries."""
+    n, query_heads, dim = query.shape[1:]
+    heads = key_slabs.shape[1]
+    group = query_heads // heads
+    rows = group * n
+    b, h = item // heads, item % heads
+    queries = np.empty((rows, dim), np.float32)
+    _queries(query[b], h * group, group, scale, queries)
+    last = 0
+    for i in range(n):
+        last = max(last, ends[b, i])
+    padded = -(-last // LANES) * LANES
+    scores = np.empty((rows, padded), np.float32)
+    probs = np.zeros((-(-rows // ROWS) * ROWS, padded), np.float32)
+    bits = np.empty(padded, np.int32)
+    sums = np.empty(rows, np.float32)
+    wide = np.empty(last * dim, np.float32)
+    _widen(keys, key_slabs[b, h], last * dim, wide)
+    _scores(head, queries, wide, last, scores)
+    _softmax(scores, visible[b], n, ends[b], probs, bits, sums)
+    _widen(values, value_slabs[b, h], last * dim, wide)
+    _values(head, probs, n, ends[b], wide, sums, out[b], h * group)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def attend_kernel(head, query, scale, keys, key_slabs, values, value_slabs, visible, ends, out):
-    """Each query's attention over the keys it sees, one row's key/value head at a time in parallel:
+    """Each query's attention over the keys it sees, one row's key/value head at a time in parallel
+    (:func:`attend_serial`: in turn):
 
     - ``head``: a tuple :data:`HEAD_UNIT` times shorter than a head (``dim``: a constant of the compiled code, so that
       its sums stay in registers);
@@ -205,28 +234,15 @@ def attend_kernel(head, query, scale, keys, key_slabs, values, value_slabs, visi
     ``[1, 0]`` and ``[0, 1]`` scores 1 and 0; ``exp(1 - 1) = 1`` and ``exp(0 - 1) = 0.3679`` sum to 1.3679; with
     values ``[1, 2]`` and ``[3, 4]`` the result is ``(1 * [1, 2] + 0.3679 * [3, 4]) / 1.3679 = [1.538, 2.538]``.
     """
-    batch, n, query_heads, dim = query.shape
-    heads = key_slabs.shape[1]
-    group = query_heads // heads
-    rows = group * n
-    for item in prange(batch * heads):
-        b, h = item // heads, item % heads
-        queries = np.empty((rows, dim), np.float32)
-        _queries(query[b], h * group, group, scale, queries)
-        last = 0
-        for i in range(n):
-            last = max(last, ends[b, i])
-        padded = -(-last // LANES) * LANES
-        scores = np.empty((rows, padded), np.float32)
-        probs = np.zeros((-(-rows // ROWS) * ROWS, padded), np.float32)
-        bits = np.empty(padded, np.int32)
-        sums = np.empty(rows, np.float32)
-        wide = np.empty(last * dim, np.float32)
-        _widen(keys, key_slabs[b, h], last * dim, wide)
-        _scores(head, queries, wide, last, scores)
-        _softmax(scores, visible[b], n, ends[b], probs, bits, sums)
-        _widen(values, value_slabs[b, h], last * dim, wide)
-        _values(head, probs, n, ends[b], wide, sums, out[b], h * group)
+    for item in prange(key_slabs.size):
+        _attend_head(head, query, scale, keys, key_slabs, values, value_slabs, visible, ends, out, item)
+
+
+@njit(cache=True, nogil=True)
+def attend_serial(head, query, scale, keys, key_slabs, values, value_slabs, visible, ends, out):
+    """:func:`attend_kernel` on the calling thread alone: each item's bits the same."""
+    for item in range(key_slabs.size):
+        _attend_head(head, query, scale, keys, key_slabs, values, value_slabs, visible, ends, out, item)
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -258,10 +274,12 @@ def attend(
     scale = np.float32(dim**-0.5 if scaling is None else scaling)
     rows = query.transpose(1, 2).contiguous()  # [B, n, heads, dim] (as the projection made it: no copy)
     out = torch.empty(rows.shape)  # [B, n, heads, dim]
-    with kernel_threads():
-        attend_kernel(
-            (0,) * (dim // HEAD_UNIT), _numpy(rows), scale, *_slabs(key), *_slabs(value), *visible, out.numpy()
-        )
+    arguments = ((0,) * (dim // HEAD_UNIT), _numpy(rows), scale, *_slabs(key), *_slabs(value), *visible, out.numpy())
+    if torch.get_num_threads() > 1 and key.shape[0] * key.shape[1] * key.shape[2] >= PARALLEL_WORK:
+        with kernel_threads():
+            attend_kernel(*arguments)
+    else:  # (a parallel call's threads wait for each other: little work goes faster on one, whatever else runs)
+        attend_serial(*arguments)
     return out.to(query.dtype)
 
 

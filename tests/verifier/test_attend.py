@@ -91,3 +91,15 @@ def test_only_a_cpus_bf16_and_fp32_rows_read_as_the_cache_holds_them() -> None:
     assert not applies(query, keys.transpose(2, 3).contiguous().transpose(2, 3), values)  # (keys not rows)
     odd = _call(1, 1, 10, 12, torch.bfloat16, seed=0)  # (a head of 12: a length it is not compiled for)
     assert not applies(odd[0], *odd[1])
+
+
+def test_in_parallel_or_in_turn_the_same_bits(monkeypatch) -> None:
+    """A call's heads read in parallel (much work) or on one thread (little) give every query the same bits."""
+    from specula.verifier import attend as attend_module
+
+    query, (keys, values), mask = _call(3, 4, 150, 64, torch.bfloat16, seed=3)
+    runs = []
+    for work in (0, 10**9):  # (every call in parallel; none)
+        monkeypatch.setattr(attend_module, "PARALLEL_WORK", work)
+        runs.append(attend(query, keys[:, :, :150], values[:, :, :150], visibility(mask, 3, 4, 150), None))
+    assert torch.equal(runs[0], runs[1])
