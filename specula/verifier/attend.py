@@ -98,17 +98,29 @@ def _widen_typed(source, start, n, wide):
     return widen
 
 
+def _read(source, x):
+    """``source[x]`` as fp32 (bf16 held as uint16: its bits the top half of an fp32's)."""
+
+
+@overload(_read, jit_options={"cache": True, "nogil": True, "inline": "always"})
+def _read_typed(source, x):
+    if source.dtype == types.uint16:
+        return lambda source, x: np.uint32(np.uint32(source[x]) << 16).view(np.float32)
+    return lambda source, x: source[x]
+
+
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _scores(head, query, wide, last, scores):
-    """``scores[r, j] = query[r] . key j`` for ``j < last`` (``head``: a tuple :data:`HEAD_UNIT` times shorter than a
-    head, whose length the compiler takes as a constant)."""
+def _scores(head, query, keys, start, last, scores):
+    """``scores[r, j] = query[r] . key j`` for ``j < last``, key ``j`` read (and widened) from ``keys`` at
+    ``start + j * dim`` (``head``: a tuple :data:`HEAD_UNIT` times shorter than a head, whose length the compiler
+    takes as a constant)."""
     dim = len(head) * HEAD_UNIT
     for j in range(last):
-        base = j * dim
+        key = keys[start + j * dim : start + (j + 1) * dim]  # (indices from 0: no wraparound checks)
         for r in range(query.shape[0]):
             s = np.float32(0.0)
             for d in range(dim):
-                s += query[r, d] * wide[base + d]
+                s += query[r, d] * _read(key, d)
             scores[r, j] = s
 
 
@@ -144,10 +156,10 @@ def _softmax(scores, visible, n, ends, probs, bits, sums):
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"})
-def _values(head, probs, n, ends, wide, sums, out, first):
+def _values(head, probs, n, ends, values, start, sums, out, first):
     """Query row ``r``'s ``(sum over keys j of probs[r, j] * value j) / sums[r]`` into ``out[r % n, first + r // n]``
-    (``out``: ``[n, heads, dim]``, the row's), :data:`ROWS` queries at a time, key by key (``head``: as
-    :func:`_scores`'s)."""
+    (``out``: ``[n, heads, dim]``, the row's), :data:`ROWS` queries at a time, key by key, value ``j`` read from
+    ``values`` at ``start + j * dim`` (``head``: as :func:`_scores`'s)."""
     dim = len(head) * HEAD_UNIT
     a0 = carray(_stack_head(head), (dim,))  # (one alloca each: the compiler holds them in registers)
     a1 = carray(_stack_head(head), (dim,))
@@ -163,9 +175,9 @@ def _values(head, probs, n, ends, wide, sums, out, first):
         a3[:] = 0.0
         for j in range(e):  # (in key order: past a query's own end its probabilities are 0, adding nothing)
             p0, p1, p2, p3 = probs[r0, j], probs[r0 + 1, j], probs[r0 + 2, j], probs[r0 + 3, j]
-            base = j * dim
+            value = values[start + j * dim : start + (j + 1) * dim]
             for d in range(dim):
-                x = wide[base + d]
+                x = _read(value, d)
                 a0[d] += p0 * x
                 a1[d] += p1 * x
                 a2[d] += p2 * x
@@ -207,12 +219,9 @@ def _attend_head(head, query, scale, keys, key_slabs, values, value_slabs, visib
     probs = np.zeros((-(-rows // ROWS) * ROWS, padded), np.float32)
     bits = np.empty(padded, np.int32)
     sums = np.empty(rows, np.float32)
-    wide = np.empty(last * dim, np.float32)
-    _widen(keys, key_slabs[b, h], last * dim, wide)
-    _scores(head, queries, wide, last, scores)
+    _scores(head, queries, keys, key_slabs[b, h], last, scores)
     _softmax(scores, visible[b], n, ends[b], probs, bits, sums)
-    _widen(values, value_slabs[b, h], last * dim, wide)
-    _values(head, probs, n, ends[b], wide, sums, out[b], h * group)
+    _values(head, probs, n, ends[b], values, value_slabs[b, h], sums, out[b], h * group)
 
 
 @njit(cache=True, nogil=True, parallel=True)
