@@ -109,6 +109,28 @@ def _read_typed(source, x):
     return lambda source, x: source[x]
 
 
+def _write(target, x, value):
+    """``target[x] = value`` (fp32) in ``target``'s dtype (bf16 held as uint16: rounded to nearest even, as torch
+    rounds)."""
+
+
+@overload(_write, jit_options={"cache": True, "nogil": True, "inline": "always"})
+def _write_typed(target, x, value):
+    if target.dtype == types.uint16:
+
+        def write_bf16(target, x, value):
+            bits = np.float32(value).view(np.uint32)
+            rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            target[x] = np.uint16(0x7FC0) if value != value else np.uint16(rounded)
+
+        return write_bf16
+
+    def write(target, x, value):
+        target[x] = value
+
+    return write
+
+
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _scores(head, query, keys, start, last, scores):
     """``scores[r, j] = query[r] . key j`` for ``j < last``, key ``j`` read (and widened) from ``keys`` at
@@ -185,8 +207,9 @@ def _values(head, probs, n, ends, values, start, sums, out, first):
         for r in range(r0, min(r0 + ROWS, len(sums))):
             inverse = np.float32(1.0) / sums[r]
             held = a0 if r == r0 else a1 if r == r0 + 1 else a2 if r == r0 + 2 else a3
+            row = out[r % n, first + r // n]
             for d in range(dim):
-                out[r % n, first + r // n, d] = held[d] * inverse
+                _write(row, d, held[d] * inverse)
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"})
@@ -201,11 +224,10 @@ def _queries(query, first, group, scale, out):
 
 
 @njit(cache=True, nogil=True)
-def _attend_head(head, query, scale, keys, key_slabs, values, value_slabs, visible, ends, out, item):
-    """Item ``item`` of :func:`attend_kernel`'s work: row ``item // kv_heads``'s key/value head
-    ``item % kv_heads``, all its queries."""
+def _attend_head(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out, item):
+    """Item ``item`` of :func:`attend_kernel`'s work: row ``item // heads``'s key/value head ``item % heads``, all
+    its queries."""
     n, query_heads, dim = query.shape[1:]
-    heads = key_slabs.shape[1]
     group = query_heads // heads
     rows = group * n
     b, h = item // heads, item % heads
@@ -219,13 +241,13 @@ def _attend_head(head, query, scale, keys, key_slabs, values, value_slabs, visib
     probs = np.zeros((-(-rows // ROWS) * ROWS, padded), np.float32)
     bits = np.empty(padded, np.int32)
     sums = np.empty(rows, np.float32)
-    _scores(head, queries, keys, key_slabs[b, h], last, scores)
+    _scores(head, queries, keys, key_at[0] + b * key_at[1] + h * key_at[2], last, scores)
     _softmax(scores, visible[b], n, ends[b], probs, bits, sums)
-    _values(head, probs, n, ends[b], values, value_slabs[b, h], sums, out[b], h * group)
+    _values(head, probs, n, ends[b], values, value_at[0] + b * value_at[1] + h * value_at[2], sums, out[b], h * group)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def attend_kernel(head, query, scale, keys, key_slabs, values, value_slabs, visible, ends, out):
+def attend_kernel(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out):
     """Each query's attention over the keys it sees, one row's key/value head at a time in parallel
     (:func:`attend_serial`: in turn):
 
@@ -233,25 +255,26 @@ def attend_kernel(head, query, scale, keys, key_slabs, values, value_slabs, visi
       its sums stay in registers);
     - ``query``: ``[B, n, heads, dim]`` (bf16 as uint16, or fp32), scaled by ``scale`` as it is read (query head
       ``g`` of a key/value head's group at token ``i`` is that head's row ``g * n + i``);
-    - ``keys``, ``values``: the cache's storage, flat (bf16 as uint16, or fp32); ``key_slabs``, ``value_slabs``:
-      ``[B, kv_heads]`` where each row's head starts in it (its keys ``dim`` apart);
+    - ``heads``: key/value heads;
+    - ``keys``, ``values``: the cache's storage, flat (bf16 as uint16, or fp32); ``key_at``, ``value_at``: where
+      each row's head starts in it, ``(offset, row stride, head stride)`` (its keys ``dim`` apart);
     - ``visible``: ``[B, n, keys]`` bool, which keys token ``i`` of row ``b`` sees; ``ends``: ``[B, n]``, one past the
       last it sees (0: none);
-    - ``out``: ``[B, n, heads, dim]`` fp32, each query's attention (zeros where it sees no key).
+    - ``out``: ``[B, n, heads, dim]`` as ``query``, each query's attention (zeros where it sees no key).
 
     Worked example (one row, one token, a head's first two dims, the others 0): the query ``[1, 0]`` over keys
     ``[1, 0]`` and ``[0, 1]`` scores 1 and 0; ``exp(1 - 1) = 1`` and ``exp(0 - 1) = 0.3679`` sum to 1.3679; with
     values ``[1, 2]`` and ``[3, 4]`` the result is ``(1 * [1, 2] + 0.3679 * [3, 4]) / 1.3679 = [1.538, 2.538]``.
     """
-    for item in prange(key_slabs.size):
-        _attend_head(head, query, scale, keys, key_slabs, values, value_slabs, visible, ends, out, item)
+    for item in prange(query.shape[0] * heads):
+        _attend_head(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out, item)
 
 
 @njit(cache=True, nogil=True)
-def attend_serial(head, query, scale, keys, key_slabs, values, value_slabs, visible, ends, out):
+def attend_serial(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out):
     """:func:`attend_kernel` on the calling thread alone: each item's bits the same."""
-    for item in range(key_slabs.size):
-        _attend_head(head, query, scale, keys, key_slabs, values, value_slabs, visible, ends, out, item)
+    for item in range(query.shape[0] * heads):
+        _attend_head(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out, item)
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -282,14 +305,15 @@ def attend(
     dim = query.shape[3]
     scale = np.float32(dim**-0.5 if scaling is None else scaling)
     rows = query.transpose(1, 2).contiguous()  # [B, n, heads, dim] (as the projection made it: no copy)
-    out = torch.empty(rows.shape)  # [B, n, heads, dim]
-    arguments = ((0,) * (dim // HEAD_UNIT), _numpy(rows), scale, *_slabs(key), *_slabs(value), *visible, out.numpy())
+    out = torch.empty(rows.shape, dtype=query.dtype)  # [B, n, heads, dim]
+    head, heads = (0,) * (dim // HEAD_UNIT), key.shape[1]
+    arguments = (head, _numpy(rows), scale, heads, *_slabs(key), *_slabs(value), *visible, _numpy(out))
     if torch.get_num_threads() > 1 and key.shape[0] * key.shape[1] * key.shape[2] >= PARALLEL_WORK:
         with kernel_threads():
             attend_kernel(*arguments)
     else:  # (a parallel call's threads wait for each other: little work goes faster on one, whatever else runs)
         attend_serial(*arguments)
-    return out.to(query.dtype)
+    return out
 
 
 def visibility(mask: torch.Tensor | None, batch: int, n: int, keys: int) -> tuple[np.ndarray, np.ndarray]:
@@ -306,10 +330,8 @@ def _numpy(states: torch.Tensor) -> np.ndarray:
     return (states.view(torch.int16) if states.dtype == torch.bfloat16 else states).numpy().view(DTYPES[states.dtype])
 
 
-def _slabs(states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+def _slabs(states: torch.Tensor) -> tuple[np.ndarray, tuple[int, int, int]]:
     """The whole storage ``states`` (``[B, kv_heads, keys, dim]``) is a view of, flat, as numpy holds its dtype, and
-    where each row's head starts in it (``[B, kv_heads]``)."""
+    where each row's head starts in it: ``(offset, row stride, head stride)``."""
     flat = _numpy(torch.empty(0, dtype=states.dtype).set_(states.untyped_storage()))
-    batch, heads = states.shape[:2]
-    starts = np.add.outer(np.arange(batch) * states.stride(0), np.arange(heads) * states.stride(1))
-    return flat, states.storage_offset() + starts
+    return flat, (states.storage_offset(), states.stride(0), states.stride(1))

@@ -63,6 +63,16 @@ def test_a_query_rounds_alike_whatever_its_call(dtype) -> None:
         assert torch.equal(alone[0, 0], together[1, token]), token
 
 
+def test_bf16_is_the_fp32_of_its_values_rounded_as_torch_rounds() -> None:
+    """A bf16 call computes in fp32 what an fp32 call over the same values computes, and rounds it to nearest even
+    as torch does (mutants: the result's bits cut short; a bf16 key read as another number)."""
+    query, (keys, values), mask = _call(3, 4, 150, 64, torch.bfloat16, seed=11)
+    seen = visibility(mask, 3, 4, 150)
+    got = attend(query, keys[:, :, :150], values[:, :, :150], seen, None)
+    wide = attend(query.float(), keys.float()[:, :, :150], values.float()[:, :, :150], seen, None)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, wide.to(torch.bfloat16))
+
+
 def test_the_worked_example_and_a_query_that_sees_no_key() -> None:
     def head(*numbers: float) -> list[float]:  # (the example's numbers, a head of 8 dims: the rest 0)
         return [*numbers, *[0.0] * (8 - len(numbers))]
