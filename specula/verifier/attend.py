@@ -224,57 +224,61 @@ def _queries(query, first, group, scale, out):
 
 
 @njit(cache=True, nogil=True)
-def _attend_head(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out, item):
+def _attend_head(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out, offsets, item):
     """Item ``item`` of :func:`attend_kernel`'s work: row ``item // heads``'s key/value head ``item % heads``, all
     its queries."""
-    n, query_heads, dim = query.shape[1:]
+    query_heads, dim = query.shape[1:]
+    b, h = item // heads, item % heads
+    first, n = offsets[b], offsets[b + 1] - offsets[b]  # (the row's tokens)
     group = query_heads // heads
     rows = group * n
-    b, h = item // heads, item % heads
     queries = np.empty((rows, dim), np.float32)
-    _queries(query[b], h * group, group, scale, queries)
+    _queries(query[first : first + n], h * group, group, scale, queries)
+    seen, row_ends, row_out = visible[first : first + n], ends[first : first + n], out[first : first + n]
     last = 0
     for i in range(n):
-        last = max(last, ends[b, i])
+        last = max(last, row_ends[i])
     padded = -(-last // LANES) * LANES
     scores = np.empty((rows, padded), np.float32)
     probs = np.zeros((-(-rows // ROWS) * ROWS, padded), np.float32)
     bits = np.empty(padded, np.int32)
     sums = np.empty(rows, np.float32)
     _scores(head, queries, keys, key_at[0] + b * key_at[1] + h * key_at[2], last, scores)
-    _softmax(scores, visible[b], n, ends[b], probs, bits, sums)
-    _values(head, probs, n, ends[b], values, value_at[0] + b * value_at[1] + h * value_at[2], sums, out[b], h * group)
+    _softmax(scores, seen, n, row_ends, probs, bits, sums)
+    _values(head, probs, n, row_ends, values, value_at[0] + b * value_at[1] + h * value_at[2], sums, row_out, h * group)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def attend_kernel(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out):
+def attend_kernel(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out, offsets):
     """Each query's attention over the keys it sees, one row's key/value head at a time in parallel
     (:func:`attend_serial`: in turn):
 
     - ``head``: a tuple :data:`HEAD_UNIT` times shorter than a head (``dim``: a constant of the compiled code, so that
       its sums stay in registers);
-    - ``query``: ``[B, n, heads, dim]`` (bf16 as uint16, or fp32), scaled by ``scale`` as it is read (query head
-      ``g`` of a key/value head's group at token ``i`` is that head's row ``g * n + i``);
+    - ``query``: ``[T, heads, dim]``, the tokens of every row in turn, row ``b``'s from ``offsets[b]`` to
+      ``offsets[b + 1]`` (``n`` of them; bf16 as uint16, or fp32), scaled by ``scale`` as it is read (query head
+      ``g`` of a key/value head's group at the row's token ``i`` is that head's row ``g * n + i``);
     - ``heads``: key/value heads;
     - ``keys``, ``values``: the cache's storage, flat (bf16 as uint16, or fp32); ``key_at``, ``value_at``: where
       each row's head starts in it, ``(offset, row stride, head stride)`` (its keys ``dim`` apart);
-    - ``visible``: ``[B, n, keys]`` bool, which keys token ``i`` of row ``b`` sees; ``ends``: ``[B, n]``, one past the
-      last it sees (0: none);
-    - ``out``: ``[B, n, heads, dim]`` as ``query``, each query's attention (zeros where it sees no key).
+    - ``visible``: ``[T, keys]`` bool, which keys of its row each token sees; ``ends``: ``[T]``, one past the last it
+      sees (0: none);
+    - ``out``: ``[T, heads, dim]`` as ``query``, each query's attention (zeros where it sees no key);
+    - ``offsets``: ``[B + 1]``, where each row's tokens start (a padded pass of ``n`` tokens a row: ``b * n``).
 
     Worked example (one row, one token, a head's first two dims, the others 0): the query ``[1, 0]`` over keys
     ``[1, 0]`` and ``[0, 1]`` scores 1 and 0; ``exp(1 - 1) = 1`` and ``exp(0 - 1) = 0.3679`` sum to 1.3679; with
     values ``[1, 2]`` and ``[3, 4]`` the result is ``(1 * [1, 2] + 0.3679 * [3, 4]) / 1.3679 = [1.538, 2.538]``.
     """
-    for item in prange(query.shape[0] * heads):
-        _attend_head(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out, item)
+    for item in prange((len(offsets) - 1) * heads):
+        _attend_head(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out, offsets, item)
 
 
 @njit(cache=True, nogil=True)
-def attend_serial(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out):
+def attend_serial(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out, offsets):
     """:func:`attend_kernel` on the calling thread alone: each item's bits the same."""
-    for item in range(query.shape[0] * heads):
-        _attend_head(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out, item)
+    for item in range((len(offsets) - 1) * heads):
+        _attend_head(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out, offsets, item)
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -298,30 +302,34 @@ def attend(
     value: torch.Tensor,
     visible: tuple[np.ndarray, np.ndarray],
     scaling: float | None,
+    offsets: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` (``[B, heads, n, dim]``) over ``key`` and ``value`` (``[B, kv_heads, keys, dim]``, views
     of the cache's buffers) with the visibility ``visible`` (:func:`visibility`), in the layout transformers'
-    attention functions return (``[B, n, heads, dim]``)."""
-    dim = query.shape[3]
+    attention functions return (``[B, n, heads, dim]``). A flat pass's query (``[1, heads, T, dim]``) holds the
+    tokens of every row in turn, row ``b``'s from ``offsets[b]`` to ``offsets[b + 1]`` (``[B + 1]``)."""
+    batch, _, n, dim = query.shape
     scale = np.float32(dim**-0.5 if scaling is None else scaling)
-    rows = query.transpose(1, 2).contiguous()  # [B, n, heads, dim] (as the projection made it: no copy)
-    out = torch.empty(rows.shape, dtype=query.dtype)  # [B, n, heads, dim]
+    rows = query.transpose(1, 2).reshape(batch * n, -1, dim)  # [T, heads, dim] (as the projection made it: no copy)
+    out = torch.empty(rows.shape, dtype=query.dtype)  # [T, heads, dim]
+    if offsets is None:
+        offsets = np.arange(batch + 1) * n
     head, heads = (0,) * (dim // HEAD_UNIT), key.shape[1]
-    arguments = (head, _numpy(rows), scale, heads, *_slabs(key), *_slabs(value), *visible, _numpy(out))
+    arguments = (head, _numpy(rows), scale, heads, *_slabs(key), *_slabs(value), *visible, _numpy(out), offsets)
     if torch.get_num_threads() > 1 and key.shape[0] * key.shape[1] * key.shape[2] >= PARALLEL_WORK:
         with kernel_threads():
             attend_kernel(*arguments)
     else:  # (a parallel call's threads wait for each other: little work goes faster on one, whatever else runs)
         attend_serial(*arguments)
-    return out
+    return out.view(batch, n, -1, dim)
 
 
 def visibility(mask: torch.Tensor | None, batch: int, n: int, keys: int) -> tuple[np.ndarray, np.ndarray]:
     """Which keys each token of a pass sees (``mask``: ``[B, 1, n, keys]`` bool, ``None``: all) and one past the last
-    it sees, as :func:`kernel` reads them (made once a pass)."""
-    seen = torch.ones(batch, n, keys, dtype=torch.bool) if mask is None else mask[:, 0].contiguous()
+    it sees, as :func:`attend_kernel` reads them (``[B * n, keys]``, ``[B * n]``; made once a pass)."""
+    seen = torch.ones(batch * n, keys, dtype=torch.bool) if mask is None else mask.reshape(batch * n, keys)
     ends = torch.where(seen.any(-1), keys - seen.flip(-1).to(torch.uint8).argmax(-1), 0)
-    return seen.numpy(), ends.to(torch.int64).numpy()
+    return seen.contiguous().numpy(), ends.to(torch.int64).numpy()
 
 
 def _numpy(states: torch.Tensor) -> np.ndarray:
