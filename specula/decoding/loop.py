@@ -552,6 +552,7 @@ class Decoder:
         timings may decide and drafts lost against plain passes here (:mod:`specula.policy.guard`)."""
         due = self.adaptive_draft and self.estimate.due(len(rows))
         resting = self._guard is not None and not self._guard.allows(len(rows))  # (drafts lost here: guard.py)
+        self.policy.flat = self._target.flat_rows()
         return propose(
             self.policy,
             self.proposer,
@@ -581,7 +582,9 @@ class Decoder:
             row.sampling.greedy and not row.sampling.processors and not _sees(row.job) for row in rows
         )
         keys = self._target.cached_tokens
-        logits = self._target.forward_rows(blocks, lengths, [_tree(d) for d in sent], argmax_only)
+        trees = [_tree(d) for d in sent]
+        computed = sum(lengths) if self._target.flat(blocks, trees) else len(rows) * max(lengths)  # (tokens in all)
+        logits = self._target.forward_rows(blocks, lengths, trees, argmax_only)
         outcomes = accept_drafts(logits, sent, [row.sampling for row in rows], lambda r: self._tokens(rows[r], sent[r]))
         seen = [_seen(row, *made) for row, made in zip(rows, zip(logits, outcomes, sent))]
         self.passes += 1
@@ -593,10 +596,8 @@ class Decoder:
         seconds = (time.perf_counter() if self._target.feeds_again else verified) - started
         if not self._target.timed:  # (it calibrated or compiled kernels)
             seconds = None
-        width = max(lengths)  # (every row is computed this wide)
-        self.policy.learn(
-            Pass([row.policy_state for row in rows], proposed, sent, outcomes, len(rows) * width, seconds, keys)
-        )
+        self.policy.learn(Pass([row.policy_state for row in rows], proposed, sent, outcomes, computed, seconds, keys))
+        width = max(lengths)
         self.estimate.record(len(rows), width, seconds, keys)
         if seconds is not None and self._guard is not None:
             self._guard.record(

@@ -47,12 +47,54 @@ if TYPE_CHECKING:
 
 
 def choose_lengths(
-    states: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray], costs: PassCosts | None
+    states: Sequence["RequestAcceptance"],
+    chances: Sequence[np.ndarray],
+    costs: PassCosts | None,
+    flat: bool = False,
 ) -> list[int]:
     """How many draft tokens each row of a pass sends: ``chances[r]`` holds ``P_1, P_2 ..`` for the tokens row ``r``
     has (``states[r]``: its policy state), ``costs`` the measured pass costs for ``len(states)`` rows (``None``:
-    untimed, every pass costs the same). See :func:`_choice`."""
-    return _choice(states, chances, costs)[0]
+    untimed, every pass costs the same); ``flat``: the pass computes each row's tokens only, unpadded. See
+    :func:`_choice` and :func:`_flat_choice`."""
+    return (_flat_choice if flat else _choice)(states, chances, costs)[0]
+
+
+def _usable(states: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Each row's chances as far as they reach its least chance worth sending (none where its first does not)."""
+    return [
+        chance[: int(np.sum(chance >= state.min_chance)) if len(chance) and chance[0] >= state.min_chance else 0]
+        for state, chance in zip(states, chances)
+    ]
+
+
+def _flat_choice(
+    states: Sequence["RequestAcceptance"],
+    chances: Sequence[np.ndarray],
+    costs: PassCosts | None,
+    width: int | None = None,
+    probe: bool = False,
+) -> tuple[list[int], float, int | None]:
+    """:func:`_choice` for a flat pass, which costs what the tokens it verifies in all cost: the ``k`` likeliest draft
+    tokens of all its rows (a row's chances fall along its draft, so each row sends its first ones), ``k`` chosen to
+    maximise tokens per second (``width``, ``probe``: as :func:`_choice`'s, counted in draft tokens of the pass).
+    Worked example, two rows with ``P = [0.9, 0.5]`` and ``[0.6]``, pass costs 1.0 / 1.2 / 1.4 / 2.0 for 2 / 3 / 4 /
+    5 tokens: ``k = 0 .. 3`` gives ``2.0, 2.42, 2.57, 1.5`` tokens per second, so ``k = 2``: ``[1, 1]``."""
+    usable = [chance[: state.max_draft] for state, chance in zip(states, _usable(states, chances))]
+    rows = np.concatenate([np.full(len(chance), row) for row, chance in enumerate(usable)] + [np.zeros(0, int)])
+    order = np.argsort(-np.concatenate([*usable, np.zeros(0)]), kind="stable")  # (a row's own in its order)
+    most = len(order) if costs is None else min(len(order), costs.explored_tokens(), len(costs.seconds()) - 1)
+    picked = np.concatenate([[0.0], np.cumsum(np.concatenate([*usable, np.zeros(0)])[order])])[: most + 1]
+    expected = len(states) + picked  # [k + 1]
+    seconds = np.ones(len(expected)) if costs is None else costs.seconds()[: len(expected)]
+    rates = expected / (seconds + sum(state.draft_seconds for state in states))
+    best = int(np.argmax(rates))  # the first maximum: ties go to fewer tokens
+    probed = None
+    if width is not None:
+        probed = min(width, most)
+    elif probe and costs is not None:
+        probed = None if (stale := costs.probe(best, expected, rates, flat=True)) == best else stale
+    chosen = best if probed is None else probed
+    return np.bincount(rows[order[:chosen]], minlength=len(states)).tolist(), float(rates[chosen]), probed
 
 
 def _choice(
@@ -74,10 +116,7 @@ def _choice(
     ``P = [0.9, 0.5]`` and ``[0.6]``, pass costs 1.0 / 1.3 / 2.0 for 2 / 4 / 6 tokens: ``m = 0, 1, 2`` gives
     ``2.0, 2.69, 1.98`` tokens per second, so ``m = 1``: ``[1, 1]``.
     """
-    usable = [
-        chance[: int(np.sum(chance >= state.min_chance)) if len(chance) and chance[0] >= state.min_chance else 0]
-        for state, chance in zip(states, chances)
-    ]
+    usable = _usable(states, chances)
     longest = min(max(map(len, usable), default=0), max(state.max_draft for state in states))
     if costs is not None:
         longest = min(longest, costs.explored_width(tree))
@@ -96,7 +135,11 @@ def _choice(
 
 
 def budgets(
-    states: Sequence["RequestAcceptance"], remaining: Sequence[int], costs: PassCosts | None, probe: bool = False
+    states: Sequence["RequestAcceptance"],
+    remaining: Sequence[int],
+    costs: PassCosts | None,
+    probe: bool = False,
+    flat: bool = False,
 ) -> tuple[list[int], int | None]:
     """How many tokens to ask each row's proposer for (0: do not ask), ``remaining`` the room each row has left,
     and, with ``probe``, the width of a stale cost to measure again this pass (``None``: none). While a row's
@@ -107,7 +150,7 @@ def budgets(
         np.max([state.chances(source) for source in state.acceptance or [None]], axis=0)[: max(left, 0)]
         for state, left in zip(states, remaining)
     ]
-    best, _, probed = _choice(states, hopes, costs, probe=probe)
+    best, _, probed = (_flat_choice if flat else _choice)(states, hopes, costs, probe=probe)
     share = 1.0 if costs is None else costs.seconds()[0] / len(states)
     return [state.ask(k, left, share) for state, k, left in zip(states, best, remaining)], probed
 
@@ -117,7 +160,10 @@ class AdaptiveDrafts:
     its own (:class:`RequestAcceptance`, its state), what a pass costs is measured by the tokens it verifies in all,
     per number of rows (``costs(rows)``, shared per target model; ``timed=False``: the costs are a kept table or
     ``None``, and no pass is timed into them), a width whose cost is stale measured again now and then
-    (:meth:`PassCosts.probe`)."""
+    (:meth:`PassCosts.probe`). Where its passes are flat (:attr:`flat`, the loop's target says), each row sends the
+    tokens that pay for themselves (:func:`_flat_choice`), else all rows alike (:func:`_choice`)."""
+
+    flat = False  # whether the next pass's rows are computed unpadded (a chain pass)
 
     def __init__(self, max_draft: int, timed: bool, costs: Callable[[int], PassCosts]) -> None:
         self.max_draft, self.timed, self.costs = max_draft, timed, costs
@@ -128,7 +174,7 @@ class AdaptiveDrafts:
         return RequestAcceptance(self.max_draft, timed=self.timed and not drawn, pool=self.pool, drawn=drawn)
 
     def budgets(self, states: Sequence[RequestAcceptance], room: Sequence[int]) -> list[int]:
-        asks, self._probing = budgets(states, room, self.costs_for(states), probe=True)
+        asks, self._probing = budgets(states, room, self.costs_for(states), probe=True, flat=self.flat)
         return asks
 
     def trim(
@@ -156,7 +202,11 @@ class AdaptiveDrafts:
     ) -> tuple[list[list[int]], float]:
         chances = [state.node_chances(draft) for state, draft in zip(states, drafts)]
         orders = [np.argsort(-chance, kind="stable") for chance in chances]
-        counts, rate, _ = _choice(states, [c[o] for c, o in zip(chances, orders)], self.costs_for(states), tree, width)
+        ordered, costs = [c[o] for c, o in zip(chances, orders)], self.costs_for(states)
+        if self.flat and not tree:
+            counts, rate, _ = _flat_choice(states, ordered, costs, width)
+        else:
+            counts, rate, _ = _choice(states, ordered, costs, tree, width)
         return [sorted(order[:count].tolist()) for order, count in zip(orders, counts)], rate
 
     def costs_for(self, states: Sequence[RequestAcceptance]) -> PassCosts | None:
@@ -184,6 +234,8 @@ class AdaptiveDrafts:
 class FixedDrafts:
     """The :class:`~specula.policy.protocol.DraftPolicy` of ``adaptive_draft=False``: ask for every token there is
     room for, up to ``max_draft``, send every draft whole (a tree's first ``max_draft`` tokens). It keeps no state."""
+
+    flat = False  # (every draft is sent whole whatever the pass)
 
     def __init__(self, max_draft: int) -> None:
         self.max_draft = max_draft

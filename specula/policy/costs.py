@@ -168,16 +168,23 @@ class PassCosts:
         measured = np.flatnonzero(~np.isnan(self.ratios(tree)))
         return 2 * (int(measured[-1]) + self.rows) // self.rows - 1 if len(measured) else 0
 
-    def probe(self, best: int, expected: np.ndarray, rates: np.ndarray) -> int:
+    def explored_tokens(self) -> int:
+        """The most draft tokens in all worth the risk in a flat pass: a pass over twice the tokens of the widest
+        timed (none before any)."""
+        measured = np.flatnonzero(~np.isnan(self.ratios()))
+        return 2 * (int(measured[-1]) + self.rows) - self.rows if len(measured) else 0
+
+    def probe(self, best: int, expected: np.ndarray, rates: np.ndarray, flat: bool = False) -> int:
         """The number of draft tokens a row to send, of ``rates`` (tokens per second, index ``m``: ``m`` tokens a
-        row, ``expected`` tokens from the pass): ``best``, or, where the credit covers what it loses against
-        ``best``, the likeliest to pay of the widths whose estimate is stale, to measure it again; none where passes
-        were timed but no plain one (a process primed by a prior: the plain pass is the unit of every other)."""
+        row, ``expected`` tokens from the pass; ``flat``: ``m`` tokens in all): ``best``, or, where the credit covers
+        what it loses against ``best``, the likeliest to pay of the widths whose estimate is stale, to measure it
+        again; none where passes were timed but no plain one (a process primed by a prior: the plain pass is the
+        unit of every other)."""
         plain = self.plain()
         if plain is None:  # (passes timed, none plain: what they cost in plain passes is unknown, so time one now)
             return 0 if self.samples else best
         for width in sorted(range(len(rates)), key=lambda m: -rates[m]):
-            tokens = self.rows * (width + 1)
+            tokens = self.rows + width if flat else self.rows * (width + 1)
             last = self.samples.get((tokens, False))
             if width == best or (
                 tokens not in self._prior()

@@ -60,6 +60,9 @@ class KeptCosts(PassCosts):
     def explored_width(self, tree: bool = False) -> int:
         return min(super().explored_width(tree), self.widest - 1)
 
+    def explored_tokens(self) -> int:
+        return min(super().explored_tokens(), self.rows * (self.widest - 1))
+
     def check(self, tokens: int, seconds: float, tree: bool = False) -> None:
         """A pass of the run over ``tokens`` tokens took ``seconds``. At each plain pass, each width sent at least
         :data:`SPAN` times since the plain pass before is weighed against the two (the lower median of its passes

@@ -35,6 +35,8 @@ class Pass:
 class DraftPolicy(Protocol):
     """How many draft tokens each request asks for and sends (see the module docstring)."""
 
+    flat: bool  # whether the next pass computes each row's tokens only, unpadded (the loop sets it before a pass)
+
     def start(self, drawn: bool = False) -> object:
         """The state of a request that starts now (``drawn``: its drafts are drawn at random, so no decision about
         them may depend on measured times)."""

@@ -281,13 +281,13 @@ def attend_serial(head, query, scale, heads, keys, key_at, values, value_at, vis
         _attend_head(head, query, scale, heads, keys, key_at, values, value_at, visible, ends, out, offsets, item)
 
 
-def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether :func:`attend` computes this call: on a CPU, at most :data:`MOST_TOKENS` tokens a row (its scores
-    take ``tokens x keys`` a row at once), heads of a length it is compiled for, keys and values of a dtype it reads,
-    each row's a head's length apart (as the cache's buffers hold them)."""
+def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tokens: int | None = None) -> bool:
+    """Whether :func:`attend` computes this call: on a CPU, at most :data:`MOST_TOKENS` tokens a row (``tokens``;
+    ``None``: the query's; its scores take ``tokens x keys`` a row at once), heads of a length it is compiled for, keys
+    and values of a dtype it reads, each row's a head's length apart (as the cache's buffers hold them)."""
     return (
         query.device.type == "cpu"
-        and query.shape[2] <= MOST_TOKENS
+        and (query.shape[2] if tokens is None else tokens) <= MOST_TOKENS
         and query.shape[3] % HEAD_UNIT == 0
         and query.shape[3] // HEAD_UNIT < MAX_TUPLE
         and key.dtype in DTYPES

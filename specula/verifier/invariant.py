@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -36,13 +37,19 @@ QUERY_BLOCK = 4  # query rows of an attention call (its query heads folded), pad
 STEP_WIDTH = 2  # tokens a single row's one-token step is computed over (its own token repeated)
 
 
+class NotFlat(UnsupportedModelError):
+    """A flat pass met an attention call specula's kernel does not compute."""
+
+
 @contextlib.contextmanager
-def invariant_attention() -> Iterator[None]:
+def invariant_attention(offsets: np.ndarray | None = None) -> Iterator[None]:
     """Within the block, a model with ``sdpa`` attention attends each masked call, and each one-query call without a
     mask, so that every query rounds alike whatever the call: on a CPU with specula's kernel (:mod:`.attend`), else in
     blocks of fixed size, the query heads of each key/value head folded into one head of their queries (each
     key/value head read once), those rows padded to a multiple of :data:`QUERY_BLOCK` and the keys to a multiple of
-    :data:`KEY_BLOCK`; a prefill (several queries, no mask) as transformers computes it."""
+    :data:`KEY_BLOCK`; a prefill (several queries, no mask) as transformers computes it. ``offsets`` (``[B + 1]``):
+    the pass is flat, its rows' tokens one after another in one row of queries, row ``b``'s from ``offsets[b]``
+    (:meth:`~specula.verifier.runner.RaggedRows.flat`; only specula's kernel computes it, else :class:`NotFlat`)."""
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     masks: dict[tuple, tuple[torch.Tensor | None, object]] = {}  # key: (the mask, what a pass's calls take of it)
 
@@ -73,12 +80,18 @@ def invariant_attention() -> Iterator[None]:
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         # query: [B, heads, n, dim]; key, value: [B, kv_heads, keys, dim]; attention_mask: [B, 1, n, keys] or None
         batch, heads, n, dim = query.shape
-        if (
+        torchs = (
             (attention_mask is None and n > 1)
             or (attention_mask is not None and attention_mask.dtype != torch.bool)
             or dropout
             or any(kwargs.get(name) is not None for name in _EXTRAS)
-        ):
+        )
+        if offsets is not None:  # (a flat pass: [1, heads, T, dim] over the rows' keys)
+            if torchs or not applies(query, key, value, int(np.diff(offsets).max())):
+                raise NotFlat(f"{type(module).__name__}'s attention in a flat pass is not specula's kernel's")
+            seen = memo(("seen", n), attention_mask, lambda: visibility(attention_mask, batch, n, key.shape[2]))
+            return attend(query, key, value, seen, scaling, offsets), None
+        if torchs:
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         keys, group = key.shape[2], heads // key.shape[1]
         if applies(query, key, value):
@@ -123,7 +136,7 @@ def holds(model: torch.nn.Module) -> bool:
         _model_key(model),
         weight.dtype,
         model.config._attn_implementation,
-        *(["specula's attention kernel"] if kernel else [KEY_BLOCK, QUERY_BLOCK]),
+        *(["specula's attention kernel, flat passes"] if kernel else [KEY_BLOCK, QUERY_BLOCK]),
         *(["int8 numbers read"] if int8 else []),
     )
     return store.shared().get(key, lambda: _check(model))

@@ -8,6 +8,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
@@ -23,6 +24,7 @@ from ..machine import store
 from ..machine.timing import lower_median, time_pass
 from . import static
 from .adapters import adapter_layers, per_row
+from .attend import DTYPES
 from .cache_layers import (
     PreallocatedHybridLayer,
     PreallocatedLayer,
@@ -33,7 +35,7 @@ from .cache_layers import (
 )
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
-from .invariant import KEY_BLOCK, STEP_WIDTH, invariant_attention
+from .invariant import KEY_BLOCK, STEP_WIDTH, NotFlat, invariant_attention
 from .packed import packed_for
 from .recurrent import (
     STEP_BY_STEP,
@@ -246,14 +248,14 @@ class CachedModel(abc.ABC):
                 layer.fit(end)
 
     @contextlib.contextmanager
-    def _ordinary(self, shape: tuple[int, int]) -> Iterator[None]:
+    def _ordinary(self, shape: tuple[int, int], offsets: np.ndarray | None = None) -> Iterator[None]:
         """An ordinary pass (``shape``: rows, tokens a row; one of one: a one-token step with ``cheap_steps``):
         prepacked weights, key/value heads not repeated, the thread count measured cheaper (passes over several
-        tokens), each where this machine gains by it."""
+        tokens), each where this machine gains by it (``offsets``: a flat pass's rows, :meth:`RaggedRows.flat`)."""
         step = shape == (1, 1)
         with (
             self.packed.applied(step) if self.packed else contextlib.nullcontext(),
-            invariant_attention()
+            invariant_attention(offsets)
             if self.invariant
             else unrepeated_kv_heads()
             if self.unrepeated
@@ -278,6 +280,14 @@ class CachedModel(abc.ABC):
     def feeds_again(self) -> bool:
         """Whether a rollback may feed tokens again (recurrent state not computed step by step): a second pass."""
         return self.recurrent and self.stepwise is None
+
+    def flat_rows(self) -> bool:
+        """Whether passes over the rows in use run flat where their blocks differ in length (:meth:`flat`)."""
+        return False
+
+    def flat(self, blocks: list[torch.Tensor], trees: list[list[int] | None] | None) -> bool:
+        """Whether a pass over these blocks computes each row's tokens only, unpadded (one row of queries)."""
+        return False
 
 
 class OneSequence(CachedModel):
@@ -478,6 +488,18 @@ class RaggedRows(CachedModel):
             self._begin_static(self.capacity, max_width, compiled)
         arena = slots > 1 and self.rows_state is None and (not compiled or self.device.type in static.ON_ARENA)
         self.arena = self._arena() if arena else None
+        self.flat_passes = (  # (see flat)
+            self.invariant
+            and self.device.type == "cpu"
+            and self.dtype in DTYPES
+            and self.attention == "sdpa"
+            and self.window is None
+            and self.attends
+            and self.compiled is None
+            and self.indexers is None
+            and self.arena is None
+            and not other
+        )
 
     def _arena(self) -> RowArena | None:
         """One buffer for the full-attention layers' rows where the device takes memory chunk by chunk
@@ -574,7 +596,56 @@ class RaggedRows(CachedModel):
         named = any(self.adapters[: self.batch])  # (adapters chosen per row: eager passes)
         if self.compiled is not None and not named and self._compiled_pays(blocks, num_logits, trees):
             return self._forward_static(blocks, num_logits, trees)
+        if self.flat(blocks, trees):
+            try:
+                return self._forward_flat(blocks, num_logits)
+            except NotFlat:  # (a layer's attention is not the kernel's: padded from now on, this pass again)
+                self.flat_passes = False
         return self._forward_eager(blocks, num_logits, trees, argmax_only)
+
+    def flat_rows(self) -> bool:
+        return self.flat_passes and not any(self.adapters[: self.batch])
+
+    def flat(self, blocks: list[torch.Tensor], trees: list[list[int] | None] | None) -> bool:
+        """A pass over these blocks runs flat: its rows' tokens one after another, unpadded, so that it
+        computes the tokens it verifies and no more (a row's drafts do not make the others wider). Invariant
+        passes on a CPU attend with specula's kernel, which takes each row's tokens where they are
+        (:mod:`.attend`); so blocks of different lengths, chains, no adapter named, every layer full attention."""
+        return (
+            self.flat_rows()
+            and len(blocks) > 1
+            and len({len(block) for block in blocks}) > 1
+            and not any(tree is not None for tree in trees or [])
+        )
+
+    def _forward_flat(self, blocks: list[torch.Tensor], num_logits: list[int]) -> list[torch.Tensor]:
+        """:meth:`forward_rows` as a flat pass (:meth:`flat`): one row of ``T`` queries, the rows' blocks in turn."""
+        lengths = self._block_lengths
+        starts = self.starts[: self.batch]
+        offsets = np.cumsum([0, *lengths])  # [B + 1]: where each row's tokens start
+        counts = torch.tensor(lengths, device=self.device)
+        owner = torch.repeat_interleave(torch.arange(len(blocks), device=self.device), counts)  # [T]: its row
+        within = torch.arange(int(offsets[-1]), device=self.device) - torch.as_tensor(offsets[:-1])[owner]  # [T]
+        positions = starts[owner] + within  # [T]: each token's position in its row
+        end = int(starts.max()) + max(lengths)  # every slot a query may see
+        mask = torch.arange(end, device=self.device) <= positions[:, None]  # [T, keys]: its row's up to itself
+        wanted = torch.cat([torch.arange(o - k, o) for o, k in zip(offsets[1:].tolist(), num_logits)])  # [kept]
+        inputs = {
+            "input_ids": torch.cat(blocks)[None],  # [1, T]
+            self.cache_argument: self.cache,
+            "use_cache": True,
+            "attention_mask": mask[None, None],  # [1, 1, T, keys]
+            "position_ids": positions[None],  # [1, T]
+        }
+        if self.accepts_logits_to_keep:
+            inputs["logits_to_keep"] = wanted
+        with self._ordinary((len(blocks), max(lengths)), offsets), self._writing((end, owner[None], positions[None])):
+            logits = self.model(**inputs).logits[0]  # [kept or T, vocab]
+        if not self.accepts_logits_to_keep:
+            logits = logits[wanted]
+        self.cached_tokens = end
+        check_cache_length(self.model, self.cache, self.cached_tokens, "a forward pass")
+        return list(logits.split(num_logits))
 
     def _forward_eager(
         self, blocks: list[torch.Tensor], num_logits: list[int], trees: list[list[int] | None] | None, argmax_only: bool

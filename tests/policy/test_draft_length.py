@@ -321,6 +321,25 @@ def test_a_batch_pads_its_rows_to_the_widest_and_sends_none_where_passes_cost_by
     assert budgets([sure, unsure], [10, 10], linear)[0] == [1, 1]  # not sent, but probed while asking is cheap
 
 
+def test_the_flat_decision_of_the_docstring() -> None:
+    rows = [lengths_with([1.0], [0.9, 0.5]), lengths_with([1.0], [0.6])]
+    table = batch_table(2, {2: 1.0, 3: 1.2, 4: 1.4, 5: 2.0})
+    chances = [rows[0].chances()[:2], rows[1].chances()[:1]]
+    assert choose_lengths(rows, chances, table, flat=True) == [1, 1]
+
+
+def test_a_flat_pass_sends_the_rows_whose_drafts_pay_and_no_padding() -> None:
+    """Eight rows, one with a sure draft: padded, its tokens would make every row as wide, which does not pay; flat,
+    a pass costs the tokens it verifies in all, so that row sends its draft alone (mutant: flat passes costed as
+    padded ones)."""
+    sure, unsure = lengths_with([1.0], [0.95, 0.9, 0.85]), lengths_with([1.0], [0.2, 0.04])
+    rows, chances = [sure] + [unsure] * 7, [sure.chances()[:3]] + [unsure.chances()[:2]] * 7
+    table = batch_table(8, {tokens: 1.0 + 0.08 * (tokens - 8) for tokens in range(8, 33)})  # a token: 8% of a pass
+    assert choose_lengths(rows, chances, table) == [0] * 8  # (every row 2 wide: 10.35 tokens for 1.64; plain 8 for 1)
+    assert choose_lengths(rows, chances, table, flat=True) == [3] + [0] * 7  # 10.70 tokens for 1.24
+    assert budgets(rows, [10] * 8, table, flat=True)[0][0] == 4  # (what it sends, and one more to learn from)
+
+
 def test_untimed_passes_send_drafts_by_acceptance_alone() -> None:
     """Where no pass cost weighs (a batch with a row whose drafts are drawn at random, or pass costs unknown for its
     rows): each row asks for and sends what its acceptance gives a chance, nothing measured again."""
