@@ -6,10 +6,11 @@ operand, which for a few rows can cost several one-row products; oneDNN's linear
 into its own blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) costs about one (the figures by machine:
 docs/hardware.md). :class:`PackedLinears` computes the linear layers of a verification pass so, where that is faster
 on this machine for that weight's shape (timed once, kept with the row-exact calibrations:
-:mod:`specula.machine.store`); prefills stay the model's own. One-token steps round otherwise packed, so only
-ordinary decoding's (``CachedModel(cheap_steps=True)``) take packed weights, for the shapes where one row is faster
-packed on the machine at hand too (where oneDNN re-lays out the weight at every one-row call, they stay the
-model's own).
+:mod:`specula.machine.store`). One-token steps and prompts' prefills round otherwise packed, so only ordinary
+decoding's (``CachedModel(cheap_steps=True)``) take packed weights, for the shapes where one row (a step) or
+:data:`PREFILL_ROWS` rows (a prefill) are faster packed on the machine at hand too (where oneDNN re-lays out the
+weight at every one-row call, steps stay the model's own; a bf16 prefill's products are about a sixth cheaper packed on
+the AVX512_BF16 EPYC: docs/hardware.md).
 
 The packed copies cost memory (as much as the weights they copy): layers are packed only while the copies take at
 most an eighth of the free memory. Where oneDNN cannot pack a dtype (bf16 without AVX512-BW or AVX-NE-CONVERT),
@@ -36,6 +37,8 @@ from .int8 import Int8Weight, int8_forward, int8_weight
 from .support import is_quantized, weight_state
 
 WIDER_ROWS = (16, 32, 64, 128)  # rows at which int8 weights, faster at TIMED_ROWS, are timed again
+PREFILL_ROWS = 256  # rows at which a prefill's products are timed
+PASS, STEP, PREFILL = range(3)  # what :meth:`PackedLinears.applied` computes: a pass, a one-token step, a prefill
 
 
 def _packable(module: nn.Module) -> bool:
@@ -80,7 +83,7 @@ def _packed_forward(packed: torch.Tensor | Int8Weight, bias: torch.Tensor | None
 @torch.no_grad()
 def _faster_packed(layer: nn.Linear, packed: torch.Tensor | Int8Weight, rows: int = TIMED_ROWS) -> bool:
     """Whether ``rows`` rows through ``layer`` are faster packed (timed once per shape and dtype on this machine,
-    remembered): ``TIMED_ROWS`` for a pass, 1 for a one-token step."""
+    remembered): ``TIMED_ROWS`` for a pass, 1 for a one-token step, :data:`PREFILL_ROWS` for a prefill."""
     weight = layer.weight
 
     def calibrate() -> bool:
@@ -122,6 +125,7 @@ class PackedLinears:
         spare = spare_bytes(torch.device("cpu"))
         budget = None if spare is None else spare // 8
         packed_by_weight: dict[int, torch.Tensor | None] = {}  # (tied weights: packed once)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         for module in model.modules():
             if not _packable(module):
                 continue
@@ -129,11 +133,12 @@ class PackedLinears:
             if id(weight) not in packed_by_weight:
                 copies = 0 if int8_weight(weight) else weight.nbytes  # (int8 numbers are read where they are)
                 packed = _pack(weight) if budget is None or copies <= budget else None
-                uses = (
-                    (False, False)
-                    if packed is None
-                    else (_faster_packed(module, packed), _faster_packed(module, packed, rows=1))
-                )
+                uses = (False,) * 3
+                if packed is not None:
+                    uses = (_faster_packed(module, packed), _faster_packed(module, packed, rows=1))
+                    # a prefill's: its products (int8 numbers: the model's own), its LM head over its last token
+                    prefill = not isinstance(packed, Int8Weight) and _faster_packed(module, packed, PREFILL_ROWS)
+                    uses += (uses[STEP] if module is head else prefill,)
                 if uses[0] and isinstance(packed, Int8Weight):
                     packed = _limited(module, packed)
                 if any(uses) and budget is not None:
@@ -145,13 +150,13 @@ class PackedLinears:
                 self.layers.append([module, weight, module.bias, weight_state(weight), forward, uses])
 
     @contextlib.contextmanager
-    def applied(self, step: bool = False) -> Iterator[None]:
-        """Within the block, the layers packed for passes (``step``: for one-token steps) compute with their packed
-        weights (packed again where a layer's weight or bias is another tensor now, or its weight changed in
-        place)."""
+    def applied(self, kind: int = PASS) -> Iterator[None]:
+        """Within the block, the layers packed for ``kind`` (:data:`PASS`, :data:`STEP` or :data:`PREFILL`) compute
+        with their packed weights (packed again where a layer's weight or bias is another tensor now, or its weight
+        changed in place)."""
         for entry in self.layers:
             layer, weight, bias, state, forward, uses = entry
-            if not uses[step]:
+            if not uses[kind]:
                 continue
             now, bias_now = layer._parameters.get("weight"), layer._parameters.get("bias")  # (not Module.__getattr__)
             if now is not weight or bias_now is not bias or weight_state(now) != state:

@@ -36,7 +36,7 @@ from .cache_layers import (
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
 from .invariant import KEY_BLOCK, STEP_WIDTH, NotFlat, invariant_attention
-from .packed import packed_for
+from .packed import PASS, PREFILL, STEP, packed_for
 from .recurrent import (
     STEP_BY_STEP,
     RecurrentRows,
@@ -102,7 +102,8 @@ class CachedModel(abc.ABC):
             one-token step computes it (:class:`specula.verifier.row_exact.RowExact`).
         cheap_steps: one-token steps after a filled cache are computed the cheapest way on this machine, as
             ordinary passes are (attention: :mod:`specula.verifier.gqa`, weights: :mod:`specula.verifier.packed`),
-            not as ``model.generate``'s: for ordinary verification, whose output need not have its bits.
+            and prompts' prefills with the weights packed where that is faster, not as ``model.generate``'s: for
+            ordinary verification, whose output need not have its bits.
         invariant: ordinary passes and one-token steps after a filled cache round every row alike whatever the
             pass's width and batch mates (:mod:`specula.verifier.invariant`; with ``cheap_steps``).
     """
@@ -254,7 +255,7 @@ class CachedModel(abc.ABC):
         tokens), each where this machine gains by it (``offsets``: a flat pass's rows, :meth:`RaggedRows.flat`)."""
         step = shape == (1, 1)
         with (
-            self.packed.applied(step) if self.packed else contextlib.nullcontext(),
+            self.packed.applied(STEP if step else PASS) if self.packed else contextlib.nullcontext(),
             invariant_attention(offsets)
             if self.invariant
             else unrepeated_kv_heads()
@@ -263,6 +264,10 @@ class CachedModel(abc.ABC):
             self.threads.applied(shape) if self.threads and not step else contextlib.nullcontext(),
         ):
             yield
+
+    def _prefilling(self) -> contextlib.AbstractContextManager:
+        """A prompt's prefill: with weights packed where that is faster, in ordinary decoding (``cheap_steps``)."""
+        return self.packed.applied(PREFILL) if self.packed and self.cheap_steps else contextlib.nullcontext()
 
     @property
     def compiling(self) -> bool:
@@ -370,6 +375,7 @@ class OneSequence(CachedModel):
                 self.stepwise.applied(self.cache) if self.stepwise and verifies else contextlib.nullcontext(),
                 self.indexers.applied() if self.indexers and verifies else contextlib.nullcontext(),
                 per_row(self.adapter_layers, [self.adapter]),
+                self._prefilling() if start == 0 else contextlib.nullcontext(),
             ):
                 logits = finish(self.model(**inputs).logits)[0, -num_logits:]
         except Exception as error:
@@ -545,7 +551,7 @@ class RaggedRows(CachedModel):
         inputs = {"input_ids": token_ids[None], self.cache_argument: alone, "use_cache": True}
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = positions
-        with per_row(self.adapter_layers, [adapter]):
+        with per_row(self.adapter_layers, [adapter]), self._prefilling():
             logits = self.model(**inputs).logits[0, -positions:]
         for layer, computed in zip(self.cache.layers, alone.layers):
             if isinstance(layer, PreallocatedLayer) and not isinstance(computed, RowPrefill):

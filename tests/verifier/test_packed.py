@@ -1,5 +1,6 @@
-"""Verification passes with prepacked weights: used in ordinary passes (and ordinary decoding's one-token steps)
-only, output still model.generate's, packed again after an in-place change of a weight, within a memory budget."""
+"""Verification passes with prepacked weights: used in ordinary passes (and ordinary decoding's one-token steps and
+prefills) only, output still model.generate's, packed again after an in-place change of a weight, within a memory
+budget."""
 
 from __future__ import annotations
 
@@ -34,17 +35,22 @@ def always_packed(monkeypatch):
     return calls
 
 
-def test_packed_weights_serve_ordinary_passes_only(always_packed) -> None:
-    """Ordinary passes over several tokens and ordinary decoding's one-token steps; never a prefill, and neither
-    plain decoding's steps nor exact decoding's passes."""
+def test_packed_weights_serve_ordinary_decoding_only(always_packed) -> None:
+    """Ordinary passes over several tokens, ordinary decoding's one-token steps and its prompts' prefills (their LM
+    head over the last token alone); neither plain decoding's steps nor exact decoding's passes, nor their
+    prefills."""
     model = copy.deepcopy(tiny_model("llama"))
+    layers = len([m for m in model.modules() if isinstance(m, torch.nn.Linear)])  # (the LM head among them)
     expected = hf_greedy(model, PROMPT, 24, eos_token_id=[])
     out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[], adaptive_draft=False)
     assert out.sequences.tolist() == expected.tolist()
-    assert always_packed and max(always_packed) <= 7 and out.stats.accepted > 12  # never the prefill's 32
+    prefill = always_packed.count(PROMPT.shape[1])
+    assert prefill == layers - 1 and max(x for x in always_packed if x != PROMPT.shape[1]) <= 7
+    assert out.stats.accepted > 12
+    always_packed.clear()
     steps = specula.generate(model, PROMPT, Oracle(expected, 0), max_new_tokens=8, eos_token_id=[])
     assert steps.sequences.tolist() == expected[:, : PROMPT.shape[1] + 8].tolist()
-    assert always_packed.count(1) == 7 * len([m for m in model.modules() if isinstance(m, torch.nn.Linear)])
+    assert always_packed.count(1) == 7 * layers + 1 and always_packed.count(PROMPT.shape[1]) == layers - 1
     seen = len(always_packed)
     specula.generate(model, PROMPT, None, max_new_tokens=8, eos_token_id=[])
     specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=8, eos_token_id=[], exact=True)
