@@ -8,7 +8,8 @@ docs/hardware.md). :class:`PackedLinears` computes the linear layers of a verifi
 on this machine for that weight's shape (timed once, kept with the row-exact calibrations:
 :mod:`specula.machine.store`). One-token steps and prompts' prefills round otherwise packed, so only ordinary
 decoding's (``CachedModel(cheap_steps=True)``) take packed weights, for the shapes where one row (a step) or
-:data:`PREFILL_ROWS` rows (a prefill) are faster packed on the machine at hand too (where oneDNN re-lays out the
+:data:`PREFILL_ROWS` rows (a prefill, of a layer packed for passes or steps: no copy for prefills alone) are faster
+packed on the machine at hand too (where oneDNN re-lays out the
 weight at every one-row call, steps stay the model's own; a bf16 prefill's products are about a sixth cheaper packed on
 the AVX512_BF16 EPYC: docs/hardware.md).
 
@@ -136,8 +137,13 @@ class PackedLinears:
                 uses = (False,) * 3
                 if packed is not None:
                     uses = (_faster_packed(module, packed), _faster_packed(module, packed, rows=1))
-                    # a prefill's: its products (int8 numbers: the model's own), its LM head over its last token
-                    prefill = not isinstance(packed, Int8Weight) and _faster_packed(module, packed, PREFILL_ROWS)
+                    # a prefill's: its products where packed anyway (no copy for prefills alone; int8 numbers: the
+                    # model's own), its LM head over its last token
+                    prefill = (
+                        any(uses)
+                        and not isinstance(packed, Int8Weight)
+                        and _faster_packed(module, packed, PREFILL_ROWS)
+                    )
                     uses += (uses[STEP] if module is head else prefill,)
                 if uses[0] and isinstance(packed, Int8Weight):
                     packed = _limited(module, packed)
