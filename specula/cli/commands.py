@@ -222,7 +222,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     slots, budget = batch_size(model, settings), cache_budget(model, settings)
     engine = Engine(
         lambda: Decoder(
-            model, proposer, slots, exact=settings.exact, predictions=True, compile=settings.compile, budget=budget
+            model,
+            proposer,
+            slots,
+            exact=settings.exact,
+            predictions=True,
+            compile=settings.compile,
+            budget=budget,
+            makespan=False,  # (each request's own time counts)
         ).prepare()
     )
     app = create_app(engine, model, tokenizer, settings, api_key=args.api_key, budget=budget)

@@ -245,7 +245,10 @@ class Decoder:
     :meth:`run` is a generator: for every pass it yields, per request, ``(row, kept_tokens)``; ``row.finished``
     says when a request is done (or cancelled: ``job.cancelled``), and a new one takes its place in the same pass as
     the next pass. ``jobs`` may be a live stream: ``None`` from it means none is waiting now (the run goes on with
-    the rows it has, and asks again before the next pass). Each request is
+    the rows it has, and asks again before the next pass). With ``makespan`` (a file's or a batch's requests: what
+    counts is when the last ends), once no request waits for a slot the rows furthest from their end send the drafts
+    (:func:`specula.policy.adaptive.finishing_worth`); without (a server: each request's own time counts), every
+    row's tokens count alike. Each request is
     decoded with its own settings (``job.sampling``, its stopping criteria and length), whatever its batch-mates'.
     Its prompt is computed alone, as ``model.generate`` computes it; its tokens do not depend on the others in its
     batch (bit for bit where verification is row-exact, else up to rounding).
@@ -261,6 +264,7 @@ class Decoder:
         predictions: bool = False,
         compile: bool | None = None,
         budget: CacheBudget | None = None,
+        makespan: bool = True,
     ) -> None:
         if slots > 1 and (why := tokens_meet(model)):
             warnings.warn(
@@ -270,8 +274,8 @@ class Decoder:
                 stacklevel=2,
             )
             slots = 1
-        self.model, self.slots, self.compile, self.budget = model, slots, compile, budget
-        self._waiting: Job | None = None  # (taken from the stream, waiting for the budget's room: first in line)
+        self.model, self.slots, self.compile, self.budget, self.makespan = model, slots, compile, budget, makespan
+        self._waiting: Job | None = None  # (taken from the stream, first in line for a slot or the budget's room)
         self.proposer = None if proposer is None else for_requests(proposer)
         self.may_draft = proposer is not None or predictions  # (predictions: jobs may bring them)
         self.wide_passes = self.may_draft or slots > 1  # passes over several tokens or rows (else every one plain)
@@ -484,7 +488,7 @@ class Decoder:
                 if not rows:
                     return
                 started = time.perf_counter()
-                proposed, sent = self._propose(rows)
+                proposed, sent = self._propose(rows, jobs)
                 outcomes, seen = self._verify(rows, proposed, sent)
                 self.pass_seconds += time.perf_counter() - started
                 yield from self._advance(rows, outcomes, sent, seen)
@@ -528,6 +532,13 @@ class Decoder:
             return None
         return job
 
+    def _none_waits(self, rows: list[Row], jobs: Iterator[Job | None]) -> bool:
+        """Whether no request waits for a slot: where every slot is taken, the stream is asked for its next job, which
+        then waits first in line (``None``: none now)."""
+        if self._waiting is None and len(rows) == self.slots:
+            self._waiting = next(jobs, None)
+        return self._waiting is None
+
     def _hold(self, rows: list[Row | None]) -> None:
         """Hold the cache's buffers to what the budget admitted for these rows (``None``: a slot left since)."""
         if self.budget is not None and any(rows):
@@ -545,14 +556,15 @@ class Decoder:
         self._hold(rows)
         return rows
 
-    def _propose(self, rows: list[Row]) -> tuple[list[Draft], list[Draft]]:
+    def _propose(self, rows: list[Row], jobs: Iterator[Job | None]) -> tuple[list[Draft], list[Draft]]:
         """Each row's proposed draft, and what of it this pass verifies (:func:`propose`); none in a plain pass the
         summary's estimate is due (:meth:`PlainEstimate.due`: counted in passes, so decided alike on every run), nor
-        where
-        timings may decide and drafts lost against plain passes here (:mod:`specula.policy.guard`)."""
+        where timings may decide and drafts lost against plain passes here (:mod:`specula.policy.guard`). The policy
+        is told whether the pass is flat and whether the run drains (``makespan`` and no job waiting)."""
         due = self.adaptive_draft and self.estimate.due(len(rows))
         resting = self._guard is not None and not self._guard.allows(len(rows))  # (drafts lost here: guard.py)
         self.policy.flat = self._target.flat_rows()
+        self.policy.draining = self.makespan and len(rows) > 1 and self._none_waits(rows, jobs)
         return propose(
             self.policy,
             self.proposer,

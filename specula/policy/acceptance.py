@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ..core.draft import Draft
 
 RANKS = 4  # sibling ranks learnt apart (a tree's first child, second, third, and the later ones together)
+DEEPER = 0.95  # what a position with no record of its own is expected to do, as a share of the position before it
 
 
 class RequestAcceptance:
@@ -74,11 +75,15 @@ class RequestAcceptance:
         """``P_i``: chance that draft tokens ``1..i`` of a chain from ``source`` are all accepted, for
         ``i = 1..max_draft``.
 
-        Each position's acceptance is its record smoothed, with the weight of one trial, toward the estimate of the
-        position before it (the first toward ``prior``): a position not tried yet is expected to do as well as the
-        one before it. While drafts are not sent only the first position is checked (against the token generated
-        anyway); were later positions pinned at ``prior``, known costs would keep a right proposer from ever being
-        sent again (on some CPUs a pass over 4 tokens costs several one-token steps: ``docs/hardware.md``)."""
+        Each position's acceptance is its record smoothed, with the weight of one trial, toward :data:`DEEPER` times
+        the estimate of the position before it (the first toward ``prior``): a position not tried yet is expected to
+        do nearly as well as the one before it. While drafts are not sent only the first position is checked
+        (against the token generated anyway); were later positions pinned at ``prior``, known costs would keep a
+        right proposer from ever being sent again (on some CPUs a pass over 4 tokens costs several one-token steps:
+        ``docs/hardware.md``). Not quite as well: after one long draft accepted whole, each of its positions has a
+        record of one trial, and at as well, a request's next draft of 64 tokens would be taken to be accepted
+        whole as often as its first token is: bets that lost batches of summaries their gain (replayed:
+        docs/cost-model.md). A grammar's forced tokens stay as likely all along."""
         return np.cumprod(self._rates(source)[:, 0])
 
     def node_chances(self, draft: "Draft", calibrated: bool = True) -> np.ndarray:
@@ -134,7 +139,8 @@ class RequestAcceptance:
             estimate: list[float] = []
             for rank, (accepted, tried) in enumerate(zip(position_accepts, position_trials)):
                 first = FORCED_PRIOR if source == FORCED else self.prior  # (a grammar's forced tokens: near-certain)
-                prior = rates[-1][rank] if rates else first if rank == 0 else estimate[-1] / 2
+                deeper = 1.0 if source == FORCED else DEEPER
+                prior = rates[-1][rank] * deeper if rates else first if rank == 0 else estimate[-1] / 2
                 estimate.append((accepted + prior) / (tried + 1.0))
             rates.append(estimate)
         return np.array(rates)

@@ -30,6 +30,11 @@ as plain passes and only pays for asking the proposer, which is itself rationed 
 plain pass) when the proposer is expensive. Worked example, costs ``[1.0, 1.6, 1.9, 1.4, 1.2]`` seconds for
 ``n = 1..5`` and ``P = [0.5, 0.3, 0.2, 0.1]``: ``E/cost`` is ``1.0, 0.94, 0.95, 1.43, 1.75`` for ``k = 0..4``, so
 all 4 tokens are sent, although any shorter draft would have been slower than sending none.
+
+A batch counts each row's tokens alike while requests wait for its slots: a row that finishes sooner lets the next
+one in. Once none waits, the run ends with its last row, and a token of a row that will finish well before it makes
+the run no shorter: the rows' tokens are then weighed by :func:`finishing_worth`, so the rows furthest from their
+end send the drafts (docs/cost-model.md, "Batches").
 """
 
 from __future__ import annotations
@@ -45,18 +50,39 @@ from .protocol import Pass
 if TYPE_CHECKING:
     from ..core.draft import Draft
 
+SPREAD = 2.0  # rows this many times the square root of the most room left nearer their end than the furthest ...
+FLOOR = 0.1  # ... are worth this share of its tokens (finishing_worth)
+
+
+def finishing_worth(room: Sequence[int]) -> np.ndarray:
+    """What a token of each row is worth, against one of the row furthest from its end, to a run that ends with its
+    last row (no request waits for a slot), ``room`` the tokens each row may still make: ``1`` for that row, falling
+    linearly with how much less room a row has to :data:`FLOOR` at ``SPREAD * sqrt(most room)`` tokens less (how far
+    rows' progress may yet part: the rows' acceptance to come is not known, and their ends are bounds, not known
+    either). The floor lets rows ahead send drafts that cost next to nothing (an accelerator's). Worked example, room
+    100, 90 and 60 tokens: the spread is 20 tokens, so each token is worth 1.0, 0.55 and 0.1.
+
+    >>> finishing_worth([100, 90, 60]).round(2).tolist()
+    [1.0, 0.55, 0.1]
+    """
+    room = np.asarray(room, dtype=float)
+    most = max(float(room.max(initial=0.0)), 1.0)
+    return FLOOR + (1.0 - FLOOR) * np.clip(1.0 - (most - room) / (SPREAD * np.sqrt(most)), 0.0, 1.0)
+
 
 def choose_lengths(
     states: Sequence["RequestAcceptance"],
     chances: Sequence[np.ndarray],
     costs: PassCosts | None,
     flat: bool = False,
+    worth: Sequence[float] | None = None,
 ) -> list[int]:
     """How many draft tokens each row of a pass sends: ``chances[r]`` holds ``P_1, P_2 ..`` for the tokens row ``r``
     has (``states[r]``: its policy state), ``costs`` the measured pass costs for ``len(states)`` rows (``None``:
-    untimed, every pass costs the same); ``flat``: the pass computes each row's tokens only, unpadded. See
-    :func:`_choice` and :func:`_flat_choice`."""
-    return (_flat_choice if flat else _choice)(states, chances, costs)[0]
+    untimed, every pass costs the same); ``flat``: the pass computes each row's tokens only, unpadded; ``worth``:
+    what a token of each row is worth (``None``: 1 each; :func:`finishing_worth`). See :func:`_choice` and
+    :func:`_flat_choice`."""
+    return (_flat_choice if flat else _choice)(states, chances, costs, worth=worth)[0]
 
 
 def _usable(states: Sequence["RequestAcceptance"], chances: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -73,18 +99,21 @@ def _flat_choice(
     costs: PassCosts | None,
     width: int | None = None,
     probe: bool = False,
+    worth: Sequence[float] | None = None,
 ) -> tuple[list[int], float, int | None]:
-    """:func:`_choice` for a flat pass, which costs what the tokens it verifies in all cost: the ``k`` likeliest draft
-    tokens of all its rows (a row's chances fall along its draft, so each row sends its first ones), ``k`` chosen to
-    maximise tokens per second (``width``, ``probe``: as :func:`_choice`'s, counted in draft tokens of the pass).
+    """:func:`_choice` for a flat pass, which costs what the tokens it verifies in all cost: the ``k`` draft tokens of
+    all its rows worth most (chance times the row's ``worth``; a row's chances fall along its draft, so each row sends
+    its first ones), ``k`` chosen to maximise tokens per second (``width``, ``probe``: as :func:`_choice`'s, counted in
+    draft tokens of the pass).
     Worked example, two rows with ``P = [0.9, 0.5]`` and ``[0.6]``, pass costs 1.0 / 1.2 / 1.4 / 2.0 for 2 / 3 / 4 /
     5 tokens: ``k = 0 .. 3`` gives ``2.0, 2.42, 2.57, 1.5`` tokens per second, so ``k = 2``: ``[1, 1]``."""
-    usable = [chance[: state.max_draft] for state, chance in zip(states, _usable(states, chances))]
+    worth = np.ones(len(states)) if worth is None else np.asarray(worth, dtype=float)
+    usable = [w * chance[: state.max_draft] for state, chance, w in zip(states, _usable(states, chances), worth)]
     rows = np.concatenate([np.full(len(chance), row) for row, chance in enumerate(usable)] + [np.zeros(0, int)])
     order = np.argsort(-np.concatenate([*usable, np.zeros(0)]), kind="stable")  # (a row's own in its order)
     most = len(order) if costs is None else min(len(order), costs.explored_tokens(), len(costs.seconds()) - 1)
     picked = np.concatenate([[0.0], np.cumsum(np.concatenate([*usable, np.zeros(0)])[order])])[: most + 1]
-    expected = len(states) + picked  # [k + 1]
+    expected = worth.sum() + picked  # [k + 1]
     seconds = np.ones(len(expected)) if costs is None else costs.seconds()[: len(expected)]
     rates = expected / (seconds + sum(state.draft_seconds for state in states))
     best = int(np.argmax(rates))  # the first maximum: ties go to fewer tokens
@@ -104,6 +133,7 @@ def _choice(
     tree: bool = False,
     width: int | None = None,
     probe: bool = False,
+    worth: Sequence[float] | None = None,
 ) -> tuple[list[int], float, int | None]:
     """:func:`choose_lengths`, the expected tokens per second (per unit of cost) of that choice, and the width
     chosen instead of the best: ``width`` where given, else with ``probe`` the stale width
@@ -111,17 +141,20 @@ def _choice(
 
     The ``R`` rows of a pass are computed equally wide, ``m + 1`` tokens with ``m`` the longest draft sent (shorter
     blocks are padded), so a pass costs what ``R * (m + 1)`` tokens cost, and yields ``R + sum of the sent tokens'
-    P`` tokens. For a given ``m`` every row sends what it has up to ``m`` (the padding is computed anyway); ``m`` is
-    chosen to maximise tokens per second. One row is the single-request case. Worked example, two rows with
-    ``P = [0.9, 0.5]`` and ``[0.6]``, pass costs 1.0 / 1.3 / 2.0 for 2 / 4 / 6 tokens: ``m = 0, 1, 2`` gives
-    ``2.0, 2.69, 1.98`` tokens per second, so ``m = 1``: ``[1, 1]``.
+    P`` tokens (each row's weighed by its ``worth``). For a given ``m`` every row sends what it has up to ``m`` (the
+    padding is computed anyway); ``m`` is chosen to maximise tokens per second. One row is the single-request case.
+    Worked example, two rows with ``P = [0.9, 0.5]`` and ``[0.6]``, pass costs 1.0 / 1.3 / 2.0 for 2 / 4 / 6 tokens:
+    ``m = 0, 1, 2`` gives ``2.0, 2.69, 1.98`` tokens per second, so ``m = 1``: ``[1, 1]``.
     """
     usable = _usable(states, chances)
     longest = min(max(map(len, usable), default=0), max(state.max_draft for state in states))
     if costs is not None:
         longest = min(longest, costs.explored_width(tree))
     widths = np.arange(longest + 1)  # m
-    expected = len(states) + sum(np.concatenate([[0.0], np.cumsum(c)])[np.minimum(widths, len(c))] for c in usable)
+    worth = np.ones(len(states)) if worth is None else np.asarray(worth, dtype=float)
+    expected = sum(
+        w * np.concatenate([[1.0], 1.0 + np.cumsum(c)])[np.minimum(widths, len(c))] for c, w in zip(usable, worth)
+    )
     seconds = np.ones(len(widths)) if costs is None else costs.seconds(tree)[len(states) * widths]
     rates = expected / (seconds + sum(state.draft_seconds for state in states))
     best = int(np.argmax(rates))  # the first maximum: ties go to fewer tokens
@@ -140,9 +173,11 @@ def budgets(
     costs: PassCosts | None,
     probe: bool = False,
     flat: bool = False,
+    worth: Sequence[float] | None = None,
 ) -> tuple[list[int], int | None]:
-    """How many tokens to ask each row's proposer for (0: do not ask), ``remaining`` the room each row has left,
-    and, with ``probe``, the width of a stale cost to measure again this pass (``None``: none). While a row's
+    """How many tokens to ask each row's proposer for (0: do not ask), ``remaining`` the room each row has left
+    (``worth``: what a token of each row is worth, as :func:`choose_lengths` takes it), and, with ``probe``, the width
+    of a stale cost to measure again this pass (``None``: none). While a row's
     drafts pay (were its draft full, from its best source so far): what it would send, plus one token whose fate
     the pass will reveal for free, when asking is cheap. When not: a one-token probe that is never sent, rationed
     to ``probe_budget`` of the row's share of a plain pass."""
@@ -150,7 +185,7 @@ def budgets(
         np.max([state.chances(source) for source in state.acceptance or [None]], axis=0)[: max(left, 0)]
         for state, left in zip(states, remaining)
     ]
-    best, _, probed = (_flat_choice if flat else _choice)(states, hopes, costs, probe=probe)
+    best, _, probed = (_flat_choice if flat else _choice)(states, hopes, costs, probe=probe, worth=worth)
     share = 1.0 if costs is None else costs.seconds()[0] / len(states)
     return [state.ask(k, left, share) for state, k, left in zip(states, best, remaining)], probed
 
@@ -161,20 +196,26 @@ class AdaptiveDrafts:
     per number of rows (``costs(rows)``, shared per target model; ``timed=False``: the costs are a kept table or
     ``None``, and no pass is timed into them), a width whose cost is stale measured again now and then
     (:meth:`PassCosts.probe`). Where its passes are flat (:attr:`flat`, the loop's target says), each row sends the
-    tokens that pay for themselves (:func:`_flat_choice`), else all rows alike (:func:`_choice`)."""
+    tokens that pay for themselves (:func:`_flat_choice`), else all rows alike (:func:`_choice`). Where the run ends
+    with its last row (:attr:`draining`, the loop says), a row's tokens are worth :func:`finishing_worth`."""
 
     flat = False  # whether the next pass's rows are computed unpadded (a chain pass)
+    draining = False  # whether no request waits for a slot, and the run's time is what counts
 
     def __init__(self, max_draft: int, timed: bool, costs: Callable[[int], PassCosts]) -> None:
         self.max_draft, self.timed, self.costs = max_draft, timed, costs
         self.pool = RequestAcceptance(max_draft, memory=48.0, timed=False)  # every request's outcomes, for new ones
         self._probing: int | None = None  # the width this pass measures again, chosen with the budgets
+        self._worth: np.ndarray | None = None  # what a token of each row is worth this pass (None: 1 each)
 
     def start(self, drawn: bool = False) -> RequestAcceptance:
         return RequestAcceptance(self.max_draft, timed=self.timed and not drawn, pool=self.pool, drawn=drawn)
 
     def budgets(self, states: Sequence[RequestAcceptance], room: Sequence[int]) -> list[int]:
-        asks, self._probing = budgets(states, room, self.costs_for(states), probe=True, flat=self.flat)
+        self._worth = finishing_worth(room) if self.draining else None
+        asks, self._probing = budgets(
+            states, room, self.costs_for(states), probe=True, flat=self.flat, worth=self._worth
+        )
         return asks
 
     def trim(
@@ -204,9 +245,9 @@ class AdaptiveDrafts:
         orders = [np.argsort(-chance, kind="stable") for chance in chances]
         ordered, costs = [c[o] for c, o in zip(chances, orders)], self.costs_for(states)
         if self.flat and not tree:
-            counts, rate, _ = _flat_choice(states, ordered, costs, width)
+            counts, rate, _ = _flat_choice(states, ordered, costs, width, worth=self._worth)
         else:
-            counts, rate, _ = _choice(states, ordered, costs, tree, width)
+            counts, rate, _ = _choice(states, ordered, costs, tree, width, worth=self._worth)
         return [sorted(order[:count].tolist()) for order, count in zip(orders, counts)], rate
 
     def costs_for(self, states: Sequence[RequestAcceptance]) -> PassCosts | None:
@@ -235,7 +276,7 @@ class FixedDrafts:
     """The :class:`~specula.policy.protocol.DraftPolicy` of ``adaptive_draft=False``: ask for every token there is
     room for, up to ``max_draft``, send every draft whole (a tree's first ``max_draft`` tokens). It keeps no state."""
 
-    flat = False  # (every draft is sent whole whatever the pass)
+    flat = draining = False  # (every draft is sent whole whatever the pass)
 
     def __init__(self, max_draft: int) -> None:
         self.max_draft = max_draft

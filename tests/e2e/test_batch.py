@@ -364,3 +364,24 @@ def test_a_pass_with_a_row_whose_drafts_are_drawn_at_random_is_sized_without_mea
     list(decoder.run(jobs))
     assert (True, True) not in weighed
     assert (True, False) in weighed and (False, True) in weighed
+
+
+@pytest.mark.parametrize("makespan", [True, False])
+def test_a_run_drains_once_no_request_waits_for_a_slot(monkeypatch, makespan) -> None:
+    """Three requests in two slots: while the third waits, every row's tokens count alike; once it has a slot and
+    the stream is empty, the policy is told the run drains (its time is its last row's), unless the decoder serves
+    requests whose own times count (``makespan=False``: a server)."""
+    told = []
+    budgets = AdaptiveDrafts.budgets
+
+    def recording(self, states, room):
+        if len(states) == 2:  # (a row alone: nothing to weigh)
+            told.append(self.draining)
+        return budgets(self, states, room)
+
+    monkeypatch.setattr(AdaptiveDrafts, "budgets", recording)
+    jobs = [specula.Job(p.numpy(), n, key=k) for k, (p, n) in enumerate(zip(prompts(), (3, 16, 16)))]
+    decoder = specula.Decoder(tiny_model("llama"), specula.PromptLookup(), slots=2, makespan=makespan)
+    assert len([row for row, _ in decoder.run(jobs) if row.finished]) == 3
+    assert told[0] is False
+    assert (True in told) is makespan and told == sorted(told)  # (never back: no request comes after)

@@ -16,8 +16,8 @@ from specula import Draft
 from specula.decoding.loop import MAX_DRAFT
 from specula.hf.inputs import left_padded
 from specula.machine import store
-from specula.policy.acceptance import RANKS, RequestAcceptance
-from specula.policy.adaptive import AdaptiveDrafts, FixedDrafts, budgets, choose_lengths
+from specula.policy.acceptance import DEEPER, RANKS, RequestAcceptance
+from specula.policy.adaptive import FLOOR, AdaptiveDrafts, FixedDrafts, budgets, choose_lengths, finishing_worth
 from specula.policy.costs import KEPT, PassCosts, shared_pass_costs
 from specula.policy.protocol import Pass
 
@@ -116,29 +116,44 @@ def test_lengths_are_explored_by_doubling_the_longest_timed_pass() -> None:
 
 def test_acceptance_is_learnt_per_position_from_sent_and_unsent_tokens() -> None:
     lengths = RequestAcceptance(4, memory=1e9)
-    np.testing.assert_allclose(lengths.chances("s"), np.cumprod([0.5] * 4))  # the prior, before any evidence
+    prior = 0.5 * DEEPER ** np.arange(4)  # (each position expected to do DEEPER times as well as the one before)
+    np.testing.assert_allclose(lengths.chances("s"), np.cumprod(prior))  # before any evidence
     lengths.record_outcome(Draft([5, 6, 7, 8], source="s"), [5, 6, 9])  # 1, 2 accepted, 3 rejected, 4 not tried
     trials, accepts = lengths.acceptance["s"]
     np.testing.assert_allclose(trials[:, 0], [1, 1, 1, 0])
     np.testing.assert_allclose(accepts[:, 0], [1, 1, 0, 0])
-    rates = [0.75, (1 + 0.75) / 2, 0.875 / 2, 0.4375]  # each smoothed toward the one before; the 4th not tried
+    rates = [0.75]
+    for accepted, tried in ((1, 1), (0, 1), (0, 0)):  # each smoothed toward DEEPER times the one before
+        rates.append((accepted + DEEPER * rates[-1]) / (tried + 1))
     np.testing.assert_allclose(lengths.chances("s"), np.cumprod(rates))
     lengths.record_outcome(Draft([5, 6], source="s"), [4])  # not sent: the token made anyway shows it was wrong
     np.testing.assert_allclose(lengths.acceptance["s"][0][:, 0], [2, 1, 1, 0])
     assert "other" not in lengths.acceptance and lengths.chances("other")[0] == 0.5  # sources are kept apart
 
 
-def test_positions_not_tried_are_expected_to_do_as_well_as_the_one_before() -> None:
+def test_positions_not_tried_are_expected_to_do_nearly_as_well_as_the_one_before() -> None:
     lengths = Decisions(8, memory=1e9)
     for _ in range(20):  # not sent: only the first token of each draft is checked, and it is always right
         lengths.record_outcome(Draft([5, 6, 7], source="s"), [5])
-    assert lengths.chances("s")[7] > 0.8  # so with costs known, long drafts are worth sending
+    first = 20.5 / 21
+    rates = first * DEEPER ** np.arange(8)
+    np.testing.assert_allclose(lengths.chances("s"), np.cumprod(rates))  # so with costs known, long drafts pay
     for verified, seconds in ((1, 1.0), (2, 1.9), (4, 2.8), (8, 3.2)):
         lengths.record_pass(verified, seconds)
     assert lengths.best_length(8, "s") >= 7
     for _ in range(20):  # always wrong: nothing is worth sending
         lengths.record_outcome(Draft([5, 6, 7], source="wrong"), [4])
     assert lengths.chances("wrong")[0] < 0.05 and lengths.best_length(8, "wrong") == 0
+
+
+def test_one_long_draft_accepted_whole_does_not_make_the_next_as_likely_whole_as_its_first_token() -> None:
+    """A draft of 32 tokens accepted whole gives each position a record of one trial: the next draft's last token is
+    expected far less often than its first (mutant: DEEPER = 1 takes the record at its word, and a long draft's whole
+    run is then taken to be as likely as its first token; sent, such drafts lost batches their gain)."""
+    lengths = RequestAcceptance(32, memory=1e9)
+    lengths.record_outcome(Draft(list(range(3, 35)), source="s"), list(range(3, 36)))
+    chances = lengths.chances("s")
+    assert chances[0] == 0.75 and chances[31] < 0.5 * chances[0]
 
 
 def test_a_switched_off_expensive_proposer_is_asked_rarely() -> None:
@@ -340,15 +355,37 @@ def test_a_flat_pass_sends_the_rows_whose_drafts_pay_and_no_padding() -> None:
     assert budgets(rows, [10] * 8, table, flat=True)[0][0] == 4  # (what it sends, and one more to learn from)
 
 
+def test_a_draining_batch_sends_the_drafts_of_the_rows_furthest_from_their_end() -> None:
+    """Four rows with equally good drafts, a draft token costing a tenth of a plain pass: each row's drafts pay while
+    requests wait for the slots. Once none waits, the run ends with its last row: rows with 100 tokens of room left
+    still send theirs, rows that will end long before them do not (worth 0.1 a token), flat; padded, every row sends
+    what the widest pass verifies anyway (mutant: the worth ignored)."""
+    rows = [lengths_with([1.0], [0.6, 0.5]) for _ in range(4)]
+    chances = [row.chances()[:2] for row in rows]
+    table = batch_table(4, {tokens: 1.0 + 0.1 * (tokens - 4) for tokens in range(4, 16)})
+    worth = finishing_worth([100, 100, 60, 20])
+    assert worth.tolist() == [1.0, 1.0, FLOOR, FLOOR]
+    assert choose_lengths(rows, chances, table, flat=True) == [2, 2, 2, 2]
+    assert choose_lengths(rows, chances, table, flat=True, worth=worth) == [2, 2, 0, 0]
+    assert choose_lengths(rows, chances, table, worth=worth) == [2, 2, 2, 2]
+    policy = AdaptiveDrafts(2, timed=True, costs=lambda count: table)
+    policy.flat, policy.draining = True, True
+    states = [policy.start() for _ in rows]
+    for state, row in zip(states, rows):
+        state.acceptance = row.state.acceptance
+    asks = policy.budgets(states, [100, 100, 60, 20])
+    assert asks[2:] == [1, 1] and min(asks[:2]) >= 2  # (the rows ahead: a probe, never sent)
+
+
 def test_untimed_passes_send_drafts_by_acceptance_alone() -> None:
     """Where no pass cost weighs (a batch with a row whose drafts are drawn at random, or pass costs unknown for its
     rows): each row asks for and sends what its acceptance gives a chance, nothing measured again."""
     policy = AdaptiveDrafts(8, timed=False, costs=lambda rows: None)
     states = [policy.start(), policy.start(drawn=True)]
     asks = policy.budgets(states, [10, 10])
-    assert asks == [5, 5]  # (the prior halves per position: 4 tokens above min_chance, and one more to learn from)
+    assert asks == [4, 4]  # (the prior: 3 tokens above min_chance, and one more to learn from)
     drafts = [Draft(list(range(3, 8))), Draft([3, 4])]
-    assert [len(pick) for pick in policy.trim(states, drafts, [0.0, 0.0])] == [4, 2]
+    assert [len(pick) for pick in policy.trim(states, drafts, [0.0, 0.0])] == [3, 2]
 
 
 def test_a_batch_pass_is_timed_at_its_padded_size(monkeypatch, drafts_cost_nothing) -> None:

@@ -157,7 +157,7 @@ def test_a_process_starts_from_the_costs_an_earlier_one_kept() -> None:
     assert prior[9] == pytest.approx(quiet(9, 0) / quiet(1, 0))
     fresh, _, _ = drive(quiet, 8)
     primed, _, _ = drive(quiet, 8, costs=PassCosts(1, MAX_DRAFT + 2, prior))
-    assert fresh[:4] == [0, 1, 3, 6]  # (a width is sent once one half as wide was timed)
+    assert fresh[:3] == [0, 1, 3] and 3 < fresh[3] <= 7  # (a width is sent once one half as wide was timed)
     assert primed[0] > 0 and primed[1] == 0  # (the prior's drafts, then the plain pass they are weighed against)
     assert max(primed[:3]) >= 7 > max(fresh[:3])
 
