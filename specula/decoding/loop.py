@@ -21,7 +21,7 @@ from ..core.sampling import Sampling
 from ..core.sequence import Sequence
 from ..core.stats import SpecStats
 from ..machine import store
-from ..policy.adaptive import AdaptiveDrafts, FixedDrafts
+from ..policy.adaptive import AdaptiveDrafts, FixedDrafts, finishing_worth
 from ..policy.costs import PassCosts, keep_pass_costs, shared_pass_costs
 from ..policy.guard import DraftGuard
 from ..policy.kept_costs import kept_pass_costs
@@ -611,12 +611,15 @@ class Decoder:
         self.policy.learn(Pass([row.policy_state for row in rows], proposed, sent, outcomes, computed, seconds, keys))
         width = max(lengths)
         self.estimate.record(len(rows), width, seconds, keys)
-        if seconds is not None and self._guard is not None:
+        if seconds is not None and self._guard is not None:  # (each row's tokens worth what the policy weighed)
+            room = [row.sequence.room - 1 for row in rows]  # (as the pass's budgets saw it)
+            worth = finishing_worth(room) if self.policy.draining else np.ones(len(rows))
             self._guard.record(
                 len(rows),
                 seconds,
-                sum(map(len, outcomes)) if width > 1 else None,
+                float(np.dot(worth, [len(new) for new in outcomes])) if width > 1 else None,
                 self.estimate.plain.get(len(rows), []),
+                float(worth.sum()),
             )
         return outcomes, seen
 

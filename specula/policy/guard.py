@@ -36,14 +36,18 @@ class DraftGuard:
             return False
         return True
 
-    def record(self, rows: int, seconds: float, tokens: int | None, plain: list[float]) -> None:
+    def record(
+        self, rows: int, seconds: float, tokens: float | None, plain: list[float], worth: float | None = None
+    ) -> None:
         """A pass of ``rows`` rows took ``seconds`` and made ``tokens`` (``None``: a plain pass); ``plain``: the
-        seconds of this run's plain passes of as many rows, oldest first."""
+        seconds of this run's plain passes of as many rows, oldest first. Where the rows' tokens are worth less than
+        one each (a draining batch: :func:`~specula.policy.adaptive.finishing_worth`), ``tokens`` weighs each row's by
+        its worth and ``worth`` is their sum: what a plain pass would have made, weighed alike."""
         window = self.window.setdefault(rows, collections.deque(maxlen=WINDOW))
-        window.append(None if tokens is None else (seconds, tokens))
+        window.append(None if tokens is None else (seconds, tokens, rows if worth is None else worth))
         drafted = [outcome for outcome in window if outcome is not None]
         if len(window) == WINDOW and 2 * len(drafted) > WINDOW and plain:
-            made, took = sum(tokens for _, tokens in drafted), sum(seconds for seconds, _ in drafted)
-            if made / took < rows / statistics.median(plain[-3:]):
+            made = sum(tokens for _, tokens, _ in drafted)
+            if made < sum(seconds * worth for seconds, _, worth in drafted) / statistics.median(plain[-3:]):
                 self.resting[rows] = REST
                 window.clear()

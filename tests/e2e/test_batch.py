@@ -14,6 +14,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import specula
 from specula.decoding import estimate
 from specula.policy.adaptive import AdaptiveDrafts
+from specula.policy.guard import DraftGuard
 from specula.verifier.runner import RaggedRows
 
 NEW_TOKENS = 24
@@ -380,8 +381,14 @@ def test_a_run_drains_once_no_request_waits_for_a_slot(monkeypatch, makespan) ->
         return budgets(self, states, room)
 
     monkeypatch.setattr(AdaptiveDrafts, "budgets", recording)
+    weighed = []  # (what the guard is told the rows' tokens were worth, in all: fp32 passes are timed)
+    record = DraftGuard.record
+    monkeypatch.setattr(
+        DraftGuard, "record", lambda self, *args: weighed.append(args[-1] / args[0]) or record(self, *args)
+    )
     jobs = [specula.Job(p.numpy(), n, key=k) for k, (p, n) in enumerate(zip(prompts(), (3, 16, 16)))]
     decoder = specula.Decoder(tiny_model("llama"), specula.PromptLookup(), slots=2, makespan=makespan)
     assert len([row for row, _ in decoder.run(jobs) if row.finished]) == 3
     assert told[0] is False
     assert (True in told) is makespan and told == sorted(told)  # (never back: no request comes after)
+    assert (min(weighed) < 1.0) is makespan  # (the row started later, further from its end, is worth more)

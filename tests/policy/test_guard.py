@@ -36,6 +36,19 @@ def test_drafts_that_pay_are_never_stopped_nor_a_few_among_plain_passes() -> Non
         keeper.record(2, 0.2, 2, [0.1]) if index % 3 == 0 else keeper.record(2, 0.1, None, [0.1])
 
 
+def test_a_draining_batch_is_judged_by_what_its_rows_tokens_are_worth() -> None:
+    """4 rows, plain passes of 0.1 s (40 tokens a second); passes of 0.12 s where the row that ends the run sends
+    drafts and makes 1.5 tokens and the 3 others (worth 0.1 a token) 1 each: 4.5 tokens, 37.5 a second, fewer than
+    plain passes make. But weighed as the policy weighed them, 1.8 in 0.12 s (15 a second) against 1.3 in 0.1 s (13):
+    the drafts go on, where raw tokens judged would rest them."""
+    weighed, raw = DraftGuard(), DraftGuard()
+    for _ in range(WINDOW):
+        assert weighed.allows(4) and raw.allows(4)
+        weighed.record(4, 0.12, 1.5 + 3 * 0.1, [0.1, 0.1], worth=1.3)
+        raw.record(4, 0.12, 4.5, [0.1, 0.1])
+    assert weighed.allows(4) and not raw.allows(4)
+
+
 def test_the_loop_stops_drafts_that_lose_where_timings_decide(monkeypatch) -> None:
     """fp32 (timed), a policy made to send every draft whole, drafts always wrong, on a fake clock where a pass costs
     a second plus one a draft token: after a window of such passes the loop sends plain ones, answers unchanged
