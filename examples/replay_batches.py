@@ -93,8 +93,9 @@ def replay(rows: list[tuple[list[int], list]], args, drafts: bool = True, makesp
         states = [state for *_, state in live]
         proposed = sent = [specula.Draft.empty()] * len(live)
         if drafts:
-            policy.flat, policy.draining = True, makespan and len(live) > 1
-            asks = policy.budgets(states, [len(output) - made - 1 for output, _, made, _ in live])
+            room = [len(output) - made - 1 for output, _, made, _ in live]
+            policy.flat, policy.draining = True, room if makespan and len(live) > 1 else None
+            asks = policy.budgets(states, room)
             proposed = [
                 specula.Draft(along[made][0][:ask]) if ask and len(along[made][0]) else specula.Draft.empty()
                 for (_, along, made, _), ask in zip(live, asks)

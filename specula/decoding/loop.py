@@ -181,6 +181,7 @@ class Job:
     prompt_logprobs: int | None = None  # ... each prompt token's after its first (vLLM's name)
     keep_logits: bool = False  # each new token's position's logits, as the pass computed them (output_logits)
     keep_scores: bool = False  # ... its scores after the job's logits processors (output_scores)
+    open_ended: bool = False  # its max_new_tokens is the context's end, not a bound of its own (a draining batch's)
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -564,7 +565,8 @@ class Decoder:
         due = self.adaptive_draft and self.estimate.due(len(rows))
         resting = self._guard is not None and not self._guard.allows(len(rows))  # (drafts lost here: guard.py)
         self.policy.flat = self._target.flat_rows()
-        self.policy.draining = self.makespan and len(rows) > 1 and self._none_waits(rows, jobs)
+        draining = self.makespan and len(rows) > 1 and self._none_waits(rows, jobs)
+        self.policy.draining = _left(rows) if draining else None
         return propose(
             self.policy,
             self.proposer,
@@ -612,8 +614,8 @@ class Decoder:
         width = max(lengths)
         self.estimate.record(len(rows), width, seconds, keys)
         if seconds is not None and self._guard is not None:  # (each row's tokens worth what the policy weighed)
-            room = [row.sequence.room - 1 for row in rows]  # (as the pass's budgets saw it)
-            worth = finishing_worth(room) if self.policy.draining else np.ones(len(rows))
+            left = self.policy.draining
+            worth = np.ones(len(rows)) if left is None else finishing_worth(left)
             self._guard.record(
                 len(rows),
                 seconds,
@@ -636,6 +638,14 @@ class Decoder:
         self.estimate.finished(row.request_id, len(row.output) - 1, len(row.job.prompt))
         if self.proposer is not None:
             self.proposer.stop_request(row.request_id)
+
+
+def _left(rows: list[Row]) -> list[int]:
+    """Each row's tokens left before its end as far as the run knows it: its room, but for a job whose bound is the
+    context's end (``open_ended``), which says nothing of when its answer ends: the most of the batch's."""
+    left = [row.sequence.room - 1 for row in rows]
+    most = max(left)
+    return [most if row.job.open_ended else tokens for row, tokens in zip(rows, left)]
 
 
 def room(job: Job) -> int:

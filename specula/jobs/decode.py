@@ -186,7 +186,8 @@ def job_of(
                 f'"{name}" names token ids outside the model\'s vocabulary of {vocab_size(model)}: {outside[:5]}'
             )
     prompt, options = encode(tokenizer, request).to(device), generate_options(request, settings, device, choice)
-    if options["max_new_tokens"] is None:  # (the rest of the context; a prompt that fills it is refused below)
+    open_ended = options["max_new_tokens"] is None
+    if open_ended:  # (the rest of the context; a prompt that fills it is refused below)
         limit = context_limit(model)
         if limit is None:  # (a model that states no context: its generation config's length, as model.generate)
             del options["max_new_tokens"]
@@ -227,6 +228,7 @@ def job_of(
     )
     if empty:
         job.max_new_tokens = 0
+    job.open_ended = open_ended
     if budget is not None and (why := budget.refusal(room(job))):
         raise OverBudget(why)
     job.key, job.adapter, job.logprobs = (

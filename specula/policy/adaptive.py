@@ -197,10 +197,11 @@ class AdaptiveDrafts:
     ``None``, and no pass is timed into them), a width whose cost is stale measured again now and then
     (:meth:`PassCosts.probe`). Where its passes are flat (:attr:`flat`, the loop's target says), each row sends the
     tokens that pay for themselves (:func:`_flat_choice`), else all rows alike (:func:`_choice`). Where the run ends
-    with its last row (:attr:`draining`, the loop says), a row's tokens are worth :func:`finishing_worth`."""
+    with its last row (:attr:`draining`, the loop says: each row's tokens left), a row's tokens are worth
+    :func:`finishing_worth` of them."""
 
     flat = False  # whether the next pass's rows are computed unpadded (a chain pass)
-    draining = False  # whether no request waits for a slot, and the run's time is what counts
+    draining: Sequence[int] | None = None  # while the run ends with its last row: each row's tokens left
 
     def __init__(self, max_draft: int, timed: bool, costs: Callable[[int], PassCosts]) -> None:
         self.max_draft, self.timed, self.costs = max_draft, timed, costs
@@ -212,7 +213,7 @@ class AdaptiveDrafts:
         return RequestAcceptance(self.max_draft, timed=self.timed and not drawn, pool=self.pool, drawn=drawn)
 
     def budgets(self, states: Sequence[RequestAcceptance], room: Sequence[int]) -> list[int]:
-        self._worth = finishing_worth(room) if self.draining else None
+        self._worth = None if self.draining is None else finishing_worth(self.draining)
         asks, self._probing = budgets(
             states, room, self.costs_for(states), probe=True, flat=self.flat, worth=self._worth
         )
@@ -276,7 +277,7 @@ class FixedDrafts:
     """The :class:`~specula.policy.protocol.DraftPolicy` of ``adaptive_draft=False``: ask for every token there is
     room for, up to ``max_draft``, send every draft whole (a tree's first ``max_draft`` tokens). It keeps no state."""
 
-    flat = draining = False  # (every draft is sent whole whatever the pass)
+    flat, draining = False, None  # (every draft is sent whole whatever the pass)
 
     def __init__(self, max_draft: int) -> None:
         self.max_draft = max_draft

@@ -36,7 +36,9 @@ class DraftPolicy(Protocol):
     """How many draft tokens each request asks for and sends (see the module docstring)."""
 
     flat: bool  # whether the next pass computes each row's tokens only, unpadded (the loop sets it before a pass)
-    draining: bool  # whether no request waits for a slot and the run's time is what counts (... sets it too)
+    # while no request waits for a slot and the run's time is what counts: each row's tokens left before its end, as
+    # far as the run knows it (None: every row's tokens count alike; the loop sets it too)
+    draining: Sequence[int] | None
 
     def start(self, drawn: bool = False) -> object:
         """The state of a request that starts now (``drawn``: its drafts are drawn at random, so no decision about

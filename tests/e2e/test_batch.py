@@ -377,7 +377,7 @@ def test_a_run_drains_once_no_request_waits_for_a_slot(monkeypatch, makespan) ->
 
     def recording(self, states, room):
         if len(states) == 2:  # (a row alone: nothing to weigh)
-            told.append(self.draining)
+            told.append(self.draining is not None)
         return budgets(self, states, room)
 
     monkeypatch.setattr(AdaptiveDrafts, "budgets", recording)
@@ -392,3 +392,26 @@ def test_a_run_drains_once_no_request_waits_for_a_slot(monkeypatch, makespan) ->
     assert told[0] is False
     assert (True in told) is makespan and told == sorted(told)  # (never back: no request comes after)
     assert (min(weighed) < 1.0) is makespan  # (the row started later, further from its end, is worth more)
+
+
+def test_rows_bound_by_the_context_alone_are_taken_to_end_last(monkeypatch) -> None:
+    """Three requests in three slots (draining from the first pass): one with a bound of its own, two whose bound is
+    the context's end (``open_ended``: their room falls with their prompts' lengths, which say nothing of when their
+    answers end). The policy is told each row's tokens left: the bounded one's room, the open-ended ones the most of
+    the batch's (mutant: their rooms taken as bounds)."""
+    told = []
+    budgets = AdaptiveDrafts.budgets
+
+    def recording(self, states, room):
+        if self.draining is not None:
+            told.append((list(room), list(self.draining)))
+        return budgets(self, states, room)
+
+    monkeypatch.setattr(AdaptiveDrafts, "budgets", recording)
+    jobs = [specula.Job(p.numpy(), n, key=k) for k, (p, n) in enumerate(zip(prompts(), (12, 30, 20)))]
+    jobs[1].open_ended = jobs[2].open_ended = True
+    decoder = specula.Decoder(tiny_model("llama"), specula.PromptLookup(), slots=3)
+    assert len([row for row, _ in decoder.run(jobs) if row.finished]) == 3
+    full = [(room, left) for room, left in told if len(room) == 3]
+    assert full and all(left == [room[0], max(room), max(room)] for room, left in full)
+    assert any(room[2] < max(room) for room, _ in full)  # (the mutant's rooms differ)

@@ -9,7 +9,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 import specula
 from specula.jobs import decode as decode_module
-from specula.jobs.decode import Answerer, Settings
+from specula.jobs.decode import Answerer, Settings, jobs_of
 from specula.jobs.requests import parse_request
 from specula.machine import store
 from specula.policy import batch_size as batch_size_module
@@ -131,3 +131,10 @@ def test_without_a_length_a_request_decodes_to_the_end_of_the_context(monkeypatc
         assert answer["stats"]["new_tokens"] == new
         assert answer["text"] == tokenizer.decode(expected[0, ids.shape[1] :], skip_special_tokens=True)
         assert answer["finish_reason"] == "length"
+    # (a draining batch takes those bound by the context alone to end last: specula.decoding.loop._left)
+    assert [job.open_ended for r in requests for job in jobs_of(model, tokenizer, r, answerer.settings)] == [
+        True,
+        True,
+        True,
+        False,
+    ]

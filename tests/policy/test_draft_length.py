@@ -369,7 +369,7 @@ def test_a_draining_batch_sends_the_drafts_of_the_rows_furthest_from_their_end()
     assert choose_lengths(rows, chances, table, flat=True, worth=worth) == [2, 2, 0, 0]
     assert choose_lengths(rows, chances, table, worth=worth) == [2, 2, 2, 2]
     policy = AdaptiveDrafts(2, timed=True, costs=lambda count: table)
-    policy.flat, policy.draining = True, True
+    policy.flat, policy.draining = True, [100, 100, 60, 20]
     states = [policy.start() for _ in rows]
     for state, row in zip(states, rows):
         state.acceptance = row.state.acceptance
