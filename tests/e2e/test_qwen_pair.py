@@ -7,6 +7,7 @@ The converted model folders come from ``../shared/scripts/get-models.sh`` (the R
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -23,6 +24,15 @@ pytestmark = pytest.mark.slow
 @functools.cache
 def qwen(size: str):
     return load_model(qwen_folder(size), dtype=torch.float32, tune_layout=False)  # (the layout is not checked here)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _released():
+    """The pair's models go when this file's tests are done: a worker holding both takes half of a 24 GB machine,
+    beside the other worker and the processes tests start."""
+    yield
+    qwen.cache_clear()
+    gc.collect()
 
 
 @pytest.mark.parametrize("index", [0, 1])

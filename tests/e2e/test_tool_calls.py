@@ -5,6 +5,7 @@ carries a call and its result is decoded."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -25,6 +26,14 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 def qwen():
     return qwen_pair("0.5b")  # (one copy a process: a worker holding it and the 1.5B model takes 8 GB)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _released():
+    """The model goes when this file's tests are done (the served tools' server loads its own next)."""
+    yield
+    qwen_pair.cache_clear()
+    gc.collect()
 
 
 @pytest.mark.parametrize("choice", ["required", NAMED])
