@@ -21,6 +21,7 @@ from ..core.sampling import Sampling
 from ..core.sequence import Sequence
 from ..core.stats import SpecStats
 from ..machine import store
+from ..machine.load import LoadMeter
 from ..policy.adaptive import AdaptiveDrafts, FixedDrafts, finishing_worth
 from ..policy.costs import PassCosts, keep_pass_costs, shared_pass_costs
 from ..policy.guard import DraftGuard
@@ -481,6 +482,7 @@ class Decoder:
 
     def _run(self, jobs: Iterable[Job | None]) -> Iterator[tuple[Row, list[int]]]:
         self.prepare()
+        load = LoadMeter()  # (what other programs take of the CPUs meanwhile: a shared run's costs are not kept)
         jobs, rows = iter(jobs), []  # rows[i]: row i of the target's batch (None: its request finished)
         try:
             while True:
@@ -498,7 +500,7 @@ class Decoder:
                 if row is not None and not row.finished:
                     self._finish(row)
             for count in range(1, self.slots + 1) if self._save_costs else ():
-                self._save_costs(count)
+                self._save_costs(count, load)
 
     def _fill(self, rows: list[Row | None], jobs: Iterator[Job]) -> Iterator[tuple[Row, list[int]]]:
         """Start requests in the free slots; one may end with its first token (the next one then takes the slot)."""

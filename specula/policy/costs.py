@@ -9,6 +9,11 @@ passes is stale: a stale width is sent again now and then, out of a credit of :d
 (:meth:`PassCosts.probe`); after :data:`FORGET` passes it is forgotten, and explored again like a width never
 timed. So one busy moment never switches drafts off for good: when the machine is quiet again, the widths it made
 look dear are measured again and sent.
+
+What a process measured is kept for the next (:func:`keep_pass_costs`) beside what the runs before it measured, and
+the next starts from the lower median of the last :data:`HISTORY` runs' figures of each width (each the lower median
+of at least :data:`SAMPLES_KEPT` passes): one stall, or one run that a burst slowed, moves the prior of no width,
+and a run that other programs shared the CPUs with (:mod:`specula.machine.load`) keeps nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import numpy as np
 import torch
 
 from ..machine import store
+from ..machine.load import LoadMeter
 from ..machine.profile import profile_of
 from ..machine.timing import lower_median
 from ..verifier.exactness import model_key
@@ -32,6 +38,11 @@ CONTRADICTED = 1.5  # a prior is dropped once a width timed here costs this many
 CONTEXTS = 2.0  # a prior is taken at contexts within this factor of the one it was measured at
 KEPT = "timed pass costs"  # what the costs one process measured are kept as, for the next (a calibration)
 KEYS = "keys"  # ... with the keys a row their plain passes followed
+HISTORY = 3  # runs whose figures of a width are kept: the next process starts from their lower median
+SAMPLES_KEPT = 2  # passes of a width a run timed, at least, for its figure to be kept (one stall moves none)
+UNCONFIRMED = "unconfirmed"  # ... with, by tokens, the runs in a row that started from its figures and did not time it
+DOUBTED = 2  # runs in a row that did not time a kept width, after which its figures are dropped ...
+DOUBTING = 16  # ... each of at least as many passes of its rows
 
 
 class PassCosts:
@@ -52,6 +63,8 @@ class PassCosts:
         self.keys: deque = deque(maxlen=KEEP)  # the keys a row of the last plain passes recorded followed
         self.passes = 0  # passes recorded
         self.credit = 0.0  # what measuring stale widths may still cost, in plain passes
+        self.kept: dict[str, float] = {}  # by tokens: the figures this process last kept (keep_pass_costs)
+        self.doubted: set[str] = set()  # tokens of the kept widths this process counted as not timed
         self._estimates: dict[bool, np.ndarray] = {}  # (cached until the next record)
 
     def record(self, tokens: int, seconds: float, tree: bool = False, keys: int | None = None) -> None:
@@ -227,27 +240,64 @@ def nearest_plain(when: np.ndarray, passes: np.ndarray, seconds: np.ndarray) -> 
 
 def shared_pass_costs(owner: torch.nn.Module, setting: Hashable, max_draft: int, rows: int = 1) -> PassCosts:
     """The pass costs (of ``rows`` rows) that every decision for ``owner`` (a target model) in ``setting`` (its
-    device and dtype) shares: what one generation measured, the next starts from. Kept per number of rows: ``n``
-    tokens over one row and over ``n`` rows cost differently (attention reads one cache or ``n``). Kept in the
-    model's profile."""
+    device and dtype) shares: what one generation measured, the next starts from (the lower median of each width's
+    kept figures). Kept per number of rows: ``n`` tokens over one row and over ``n`` rows cost differently (attention
+    reads one cache or ``n``). Kept in the model's profile."""
+    known = store.shared().known  # (first: a store read anew drops every profile)
     tables = profile_of(owner).pass_costs
     if (setting, max_draft, rows) not in tables:
-        kept = dict(store.shared().known.get(_kept_key(owner, rows), {}))
+        kept = dict(known.get(_kept_key(owner, rows), {}))
         keys = kept.pop(KEYS, None)
-        tables[setting, max_draft, rows] = PassCosts(
-            rows, rows * (max_draft + 1) + 1, {int(tokens): ratio for tokens, ratio in kept.items()}, keys
-        )
+        kept.pop(UNCONFIRMED, None)
+        prior = {int(tokens): lower_median(_figures(kept[tokens])) for tokens in kept}
+        tables[setting, max_draft, rows] = PassCosts(rows, rows * (max_draft + 1) + 1, prior, keys)
     return tables[setting, max_draft, rows]
 
 
-def keep_pass_costs(owner: torch.nn.Module, setting: Hashable, max_draft: int, rows: int) -> None:
-    """Keep the pass costs of ``rows`` rows measured for ``owner`` in ``setting`` with the calibrations: the next
-    process on this machine starts from them (its prior: sent where it says they pay, timed again out of the
-    exploration credit where it says they do not)."""
+def keep_pass_costs(owner: torch.nn.Module, setting: Hashable, max_draft: int, rows: int, load: LoadMeter) -> None:
+    """Keep the pass costs of ``rows`` rows this process measured for ``owner`` in ``setting`` with the calibrations,
+    each width timed at least :data:`SAMPLES_KEPT` times, its figure after those of the last runs (:data:`HISTORY`
+    in all; this process's figures of an earlier keep replaced; a run at contexts over :data:`CONTEXTS` times
+    another's starts them anew): the next process on this machine starts from them (its prior: sent where it says
+    they pay, timed again out of the exploration credit where it says they do not). A kept width that
+    :data:`DOUBTED` runs in a row of at least :data:`DOUBTING` passes did not time is dropped: a figure that a stall
+    made too dear to send would never be timed again, and every short run would take it. Nothing is kept where other
+    programs took the CPUs since ``load`` started (the run's)."""
+    known = store.shared().known  # (first: a store read anew drops every profile)
     costs = profile_of(owner).pass_costs.get((setting, max_draft, rows))
-    if costs is not None and (table := costs.table()):
-        context = {KEYS: int(np.median(costs.keys))} if costs.keys else {}
-        store.shared().keep(_kept_key(owner, rows), {**{str(t): ratio for t, ratio in table.items()}, **context})
+    if costs is None or load.disturbed():
+        return
+    measured = {
+        str(t): ratio for t, ratio in costs.table().items() if len(costs.samples.get((t, False), ())) >= SAMPLES_KEPT
+    }
+    key = _kept_key(owner, rows)
+    kept = dict(known.get(key, {}))
+    before, now = kept.pop(KEYS, None), (int(np.median(costs.keys)) if costs.keys else None)
+    doubts = dict(kept.pop(UNCONFIRMED, {}))
+    if before and now and not 1 / CONTEXTS <= now / before <= CONTEXTS:
+        kept, doubts = {}, {}
+    history = {tokens: _figures(figures) for tokens, figures in kept.items()}
+    for tokens, ratio in costs.kept.items():  # (this process's figures of an earlier keep: replaced)
+        if history.get(tokens, [None])[-1] == ratio:
+            history[tokens].pop()
+    for tokens, ratio in measured.items():
+        history[tokens] = [*history.get(tokens, []), ratio][-HISTORY:]
+        doubts.pop(tokens, None)
+    for tokens in set(history) - set(measured) - costs.doubted if costs.passes >= DOUBTING else ():
+        doubts[tokens] = doubts.get(tokens, 0) + 1  # (a figure too dear to send is never timed)
+    for tokens in [tokens for tokens, runs in doubts.items() if runs >= DOUBTED]:
+        del history[tokens], doubts[tokens]
+    costs.kept, costs.doubted = measured, (costs.doubted | set(history)) - set(measured)
+    context = {KEYS: now} if now else {KEYS: before} if before else {}
+    doubted = {UNCONFIRMED: doubts} if doubts else {}
+    store.shared().keep(
+        key, {**{tokens: figures for tokens, figures in history.items() if figures}, **context, **doubted}
+    )
+
+
+def _figures(kept: float | list[float]) -> list[float]:
+    """A width's kept figures, oldest first (a store of an earlier version kept one figure)."""
+    return list(kept) if isinstance(kept, list) else [kept]
 
 
 def _kept_key(owner: torch.nn.Module, rows: int) -> str:

@@ -5,14 +5,28 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from tiny_models import tiny_model
 
 from specula import Draft
+from specula.machine import store
+from specula.machine.load import LoadMeter
 from specula.policy import costs as costs_module
 from specula.policy.adaptive import AdaptiveDrafts
-from specula.policy.costs import EXPLORE, FORGET, RECENT, PassCosts
+from specula.policy.costs import (
+    DOUBTING,
+    EXPLORE,
+    FORGET,
+    RECENT,
+    PassCosts,
+    _kept_key,
+    keep_pass_costs,
+    shared_pass_costs,
+)
 from specula.policy.protocol import Pass
 
 MAX_DRAFT = 32
+SETTING = (torch.device("cpu"), torch.float32)
 WRONG = 10_000  # the target's token where a draft token is wrong
 
 
@@ -210,3 +224,78 @@ def test_a_primed_process_on_a_dearer_machine_times_a_plain_pass_and_cuts_its_dr
     assert sent[0] > 0 and 0 in sent[1:4]
     assert np.median(sent[100:]) == 0
     assert sum(seconds) / sum(made) <= 1.1 * busy(1, 0)
+
+
+class _Shared:
+    """A load meter that saw other programs take the CPUs."""
+
+    def disturbed(self) -> bool:
+        return True
+
+
+def _kept_after(owner, seconds: dict[int, list[float]], keys: int = 1000, load=None, plain: int = 1) -> dict:
+    """One process decoding in batches of 4 rows on a steady machine: plain passes of 1 s (after ``keys`` keys a row)
+    around the passes over ``t`` tokens, which took ``seconds[t]``, and ``plain`` more; kept as the loop keeps at its
+    end. What the next process is primed with (its prior)."""
+    store.forget()
+    costs = shared_pass_costs(owner, SETTING, MAX_DRAFT, rows=4)
+    for tokens, taken in seconds.items():
+        for each in taken:
+            costs.record(4, 1.0, keys=keys)
+            costs.record(tokens, each)
+    for _ in range(plain):
+        costs.record(4, 1.0, keys=keys)
+    keep_pass_costs(owner, SETTING, MAX_DRAFT, 4, load or LoadMeter())
+    store.forget()
+    return shared_pass_costs(owner, SETTING, MAX_DRAFT, rows=4).prior
+
+
+def test_one_run_a_burst_slowed_does_not_move_the_costs_the_next_starts_from(fresh_store) -> None:
+    """Each run's figures are kept beside the last runs' and the next process starts from their lower median: a run
+    whose passes of 6 tokens a burst slowed to 2.5 plain passes leaves the prior at the 1.2 the runs around it
+    measured (mutant: the last run's figures replace the earlier ones fails)."""
+    owner = tiny_model("llama")
+    assert _kept_after(owner, {6: [1.2, 1.2], 8: [1.4, 1.4]}) == {6: 1.2, 8: 1.4}
+    assert _kept_after(owner, {6: [2.5, 2.5]}) == {6: 1.2, 8: 1.4}
+    assert _kept_after(owner, {6: [1.1, 1.1]}) == {6: 1.2, 8: 1.4}
+    assert _kept_after(owner, {6: [1.1, 1.1]}) == {6: 1.1, 8: 1.4}  # (three runs kept: the burst's is gone)
+
+
+def test_what_a_run_keeps_stands_on_passes_it_timed_on_a_machine_it_had_alone(fresh_store) -> None:
+    """A width timed once (a stall may be all of it) is not kept (mutant: one pass kept fails), nor anything from a run
+    while other programs took the CPUs (mutant: the load not looked at fails)."""
+    owner = tiny_model("llama")
+    assert _kept_after(owner, {6: [3.0], 8: [1.4, 1.4]}) == {8: 1.4}
+    assert _kept_after(owner, {6: [1.2, 1.2]}, load=_Shared()) == {8: 1.4}
+
+
+def test_a_process_keeps_its_own_figure_once_and_a_run_at_other_contexts_starts_anew(fresh_store) -> None:
+    """A process that keeps again (a notebook's second generate) replaces its own figure, never weighs as two runs
+    (mutant: appended again fails); a run after ten times fewer keys a row starts the figures anew (a wide pass costs
+    other plain passes there; mutant: merged fails)."""
+    owner = tiny_model("llama")
+    _kept_after(owner, {6: [1.2, 1.2]})
+    costs = shared_pass_costs(owner, SETTING, MAX_DRAFT, rows=4)
+    for _ in range(2):
+        costs.record(4, 1.0, keys=1000)
+        costs.record(6, 1.6)
+        costs.record(6, 1.6)
+        keep_pass_costs(owner, SETTING, MAX_DRAFT, 4, LoadMeter())
+    kept = store.shared().known[_kept_key(owner, 4)]
+    assert kept["6"] == [1.2, 1.6]
+    assert _kept_after(owner, {6: [2.0, 2.0]}, keys=100) == {6: 2.0}
+
+
+def test_a_kept_width_too_dear_to_send_is_dropped_after_two_runs_that_did_not_time_it(fresh_store) -> None:
+    """A figure a stall made dear is never sent, so never timed again: two runs in a row of 16 passes or more that
+    did not time it drop it, and the next run explores the width as never timed (mutant: kept figures never doubted
+    fails); a short run, or one that timed it, doubts nothing (mutant: every run doubts fails)."""
+    owner = tiny_model("llama")
+    _kept_after(owner, {6: [2.5, 2.5], 8: [1.4, 1.4]})
+    assert _kept_after(owner, {8: [1.4, 1.4]}, plain=DOUBTING) == {6: 2.5, 8: 1.4}
+    assert _kept_after(owner, {}, plain=DOUBTING - 5) == {6: 2.5, 8: 1.4}  # (too short to tell)
+    assert _kept_after(owner, {8: [1.4, 1.4]}, plain=DOUBTING) == {8: 1.4}
+    _kept_after(owner, {6: [1.2, 1.2]}, plain=DOUBTING)  # (kept again, then doubted by one run, timed by the next)
+    _kept_after(owner, {8: [1.4, 1.4]}, plain=DOUBTING)
+    _kept_after(owner, {6: [1.2, 1.2]}, plain=DOUBTING)
+    assert _kept_after(owner, {8: [1.4, 1.4]}, plain=DOUBTING) == {6: 1.2, 8: 1.4}  # (in a row: mutant "ever" fails)
