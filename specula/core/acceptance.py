@@ -94,11 +94,11 @@ def accept_drafts(
 ) -> list[list[int]]:
     """:func:`accept_draft` for each row of a pass (``input_ids(r)``: row ``r``'s, where its sampling reads
     tokens); the greedy rows without logits processors take their argmax together, one host-device synchronisation
-    for all of them."""
+    for all of them (in fp32, as :func:`accept_draft` takes it: torch's bf16 argmax is its slow path on a CPU)."""
     outcomes: list[list[int] | None] = [None] * len(drafts)
     plain = [r for r, sampling in enumerate(samplings) if sampling.greedy and not sampling.processors]
     if plain:
-        own = torch.cat([target_logits[r].argmax(dim=-1) for r in plain]).tolist()  # [sum of n + 1]
+        own = torch.cat([target_logits[r].float().argmax(dim=-1) for r in plain]).tolist()  # [sum of n + 1]
         at = 0
         for r in plain:
             outcomes[r] = _walk(drafts[r], own[at : at + len(drafts[r]) + 1])

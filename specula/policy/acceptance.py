@@ -134,16 +134,20 @@ class RequestAcceptance:
         if self.pool is not None:
             pooled = self.pool._rates(source)
             return (accepts + self.pool_weight * pooled) / (trials + self.pool_weight)
+        first = FORCED_PRIOR if source == FORCED else self.prior  # (a grammar's forced tokens: near-certain)
+        deeper = 1.0 if source == FORCED else DEEPER
+        recorded = np.flatnonzero(trials.any(axis=1))
+        depth = int(recorded[-1]) + 1 if len(recorded) else 1  # (deeper positions have no record: their priors)
         rates: list[list[float]] = []  # [position][rank]
-        for position_accepts, position_trials in zip(accepts.tolist(), trials.tolist()):
+        for position_accepts, position_trials in zip(accepts[:depth].tolist(), trials[:depth].tolist()):
             estimate: list[float] = []
             for rank, (accepted, tried) in enumerate(zip(position_accepts, position_trials)):
-                first = FORCED_PRIOR if source == FORCED else self.prior  # (a grammar's forced tokens: near-certain)
-                deeper = 1.0 if source == FORCED else DEEPER
                 prior = rates[-1][rank] * deeper if rates else first if rank == 0 else estimate[-1] / 2
                 estimate.append((accepted + prior) / (tried + 1.0))
             rates.append(estimate)
-        return np.array(rates)
+        unrecorded = np.full((self.max_draft - depth + 1, RANKS), deeper)
+        unrecorded[0] = rates[-1]
+        return np.concatenate([rates, np.cumprod(unrecorded, axis=0)[1:]])  # (each the one before times deeper)
 
     def sibling_factor(self) -> float:
         """How far the learnt chances of tokens off a tree's first branch hold: of the trees sent, the tokens they
