@@ -24,7 +24,7 @@ from ..machine import store
 from ..machine.timing import lower_median, time_pass
 from . import static
 from .adapters import adapter_layers, per_row
-from .attend import DTYPES
+from .attend import DTYPES, attend_kernel, attend_serial
 from .cache_layers import (
     PreallocatedHybridLayer,
     PreallocatedLayer,
@@ -35,6 +35,7 @@ from .cache_layers import (
 )
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
+from .int8 import int8_matmul
 from .invariant import KEY_BLOCK, STEP_WIDTH, NotFlat, invariant_attention
 from .packed import PASS, PREFILL, STEP, packed_for
 from .recurrent import (
@@ -74,6 +75,13 @@ from .tree_mask import ancestry_of, block_mask, parents_of, paths_of
 # choice, as model.generate has it.
 _VERIFY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 REPEATS = 5  # interleaved timings of a bucket's compiled and eager passes, whose ratio decides between them
+KERNELS = (attend_kernel, attend_serial, int8_matmul)  # numba's, whose machine code a process loads at a first call
+
+
+def _untimed() -> tuple[int, int]:
+    """What makes a pass no measure of its cost where it changes during the pass: the measurements the store made,
+    and the kernels' signatures loaded (each one's first call in a process reads its machine code from disk)."""
+    return store.shared().made, sum(len(kernel.signatures) for kernel in KERNELS)
 
 
 @contextlib.contextmanager
@@ -159,7 +167,7 @@ class CachedModel(abc.ABC):
         self.compiled: CompiledPasses | None = None
         self.adapter_layers = adapter_layers(model)  # (LoRA layers: an adapter a row, specula.verifier.adapters)
         self._block_lengths: list[int] = []
-        self._made = 0  # measurements the store had made before the last pass (see timed)
+        self._made = (0, 0)  # what made passes untimed before the last pass (_untimed; see timed)
 
     def _new_cache(self) -> DynamicCache:
         """An empty cache as ``model.generate`` builds it, its full-attention layers preallocated, recording the past
@@ -207,9 +215,9 @@ class CachedModel(abc.ABC):
         ):
             # (invariant: a single row's step as a pass over its token twice, the second position dropped)
             blocks, num_logits = [blocks[0].repeat(STEP_WIDTH)], [STEP_WIDTH]
-            self._block_lengths, self._made = [STEP_WIDTH], store.shared().made
+            self._block_lengths, self._made = [STEP_WIDTH], _untimed()
             return [self._pass(blocks, num_logits, trees, argmax_only)[0][:1]]
-        self._block_lengths, self._made = [len(block) for block in blocks], store.shared().made
+        self._block_lengths, self._made = [len(block) for block in blocks], _untimed()
         return self._pass(blocks, num_logits, trees, argmax_only)
 
     @abc.abstractmethod
@@ -278,8 +286,8 @@ class CachedModel(abc.ABC):
     def timed(self) -> bool:
         """Whether the last pass (:meth:`forward_rows`, and its :meth:`keep_rows` so far) ran as passes of its shape
         run, so that its time measures what one costs: not where it calibrated kernels (made a measurement for the
-        store: row-exact groupings, packed weights, attention) or compiled its shape's code."""
-        return store.shared().made == self._made and not self.compiling
+        store: row-exact groupings, packed weights, attention), compiled its shape's code or loaded a kernel's."""
+        return _untimed() == self._made and not self.compiling
 
     @property
     def feeds_again(self) -> bool:

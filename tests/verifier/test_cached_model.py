@@ -255,3 +255,25 @@ def test_an_arenas_rows_are_given_room_before_each_write(monkeypatch) -> None:
             alone.keep_rows([width])
         expected = alone.forward_rows([ids[44 + 6 * row : 52 + 6 * row]], [8])[0]
         torch.testing.assert_close(logits[row], expected)
+
+
+def test_a_pass_that_loaded_a_kernels_code_is_no_measure_of_its_cost(monkeypatch) -> None:
+    """A kernel's first call in a process reads its machine code from disk (tens of milliseconds): the pass that made
+    it is not timed, the next one is (mutant: the kernels' code not looked at fails)."""
+
+    class Kernel:  # (a numba dispatcher's signatures: one more once a call loaded its code)
+        signatures: list = []
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(runner, "KERNELS", (Kernel,))
+    target = RaggedRows(model, rollback=True, capacity=16, slots=2)
+    with torch.inference_mode():
+        for row in range(2):
+            target.start_row(row, torch.tensor([1, 2, 3 + row]))
+        target.forward_rows([torch.tensor([4]), torch.tensor([5])], [1, 1])  # (its measurements made)
+        loads = model.model.layers[0].register_forward_hook(lambda *_: Kernel.signatures.append("loaded"))
+        target.forward_rows([torch.tensor([6]), torch.tensor([7])], [1, 1])
+        assert not target.timed
+        loads.remove()
+        target.forward_rows([torch.tensor([8]), torch.tensor([9])], [1, 1])
+        assert target.timed
