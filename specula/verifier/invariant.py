@@ -12,14 +12,18 @@ head, to a multiple of :data:`QUERY_BLOCK` rows (the last repeated) (a fully mas
 nothing); and a single row's one-token step is computed as a pass over two tokens, its token again after it, whose
 second position is dropped (:data:`STEP_WIDTH`). Passes then round as one-token
 steps of this kind do, whatever their widths and batch mates: output no longer depends on draft lengths, the batch,
-or the clock that sizes them. Whether it holds for a model on a machine is checked on the live model (its passes of
-several widths, alone and in a batch, against its steps, bit for bit) once per machine and model and kept
-(:func:`holds`).
+or the clock that sizes them. A linear layer's kernel may change with its product's rows too (oneDNN's bf16 products
+on the AMX Xeon block otherwise past a number of rows): the most rows up to which every linear layer of the model
+rounds each row alike is found once per machine and model (:func:`product_rows`), and a pass over more tokens
+computes its products in chunks of at most that many rows (:func:`chunked_products`). Whether it all holds for a
+model on a machine is checked on the live model (its passes of several widths, alone and in a batch, one wider than
+a chunk, against its steps, bit for bit) once per machine and model and kept (:func:`holds`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -30,11 +34,13 @@ from ..machine import store
 from .attend import DTYPES, applies, attend, visibility
 from .gqa import _EXTRAS, sdpa_as
 from .int8 import int8_weight
+from .row_exact import exact_rows
 from .support import UnsupportedModelError, fit_context, model_device, vocab_size
 
 KEY_BLOCK = 512  # keys of an attention call, padded (masked) to a multiple of this
 QUERY_BLOCK = 4  # query rows of an attention call (its query heads folded), padded to a multiple of this
 STEP_WIDTH = 2  # tokens a single row's one-token step is computed over (its own token repeated)
+PRODUCT_ROWS = 64  # the most rows a linear layer's product in an invariant pass is tried at, and computed over at once
 
 
 class NotFlat(UnsupportedModelError):
@@ -123,6 +129,63 @@ def _padded(states: torch.Tensor, keys: int) -> torch.Tensor:
     return torch.nn.functional.pad(states, (0, 0, 0, keys - length))
 
 
+def product_rows(model: torch.nn.Module, applied: Callable[[], contextlib.AbstractContextManager], packed: bool) -> int:
+    """The most rows (up to :data:`PRODUCT_ROWS`) up to which every linear layer of ``model``, computed within
+    ``applied()`` as an invariant pass computes it (``packed``: with prepacked weights), gives each of its rows the bits
+    that row has in a product over :data:`STEP_WIDTH` rows (a one-token step's); 0 where that fails under 4 rows.
+    Found once per machine and model, kept."""
+    weight = next(model.parameters())
+    key = store.key(weight.device, "invariant products: rows", _model_key(model), weight.dtype, packed, PRODUCT_ROWS)
+    return store.shared().get(key, lambda: _most_rows(model, applied))
+
+
+@torch.no_grad()
+def _most_rows(model: torch.nn.Module, applied: Callable[[], contextlib.AbstractContextManager]) -> int:
+    """:func:`product_rows`: each kind of linear layer (its class, weight's shape and dtype, bias, and whether a pass
+    gives it another forward) tried as :func:`~specula.verifier.row_exact.exact_rows` tries a layer, against its
+    products over :data:`STEP_WIDTH` rows."""
+    most = PRODUCT_ROWS
+    with applied():
+        kinds = {}
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                weight, own = module.weight, "forward" not in module.__dict__  # (else packed: oneDNN's, int8 ...)
+                kinds.setdefault((type(module), tuple(weight.shape), weight.dtype, module.bias is None, own), module)
+        for layer in kinds.values():
+            most = min(most, exact_rows(layer, layer, most, least=STEP_WIDTH))
+    return most if most >= 4 else 0
+
+
+@contextlib.contextmanager
+def chunked_products(model: torch.nn.Module, rows: int) -> Iterator[None]:
+    """Within the block, every linear layer of ``model`` computes an input of more than ``rows`` rows (its leading
+    dimensions flattened) in near-equal chunks of at most ``rows`` (none of one row: ``rows`` >= 4), so that each row
+    rounds as in a product of at most ``rows`` (:func:`product_rows`)."""
+    layers = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    before = [layer.__dict__.get("forward") for layer in layers]
+    for layer, forward in zip(layers, before):
+        layer.__dict__["forward"] = _chunked(forward or types.MethodType(type(layer).forward, layer), rows)
+    try:
+        yield
+    finally:
+        for layer, forward in zip(layers, before):
+            if forward is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.__dict__["forward"] = forward
+
+
+def _chunked(forward: Callable[[torch.Tensor], torch.Tensor], rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def compute(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [M, in]
+        if len(flat) <= rows:
+            return forward(x)
+        parts = [forward(part[None])[0] for part in torch.tensor_split(flat, -(-len(flat) // rows))]
+        return torch.cat(parts).reshape(*x.shape[:-1], -1)
+
+    return compute
+
+
 def holds(model: torch.nn.Module) -> bool:
     """Whether ``model``'s invariant passes (:class:`~specula.verifier.runner.CachedModel` with ``invariant=True``)
     give each row the bits of its one-token steps on this machine, whatever the pass's width and batch mates: checked
@@ -132,7 +195,7 @@ def holds(model: torch.nn.Module) -> bool:
     kernel = weight.device.type == "cpu" and weight.dtype in DTYPES  # (else padded blocks)
     key = store.key(
         weight.device,
-        "invariant passes, query heads folded",
+        "invariant passes, query heads folded, products in chunks",
         _model_key(model),
         weight.dtype,
         model.config._attn_implementation,
@@ -152,19 +215,26 @@ def _model_key(model: torch.nn.Module) -> str:
 def _check(model: torch.nn.Module, steps: int = 12) -> bool:
     """Two rows, one whose keys cross a multiple of :data:`KEY_BLOCK` within the check (fewer where the model's
     positions end): the first row's logits over ``steps`` tokens as one-token steps, then again in passes of 5 and 7
-    tokens alone, then of 4 and 8 beside the second row's passes of other widths: ``True`` where every position's
-    logits are bit for bit the same."""
+    tokens alone, then of 4 and 8 beside the second row's passes of other widths, then in one pass beside one of the
+    second row's wider than :data:`PRODUCT_ROWS` (its products in chunks): ``True`` where every position's logits are
+    bit for bit the same."""
     from .runner import RaggedRows  # (the runner takes these passes)
 
     device = model_device(model)
-    contexts = [fit_context(model, KEY_BLOCK - steps // 2, steps + 2), fit_context(model, 37, steps + 2)]
+    wide = PRODUCT_ROWS + 9
+    contexts = [fit_context(model, KEY_BLOCK - steps // 2, steps + 2), fit_context(model, 37, wide + 2)]
     text = torch.randint(
-        3, vocab_size(model), (max(contexts) + steps + 1,), generator=torch.Generator().manual_seed(0)
+        3,
+        vocab_size(model),
+        (max(contexts[0] + steps, contexts[1] + wide) + 1,),
+        generator=torch.Generator().manual_seed(0),
     ).to(device)
     try:
         target = RaggedRows(
             model, rollback=True, capacity=len(text) + 1, slots=2, cheap_steps=True, invariant=True, max_width=9
         )
+        if not target.product_rows:
+            return False
         target.start_row(0, text[: contexts[0]])
         first = contexts[0]  # (the first row's tokens after its context: text[first:first + steps])
         target.select_rows([0])
@@ -173,7 +243,7 @@ def _check(model: torch.nn.Module, steps: int = 12) -> bool:
             alone.append(target.forward_rows([text[at : at + 1]], [1], [None])[0][0])  # (as the loop calls it)
             target.keep_rows([1])
         passes = []
-        for widths, beside in (((5, 7), None), ((4, 8), (3, 9))):
+        for widths, beside in (((5, 7), None), ((4, 8), (3, 9)), ((steps,), (wide,))):
             target.truncate_row(0, first)
             if beside is not None:
                 target.start_row(1, text[: contexts[1]])

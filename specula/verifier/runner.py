@@ -36,7 +36,7 @@ from .cache_layers import (
 from .gqa import unrepeated_kv_heads
 from .indexer import PerQueryIndexers
 from .int8 import int8_matmul
-from .invariant import KEY_BLOCK, STEP_WIDTH, NotFlat, invariant_attention
+from .invariant import KEY_BLOCK, STEP_WIDTH, NotFlat, chunked_products, invariant_attention, product_rows
 from .packed import PASS, PREFILL, STEP, packed_for
 from .recurrent import (
     STEP_BY_STEP,
@@ -164,6 +164,8 @@ class CachedModel(abc.ABC):
         self.unrepeated = model.config._attn_implementation == "sdpa" and self.device.type == "cpu"
         self.cheap_steps = cheap_steps and self.device.type == "cpu" and not row_exact
         self.invariant = invariant and not row_exact and not self.recurrent
+        # (invariant: the most rows a linear layer's product may take at once, a wider pass's computed in chunks)
+        self.product_rows = product_rows(model, self._products, self.packed is not None) if self.invariant else None
         self.compiled: CompiledPasses | None = None
         self.adapter_layers = adapter_layers(model)  # (LoRA layers: an adapter a row, specula.verifier.adapters)
         self._block_lengths: list[int] = []
@@ -262,8 +264,12 @@ class CachedModel(abc.ABC):
         prepacked weights, key/value heads not repeated, the thread count measured cheaper (passes over several
         tokens), each where this machine gains by it (``offsets``: a flat pass's rows, :meth:`RaggedRows.flat`)."""
         step = shape == (1, 1)
+        rows = shape[0] * shape[1] if offsets is None else int(offsets[-1])  # (the rows of its linear layers' products)
         with (
-            self.packed.applied(STEP if step else PASS) if self.packed else contextlib.nullcontext(),
+            self._products(STEP if step else PASS),
+            chunked_products(self.model, self.product_rows)
+            if self.invariant and rows > self.product_rows
+            else contextlib.nullcontext(),
             invariant_attention(offsets)
             if self.invariant
             else unrepeated_kv_heads()
@@ -273,9 +279,13 @@ class CachedModel(abc.ABC):
         ):
             yield
 
+    def _products(self, kind: int = PASS) -> contextlib.AbstractContextManager:
+        """The linear layers as a pass (:data:`PASS`), a one-token step or a prefill computes them."""
+        return self.packed.applied(kind) if self.packed else contextlib.nullcontext()
+
     def _prefilling(self) -> contextlib.AbstractContextManager:
         """A prompt's prefill: with weights packed where that is faster, in ordinary decoding (``cheap_steps``)."""
-        return self.packed.applied(PREFILL) if self.packed and self.cheap_steps else contextlib.nullcontext()
+        return self._products(PREFILL) if self.cheap_steps else contextlib.nullcontext()
 
     @property
     def compiling(self) -> bool:

@@ -10,6 +10,7 @@ from bf16_cases import CONFIGS, NEW_TOKENS, model, prompt, reference
 from helpers import Oracle
 
 import specula
+from specula.machine import store
 from specula.verifier import invariant
 
 
@@ -137,6 +138,34 @@ def test_the_padding_and_the_two_token_step_remove_what_kernels_round_by(fresh_s
     monkeypatch.setattr(torch.nn.functional, "linear", matrix_vector)
     monkeypatch.setattr(runner, "packed_for", lambda model: None)  # (every product through the stand-in)
     assert invariant.holds(model("llama"))
+
+
+def test_products_past_the_rows_a_kernel_rounds_alike_for_are_computed_in_chunks(fresh_store, monkeypatch) -> None:
+    """A stand-in for oneDNN's bf16 products on the AMX Xeon, whose rows round otherwise past 32 rows (here 16): the
+    rows they round alike for are found, passes of 41 tokens compute their products in chunks, and drafts of 5 and 40
+    tokens decode alike, the check holding; without the chunks, the check fails (mutant: passes not chunked)."""
+    import contextlib
+
+    from specula.verifier import runner
+
+    real_linear = torch.nn.functional.linear
+
+    def blocked(x, weight, bias=None):
+        return real_linear(x, weight, bias) * (1.0 + 0.01 * (x.numel() // x.shape[-1] > 16))
+
+    monkeypatch.setattr(torch.nn.functional, "linear", blocked)
+    monkeypatch.setattr(runner, "packed_for", lambda model: None)  # (every product through the stand-in)
+    model_ = model("llama")
+    target = runner.RaggedRows(model_, rollback=True, capacity=400, invariant=True, cheap_steps=True)
+    assert target.product_rows == 16
+    assert invariant.holds(model_)
+    runs = [_decode("llama", draft) for draft in (5, 40)]
+    assert all(run.stats.exactness.invariant for run in runs)
+    assert runs[0].sequences.tolist() == runs[1].sequences.tolist()
+    monkeypatch.setenv("SPECULA_CALIBRATIONS", str(fresh_store.with_name("unchunked.json")))
+    store.forget()
+    monkeypatch.setattr(runner, "chunked_products", lambda model, rows: contextlib.nullcontext())
+    assert not invariant.holds(model_)
 
 
 def test_padded_keys_are_read_from_the_cache_buffer_as_they_are(monkeypatch) -> None:

@@ -24,9 +24,12 @@ from ..support import is_quantized, weight_state
 
 
 @torch.no_grad()
-def exact_rows(layer: torch.nn.Module, compute: Callable | None = None, max_rows: int = CALIBRATION_ROWS) -> int:
-    """The most rows (1..max_rows) that ``compute`` (default: ``layer`` itself) takes in one call and still gives
-    each of them the bits ``layer`` gives that row alone, found on random rows.
+def exact_rows(
+    layer: torch.nn.Module, compute: Callable | None = None, max_rows: int = CALIBRATION_ROWS, least: int = 1
+) -> int:
+    """The most rows (least..max_rows) that ``compute`` (default: ``layer`` itself) takes in one call and still gives
+    each of them the bits ``layer`` gives that row alone (``least`` > 1: that ``compute`` gives it in a call of
+    ``least`` rows), found on random rows.
 
     A kernel that sums in another order for another number of rows changes a bf16 output only where the fp32 sums
     straddle a rounding boundary: ~1 output in 5000 for an inner dimension of 1536 and Gaussian rows. So each width
@@ -39,8 +42,8 @@ def exact_rows(layer: torch.nn.Module, compute: Callable | None = None, max_rows
     n = _in_features(layer)
     count = min(max(2**17 * n // layer.weight.numel(), 1), 2048)  # rows for 2**17 outputs
     x = spread((1, count + max_rows, n), generator, 6).to(layer.weight.device, layer.weight.dtype)
-    alone = _in_chunks(ordinary, 1, x)
-    rows = 1
+    alone = _in_chunks(ordinary if least == 1 else compute, least, x)
+    rows = least
     while rows < max_rows:
         tried = -(-count // (rows + 1)) * (rows + 1)  # whole chunks of rows + 1
         if not torch.equal(_in_chunks(compute, rows + 1, x[:, :tried]), alone[:, :tried]):
