@@ -31,6 +31,7 @@ from ..proposers.base import Proposer, RequestFailed, RequestProposer, for_reque
 from ..proposers.guide import Guide, guided
 from ..proposers.prediction import Prediction, with_prediction
 from ..verifier.exactness import Exactness, choose
+from ..verifier.invariant import any_threads
 from ..verifier.invariant import holds as invariant_holds
 from ..verifier.packed import packed_for
 from ..verifier.row_exact import is_half_precision, row_exact_for
@@ -296,6 +297,7 @@ class Decoder:
         self.policy: DraftPolicy | None = None
         self._save_costs = None  # (what stores the run's measured pass costs, where they decide: prepare())
         self.row_exact = False  # (row-exact verification: prepare())
+        self.any_threads = False  # (invariant passes that round alike on any thread count: prepare())
         self.compiles: str | None = None  # (passes compiled: prepare())
 
     def prepare(self) -> Decoder:
@@ -328,6 +330,7 @@ class Decoder:
         ):
             if invariant_holds(model):
                 self.exactness = dataclasses.replace(self.exactness, invariant=True)
+                self.any_threads = any_threads(model)
             elif asked:
                 warnings.warn(
                     "exact='invariant': this model's ordinary passes do not round alike whatever the pass on this "
@@ -390,6 +393,7 @@ class Decoder:
             slots=self.slots,
             cheap_steps=not self.exactness.exact,
             invariant=self.exactness.invariant,
+            any_threads=self.any_threads,
         )
         if self.compiles and job.padded is None:  # (a left-padded prompt alone: model.generate's positions, eager)
             return make(compiled=self.compiles, max_width=MAX_DRAFT + 1)

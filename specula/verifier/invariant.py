@@ -36,6 +36,7 @@ from .gqa import _EXTRAS, sdpa_as
 from .int8 import int8_weight
 from .row_exact import exact_rows
 from .support import UnsupportedModelError, fit_context, model_device, vocab_size
+from .threads import on_threads
 
 KEY_BLOCK = 512  # keys of an attention call, padded (masked) to a multiple of this
 QUERY_BLOCK = 4  # query rows of an attention call (its query heads folded), padded to a multiple of this
@@ -190,12 +191,23 @@ def holds(model: torch.nn.Module) -> bool:
     """Whether ``model``'s invariant passes (:class:`~specula.verifier.runner.CachedModel` with ``invariant=True``)
     give each row the bits of its one-token steps on this machine, whatever the pass's width and batch mates: checked
     once per machine and model (:func:`_check`; with int8 weights, as :mod:`.int8` computes them), kept."""
+    return _verdict(model)[0]
+
+
+def any_threads(model: torch.nn.Module) -> bool:
+    """Whether, besides (:func:`holds`), they give each row the same bits on one thread as on torch's threads, so that
+    the thread count may follow the machine's load (:mod:`.threads`) without changing an answer (checked with
+    :func:`holds`)."""
+    return _verdict(model)[1]
+
+
+def _verdict(model: torch.nn.Module) -> list[bool]:
     weight = next(model.parameters())
     int8 = any(int8_weight(parameter) is not None for parameter in model.parameters())
     kernel = weight.device.type == "cpu" and weight.dtype in DTYPES  # (else padded blocks)
     key = store.key(
         weight.device,
-        "invariant passes, query heads folded, products in chunks",
+        "invariant passes, query heads folded, products in chunks, on one thread",
         _model_key(model),
         weight.dtype,
         model.config._attn_implementation,
@@ -212,12 +224,13 @@ def _model_key(model: torch.nn.Module) -> str:
 
 
 @torch.no_grad()
-def _check(model: torch.nn.Module, steps: int = 12) -> bool:
+def _check(model: torch.nn.Module, steps: int = 12) -> list[bool]:
     """Two rows, one whose keys cross a multiple of :data:`KEY_BLOCK` within the check (fewer where the model's
     positions end): the first row's logits over ``steps`` tokens as one-token steps, then again in passes of 5 and 7
     tokens alone, then of 4 and 8 beside the second row's passes of other widths, then in one pass beside one of the
-    second row's wider than :data:`PRODUCT_ROWS` (its products in chunks): ``True`` where every position's logits are
-    bit for bit the same."""
+    second row's wider than :data:`PRODUCT_ROWS` (its products in chunks); all of it again with its steps and passes
+    on one thread (the prefills on torch's threads). ``[every position's logits bit for bit the same, and the same on
+    one thread]``."""
     from .runner import RaggedRows  # (the runner takes these passes)
 
     device = model_device(model)
@@ -229,20 +242,18 @@ def _check(model: torch.nn.Module, steps: int = 12) -> bool:
         (max(contexts[0] + steps, contexts[1] + wide) + 1,),
         generator=torch.Generator().manual_seed(0),
     ).to(device)
-    try:
-        target = RaggedRows(
-            model, rollback=True, capacity=len(text) + 1, slots=2, cheap_steps=True, invariant=True, max_width=9
-        )
-        if not target.product_rows:
-            return False
-        target.start_row(0, text[: contexts[0]])
-        first = contexts[0]  # (the first row's tokens after its context: text[first:first + steps])
+    first = contexts[0]  # (the first row's tokens after its context: text[first:first + steps])
+
+    def run(target: RaggedRows, threads: int) -> list[list[torch.Tensor]]:
+        """The first row's logits as steps, then in each set of passes, its steps and passes on ``threads``."""
+        target.truncate_row(0, first)
         target.select_rows([0])
         alone = []  # [steps] logits of one-token steps
         for at in range(first, first + steps):
-            alone.append(target.forward_rows([text[at : at + 1]], [1], [None])[0][0])  # (as the loop calls it)
+            with on_threads(threads):
+                alone.append(target.forward_rows([text[at : at + 1]], [1], [None])[0][0])  # (as the loop calls it)
             target.keep_rows([1])
-        passes = []
+        runs = [alone]
         for widths, beside in (((5, 7), None), ((4, 8), (3, 9)), ((steps,), (wide,))):
             target.truncate_row(0, first)
             if beside is not None:
@@ -253,11 +264,25 @@ def _check(model: torch.nn.Module, steps: int = 12) -> bool:
                 if beside is not None:
                     start = contexts[1] + sum(beside[:index])
                     blocks.append(text[start : start + beside[index]])
-                logits = target.forward_rows(blocks, [len(block) for block in blocks], [None] * len(blocks))
+                with on_threads(threads):
+                    logits = target.forward_rows(blocks, [len(block) for block in blocks], [None] * len(blocks))
                 got.extend(logits[0])
                 target.keep_rows([len(block) for block in blocks])
                 at += width
-            passes.append(got)
+            runs.append(got)
+        return runs
+
+    threads = torch.get_num_threads()
+    try:
+        target = RaggedRows(
+            model, rollback=True, capacity=len(text) + 1, slots=2, cheap_steps=True, invariant=True, max_width=9
+        )
+        if not target.product_rows:
+            return [False, False]
+        target.start_row(0, text[:first])
+        runs = run(target, threads)
+        on_one = run(target, 1) if threads > 1 and device.type == "cpu" else runs
     except UnsupportedModelError:
-        return False
-    return all(torch.equal(one, other) for got in passes for one, other in zip(alone, got))
+        return [False, False]
+    holds = all(torch.equal(one, other) for got in runs[1:] for one, other in zip(runs[0], got))
+    return [holds, holds and all(torch.equal(a, b) for got, mine in zip(runs, on_one) for a, b in zip(got, mine))]

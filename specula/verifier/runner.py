@@ -114,6 +114,9 @@ class CachedModel(abc.ABC):
             ordinary verification, whose output need not have its bits.
         invariant: ordinary passes and one-token steps after a filled cache round every row alike whatever the
             pass's width and batch mates (:mod:`specula.verifier.invariant`; with ``cheap_steps``).
+        any_threads: with ``invariant``, they round alike on any thread count too (checked:
+            :func:`specula.verifier.invariant.any_threads`), so their thread count follows the load
+            (:mod:`specula.verifier.threads`), as fp32 passes' does.
     """
 
     slots = 1  # requests held at once
@@ -129,6 +132,7 @@ class CachedModel(abc.ABC):
         row_exact: bool = False,
         cheap_steps: bool = False,
         invariant: bool = False,
+        any_threads: bool = False,
     ) -> None:
         check_standard_cache(model)
         if invariant:  # (attention then reads its padded keys from the buffers as they are: no copy)
@@ -158,12 +162,14 @@ class CachedModel(abc.ABC):
         self.cached_tokens = 0  # (a batch: its longest row's)
         self.row_exact = row_exact_for(model) if row_exact else None
         self.packed = None if row_exact else packed_for(model)  # (verification passes with prepacked weights)
-        # ordinary passes with the thread count measured faster: in fp32 only (in bf16/fp16 their rounding, which
-        # the thread count may change, must not follow the clock)
-        self.threads = None if row_exact or is_half_precision(model) else thread_choice(model)
         self.unrepeated = model.config._attn_implementation == "sdpa" and self.device.type == "cpu"
         self.cheap_steps = cheap_steps and self.device.type == "cpu" and not row_exact
         self.invariant = invariant and not row_exact and not self.recurrent
+        # ordinary passes with the thread count measured faster: in fp32, and in bf16/fp16 invariant passes checked to
+        # round alike on any thread count (elsewhere their rounding, which the thread count may change, must not
+        # follow the clock)
+        free = not is_half_precision(model) or (self.invariant and any_threads)
+        self.threads = thread_choice(model) if free and not row_exact else None
         # (invariant: the most rows a linear layer's product may take at once, a wider pass's computed in chunks)
         self.product_rows = product_rows(model, self._products, self.packed is not None) if self.invariant else None
         self.compiled: CompiledPasses | None = None

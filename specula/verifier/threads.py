@@ -1,13 +1,15 @@
 """How many CPU threads an ordinary verification pass runs with: torch's, or one where that is faster now.
 
 On a machine another program keeps busy, torch's threads wait for the slowest of them at every operation, and a
-pass over several tokens loses most (one thread can then be several times faster than two: docs/hardware.md). So
-while other programs take the CPUs (:mod:`specula.machine.load`, read every :data:`WINDOW` seconds), each ordinary
-pass over several tokens runs with the thread count whose recent passes of its shape were cheaper
-(:class:`ThreadChoice`), and every :data:`EVERY`-th pass of a shape runs with the other one, so that the choice
-follows the machine both ways at a bounded cost. On a quiet machine every pass keeps torch's count: exploring one
-thread there only costs (a file of a few requests has more shapes of pass than it has passes to learn them in).
-One-token steps and row-exact passes keep torch's thread count (their bits are ``model.generate``'s).
+pass over several tokens loses most (one thread can then be several times faster than two: docs/hardware.md; on the
+2-core AMX Xeon with a core busy, SmolLM2's passes on two threads took 13-20x their quiet time, on one about 1.6x).
+So while other programs take the CPUs (:mod:`specula.machine.load`, read :data:`FIRST_WINDOW` seconds after the
+first pass, then every :data:`WINDOW` seconds), each ordinary pass runs with the thread count that recent passes of
+the same shapes, timed with both while busy, found cheaper (one thread before any shape was timed with both), and
+tries the other one where what it would lose is at most :data:`CREDIT` of the time passes took since it was last
+tried (:class:`ThreadChoice`): the choice follows the machine both ways at a bounded cost. On a quiet machine every
+pass keeps torch's count and nothing is timed: exploring one thread there only costs. One-token steps (but invariant
+passes' steps, two-token passes) and row-exact passes keep torch's thread count (their bits are ``model.generate``'s).
 """
 
 from __future__ import annotations
@@ -30,15 +32,23 @@ from ..machine.load import BUSY, LoadMeter
 from ..machine.profile import profile_of
 from ..machine.timing import lower_median
 
-EVERY = 32  # one pass of a shape in this many runs with the thread count not chosen, to measure it again
+CREDIT = 0.05  # the count not chosen is tried where it would lose at most this share of the time since its last try
+PRIOR = 2.0  # how much dearer the count not chosen is taken to be before any shape was timed with both
 KEEP = 4  # recent passes kept per shape and thread count
-WINDOW = 2.0  # seconds over which what other programs take of the CPUs is read
+FIRST_WINDOW = 0.25  # seconds after the first pass over which what other programs take of the CPUs is first read
+WINDOW = 2.0  # seconds over which it is read after that
 _KERNELS = threading.Lock()  # (numba's fallback threading layer takes one parallel call at a time)
 
 
 class ThreadChoice:
-    """The thread count of each shape of pass (``(rows, tokens a row)``, tokens taken by powers of two: passes of
-    4 to 7 tokens share one), from the recent times of both counts."""
+    """The thread count of each pass while other programs take the CPUs, from the recent times of both counts on
+    shapes of pass (``(rows, tokens a row)``, tokens taken by powers of two: passes of 4 to 7 tokens share one)
+    timed with both.
+
+    Worked example (two threads): busy, nothing timed yet: one thread. After passes of shape (4, 1) on one thread
+    at 0.05 s each, two threads are tried there once 0.05 * (PRIOR - 1) <= CREDIT * the time since: 20 passes on.
+    That one takes 0.5 s: two threads are 10x dearer on the shapes timed with both, so one thread goes on, and two
+    are tried again after 0.05 * 9 / CREDIT = 9 s of passes."""
 
     def __init__(
         self, threads: int, clock: Callable[[], float] = time.perf_counter, busy: Callable[[], bool] | None = None
@@ -46,53 +56,77 @@ class ThreadChoice:
         self.counts = (threads, 1)
         self.clock = clock
         self.busy = busy or OthersBusy()  # whether other programs take the CPUs now
-        self.seconds: dict[tuple, deque] = {}  # (shape, threads): recent seconds
-        self.passes: dict[tuple, int] = {}  # passes per shape
+        self.seconds: dict[tuple, deque] = {}  # (shape, threads): recent seconds, timed while busy
+        self.since = 0.0  # seconds of busy passes since the count not chosen was last tried
+
+    def dearer(self) -> float | None:
+        """torch's count's time over one thread's: the lower median over shapes timed with both of each one's
+        ratio of lower medians; ``None`` before any."""
+        ratios = [
+            lower_median(self.seconds[shape, self.counts[0]]) / lower_median(times)
+            for (shape, threads), times in self.seconds.items()
+            if threads == self.counts[1] and (shape, self.counts[0]) in self.seconds
+        ]
+        return lower_median(ratios) if ratios else None
 
     def pick(self, shape: tuple) -> int:
         """The thread count for the next pass of ``shape``: torch's on a quiet machine; while other programs take
-        the CPUs, each count until both were timed, then the cheaper by the lower median of recent passes, but every
-        :data:`EVERY`-th pass the other."""
+        the CPUs, the count cheaper on the shapes timed with both (one thread before any), or the other where this
+        shape was timed with the chosen one and trying the other here costs at most :data:`CREDIT` of the time
+        since it was last tried."""
         if not self.busy():
             return self.counts[0]
-        shape = _bucket(shape)
-        count = self.passes.get(shape, 0)
-        self.passes[shape] = count + 1
-        estimates = [self.seconds.get((shape, threads)) for threads in self.counts]
-        if not all(estimates):
-            return self.counts[count % 2]
-        cheaper = min(range(2), key=lambda i: lower_median(estimates[i]))
-        return self.counts[1 - cheaper] if count % EVERY == EVERY - 1 else self.counts[cheaper]
+        ratio = self.dearer()
+        chosen = 0 if ratio is not None and ratio < 1 else 1
+        worse = PRIOR if ratio is None else ratio if chosen else 1 / ratio
+        mine = self.seconds.get((_bucket(shape), self.counts[chosen]))
+        if mine and lower_median(mine) * (worse - 1) <= CREDIT * self.since:
+            self.since = 0.0
+            return self.counts[1 - chosen]
+        return self.counts[chosen]
 
     @contextlib.contextmanager
     def applied(self, shape: tuple) -> Iterator[None]:
         """Within the block (one pass of ``shape``), torch runs with the picked thread count, and the block's time
-        is recorded for it."""
-        threads, before = self.pick(shape), torch.get_num_threads()
-        shape = _bucket(shape)
-        torch.set_num_threads(threads)
+        is recorded for it while other programs take the CPUs."""
+        threads = self.pick(shape)
         started = self.clock()
-        try:
+        with on_threads(threads):
             yield
-        finally:
-            torch.set_num_threads(before)
-        self.seconds.setdefault((shape, threads), deque(maxlen=KEEP)).append(self.clock() - started)
+        if threads != self.counts[0] or self.busy():
+            elapsed = self.clock() - started
+            self.seconds.setdefault((_bucket(shape), threads), deque(maxlen=KEEP)).append(elapsed)
+            self.since += elapsed
+
+
+@contextlib.contextmanager
+def on_threads(count: int) -> Iterator[None]:
+    """Within the block, torch's operations (and so specula's kernels: :func:`kernel_threads`) run on ``count``
+    threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class OthersBusy:
     """Whether other programs took :data:`~specula.machine.load.BUSY` of the CPUs over the last :data:`WINDOW`
-    seconds or so (quiet until the first window is read; busy where that cannot be read, so that the choice is
-    measured)."""
+    seconds or so (over the :data:`FIRST_WINDOW` seconds after the first call at first, quiet until it was read;
+    busy where that cannot be read, so that the choice is measured)."""
 
     def __init__(self) -> None:
-        self.meter, self.since, self.state = LoadMeter(), time.monotonic(), False
+        self.meter, self.since, self.state, self.window = None, 0.0, False, FIRST_WINDOW
 
     def __call__(self) -> bool:
-        if time.monotonic() - self.since >= WINDOW:
+        if self.meter is None:
+            self.meter, self.since = LoadMeter(), time.monotonic()
+        elif time.monotonic() - self.since >= self.window:
             others = self.meter.others()
             self.state = others is None or others >= BUSY
             self.meter.restart()
-            self.since = time.monotonic()
+            self.since, self.window = time.monotonic(), WINDOW
         return self.state
 
 
