@@ -341,7 +341,7 @@ class Decoder:
         if self.row_exact:  # (built here, kept with the model: no pass of the run measures them)
             row_exact_for(model)
         else:
-            packed_for(model)
+            packed_for(model, timed=not self.exactness.invariant)
         # Draft lengths follow measured timings only where the output cannot depend on them: greedy decoding, and
         # sampling with drafts not drawn at random (each token is drawn as model.generate draws it), with passes
         # that round as one-token steps do (row-exact or invariant; or in fp32, far below the gaps between logits).

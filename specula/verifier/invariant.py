@@ -136,7 +136,9 @@ def product_rows(model: torch.nn.Module, applied: Callable[[], contextlib.Abstra
     that row has in a product over :data:`STEP_WIDTH` rows (a one-token step's); 0 where that fails under 4 rows.
     Found once per machine and model, kept."""
     weight = next(model.parameters())
-    key = store.key(weight.device, "invariant products: rows", _model_key(model), weight.dtype, packed, PRODUCT_ROWS)
+    key = store.key(
+        weight.device, "invariant products: rows, packed untimed", _model_key(model), weight.dtype, packed, PRODUCT_ROWS
+    )
     return store.shared().get(key, lambda: _most_rows(model, applied))
 
 
@@ -207,7 +209,7 @@ def _verdict(model: torch.nn.Module) -> list[bool]:
     kernel = weight.device.type == "cpu" and weight.dtype in DTYPES  # (else padded blocks)
     key = store.key(
         weight.device,
-        "invariant passes, query heads folded, products in chunks, on one thread",
+        "invariant passes, query heads folded, products in chunks, on one thread, packed untimed",
         _model_key(model),
         weight.dtype,
         model.config._attn_implementation,

@@ -118,9 +118,10 @@ def _limited(layer: nn.Linear, packed: Int8Weight) -> Int8Weight:
 
 class PackedLinears:
     """The linear layers of ``model`` that a verification pass or a one-token step computes with prepacked weights
-    (packed again where a weight changed since)."""
+    (packed again where a weight changed since); ``timed=False``: every layer oneDNN packs, for passes and prefills,
+    untimed (invariant passes: which layers are packed changes their bits, so it must not follow a timing)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, timed: bool = True) -> None:
         # [layer, the weight and bias packed, the weight's state then, the packed forward, (for passes, for steps)]
         self.layers: list[list] = []
         spare = spare_bytes(torch.device("cpu"))
@@ -135,7 +136,9 @@ class PackedLinears:
                 copies = 0 if int8_weight(weight) else weight.nbytes  # (int8 numbers are read where they are)
                 packed = _pack(weight) if budget is None or copies <= budget else None
                 uses = (False,) * 3
-                if packed is not None:
+                if packed is not None and not timed:
+                    uses = (True, False, not isinstance(packed, Int8Weight) or module is head)
+                elif packed is not None:
                     uses = (_faster_packed(module, packed), _faster_packed(module, packed, rows=1))
                     # a prefill's: its products where packed anyway (no copy for prefills alone; int8 numbers: the
                     # model's own), its LM head over its last token
@@ -180,14 +183,14 @@ class PackedLinears:
                 entry[0].__dict__.pop("forward", None)
 
 
-def packed_for(model: nn.Module) -> PackedLinears | None:
-    """``model``'s :class:`PackedLinears`, built on first use and kept with the model (again after its weights'
-    dtype or device changed); ``None`` where no layer is faster packed (or the model is not on a CPU)."""
+def packed_for(model: nn.Module, timed: bool = True) -> PackedLinears | None:
+    """``model``'s :class:`PackedLinears` (``timed``: see there), built on first use and kept with the model (again
+    after its weights' dtype or device changed); ``None`` where no layer is packed (or the model is not on a CPU)."""
     weight = next(model.parameters())
     if weight.device.type != "cpu":
         return None
-    setting = (weight.dtype, weight.device)
+    setting = (weight.dtype, weight.device, timed)
     profile = profile_of(model)
     if profile.packed is None or profile.packed[0] != setting:
-        profile.packed = (setting, PackedLinears(model))
+        profile.packed = (setting, PackedLinears(model, timed))
     return profile.packed[1] if profile.packed[1].layers else None

@@ -161,10 +161,11 @@ class CachedModel(abc.ABC):
         self.accepts_logits_to_keep = "logits_to_keep" in self.forward_parameters
         self.cached_tokens = 0  # (a batch: its longest row's)
         self.row_exact = row_exact_for(model) if row_exact else None
-        self.packed = None if row_exact else packed_for(model)  # (verification passes with prepacked weights)
+        self.invariant = invariant and not row_exact and not self.recurrent
+        # (verification passes with prepacked weights; invariant: wherever oneDNN packs, untimed)
+        self.packed = None if row_exact else packed_for(model, timed=not self.invariant)
         self.unrepeated = model.config._attn_implementation == "sdpa" and self.device.type == "cpu"
         self.cheap_steps = cheap_steps and self.device.type == "cpu" and not row_exact
-        self.invariant = invariant and not row_exact and not self.recurrent
         # ordinary passes with the thread count measured faster: in fp32, and in bf16/fp16 invariant passes checked to
         # round alike on any thread count (elsewhere their rounding, which the thread count may change, must not
         # follow the clock)

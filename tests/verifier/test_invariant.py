@@ -136,7 +136,7 @@ def test_the_padding_and_the_two_token_step_remove_what_kernels_round_by(fresh_s
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", blocked_attention)
     monkeypatch.setattr(invariant, "applies", lambda *states: False)  # (the padded blocks: a GPU's way)
     monkeypatch.setattr(torch.nn.functional, "linear", matrix_vector)
-    monkeypatch.setattr(runner, "packed_for", lambda model: None)  # (every product through the stand-in)
+    monkeypatch.setattr(runner, "packed_for", lambda model, **_: None)  # (every product through the stand-in)
     assert invariant.holds(model("llama"))
 
 
@@ -154,7 +154,7 @@ def test_products_past_the_rows_a_kernel_rounds_alike_for_are_computed_in_chunks
         return real_linear(x, weight, bias) * (1.0 + 0.01 * (x.numel() // x.shape[-1] > 16))
 
     monkeypatch.setattr(torch.nn.functional, "linear", blocked)
-    monkeypatch.setattr(runner, "packed_for", lambda model: None)  # (every product through the stand-in)
+    monkeypatch.setattr(runner, "packed_for", lambda model, **_: None)  # (every product through the stand-in)
     model_ = model("llama")
     target = runner.RaggedRows(model_, rollback=True, capacity=400, invariant=True, cheap_steps=True)
     assert target.product_rows == 16

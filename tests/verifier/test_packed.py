@@ -87,3 +87,16 @@ def test_nothing_is_packed_beyond_the_memory_budget(always_packed, monkeypatch) 
     monkeypatch.setattr(packed_module, "spare_bytes", lambda device: 10**12)
     layers = packed_module.packed_for(model).layers
     assert len(layers) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+
+def test_invariant_passes_pack_every_layer_whatever_the_clock(monkeypatch) -> None:
+    """Which layers are packed changes a pass's bits, so invariant passes' packing follows no timing: every layer
+    oneDNN packs is packed for passes and prefills where the clock finds packing dearer (mutant: timed)."""
+    if packed_module._pack(torch.zeros(4, 4, dtype=torch.bfloat16)) is None:
+        pytest.skip("oneDNN cannot pack bf16 on this CPU")
+    model = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
+    monkeypatch.setattr(packed_module, "_faster_packed", lambda *args, **kwargs: False)
+    assert packed_module.packed_for(model) is None  # (timed: nothing faster packed)
+    layers = packed_module.packed_for(model, timed=False).layers
+    assert len(layers) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert all(uses[packed_module.PASS] and uses[packed_module.PREFILL] for *_, uses in layers)

@@ -178,7 +178,7 @@ def test_invariant_passes_that_round_alike_on_one_thread_follow_the_load(
     monkeypatch.setattr(torch.nn.functional, "linear", on_one_thread_otherwise)
     from specula.verifier import runner
 
-    monkeypatch.setattr(runner, "packed_for", lambda model: None)  # (every product through the stand-in)
+    monkeypatch.setattr(runner, "packed_for", lambda model, **_: None)  # (every product through the stand-in)
     monkeypatch.setenv("SPECULA_CALIBRATIONS", str(fresh_store.with_name("other.json")))
     store.forget()
     assert invariant.holds(model_) and not invariant.any_threads(model_)
