@@ -11,7 +11,8 @@ decoding's (``CachedModel(cheap_steps=True)``) take packed weights, for the shap
 :data:`PREFILL_ROWS` rows (a prefill, of a layer packed for passes or steps: no copy for prefills alone) are faster
 packed on the machine at hand too (where oneDNN re-lays out the
 weight at every one-row call, steps stay the model's own; a bf16 prefill's products are about a sixth cheaper packed on
-the AVX512_BF16 EPYC: docs/hardware.md).
+the AVX512_BF16 EPYC: docs/hardware.md). Invariant passes (:mod:`.invariant`) take every layer oneDNN packs, for passes
+and prefills, untimed: which layers are packed changes their bits, which must not follow the clock.
 
 The packed copies cost memory (as much as the weights they copy): layers are packed only while the copies take at
 most an eighth of the free memory. Where oneDNN cannot pack a dtype (bf16 without AVX512-BW or AVX-NE-CONVERT),
