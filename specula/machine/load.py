@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from pathlib import Path
 
 BUSY = 0.25  # CPUs' worth of time other programs took, on average over a measurement, that makes it disturbed
 # what the CPUs' busy time may read high by over a span: a tick of each CPU's counter at either end
 GRAIN = 2 * (os.cpu_count() or 1) / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.0
+MIN_SPAN = 0.5  # seconds: a shorter span is judged with the time just before it, back to this long
+_READINGS: deque = deque(maxlen=64)  # recent readings of cpu_seconds(), oldest first, at least MIN_SPAN / 16 apart
 
 
 def cpu_seconds() -> tuple[float, float, float] | None:
@@ -34,8 +37,20 @@ def cpu_seconds() -> tuple[float, float, float] | None:
     )
 
 
+def _reading() -> tuple[float, float, float] | None:
+    """:func:`cpu_seconds`, kept among the recent readings (:data:`_READINGS`) where the last is older than
+    :data:`MIN_SPAN` / 16."""
+    now = cpu_seconds()
+    if now is not None and (not _READINGS or now[2] - _READINGS[-1][2] >= MIN_SPAN / 16 or now[2] < _READINGS[-1][2]):
+        _READINGS.append(now)
+    return now
+
+
 class LoadMeter:
-    """What other programs took of the CPUs since it was made (or :meth:`restart` ed).
+    """What other programs took of the CPUs since it was made (or :meth:`restart` ed); over a span shorter than
+    :data:`MIN_SPAN`, since the latest reading at least that long before (else the oldest kept): over a few
+    milliseconds the counters' ticks (:data:`GRAIN`) hide a busy CPU, and a measurement that short would be kept as
+    quiet.
 
     Worked example: over 2 wall seconds the CPUs were busy 3.5 s, this process ran 3 s of it: others took 0.25 of
     a CPU on average, which is :data:`BUSY`, so the span was disturbed."""
@@ -44,18 +59,26 @@ class LoadMeter:
         self.restart()
 
     def restart(self) -> None:
-        self._start = cpu_seconds()
+        self._start = _reading()
 
     def others(self) -> float | None:
         """CPUs' worth of time other programs took on average since the start (beyond what the counters' ticks
         may add: :data:`GRAIN`); ``None`` where unknown or no time passed."""
-        now = cpu_seconds()
+        now = _reading()
         if now is None or self._start is None or now[2] <= self._start[2]:
             return None
-        busy, own, wall = (end - start for end, start in zip(now, self._start))
+        start = self._start
+        if now[2] - start[2] < MIN_SPAN:
+            earlier = [reading for reading in _READINGS if reading[2] <= now[2] - MIN_SPAN]
+            start = min(start, earlier[-1] if earlier else min(_READINGS, key=_wall), key=_wall)
+        busy, own, wall = (end - begin for end, begin in zip(now, start))
         return max(busy - own - GRAIN, 0.0) / wall
 
     def disturbed(self) -> bool:
         """Whether other programs took at least :data:`BUSY` of the CPUs since the start."""
         others = self.others()
         return others is not None and others >= BUSY
+
+
+def _wall(reading: tuple[float, float, float]) -> float:
+    return reading[2]

@@ -35,6 +35,7 @@ def machine(monkeypatch):
     monkeypatch.setattr(load, "cpu_seconds", fake)
     monkeypatch.setattr(load, "BUSY", 0.25)  # (the suite's conftest turns the check off)
     monkeypatch.setattr(load, "GRAIN", 0.0)
+    monkeypatch.setattr(load, "_READINGS", load.deque(maxlen=64))  # (readings of this fake clock only)
     return fake
 
 
@@ -55,6 +56,25 @@ def test_a_short_span_is_not_disturbed_by_the_counters_ticks(machine, monkeypatc
     assert meter.others() == pytest.approx(0.0) and not meter.disturbed()
     machine.spend(wall=0.1, own=0.1, others=0.1)
     assert meter.disturbed()
+
+
+def test_a_span_too_short_for_the_counters_is_judged_with_the_time_before_it(machine, monkeypatch) -> None:
+    """A 20 ms measurement while another program spins on a CPU: its own span, less the counters' ticks, shows
+    nothing; judged over the half second before it too, it is disturbed; after a quiet half second it is not (mutant:
+    the span as it is)."""
+    monkeypatch.setattr(load, "GRAIN", 0.04)
+    machine.spend(wall=1.0, own=1.0, others=0.0)
+    load.LoadMeter()  # (a reading: what came before, say the model's load)
+    machine.spend(wall=0.6, own=0.6, others=0.6)  # another program spinning
+    meter = load.LoadMeter()
+    machine.spend(wall=0.02, own=0.02, others=0.02)
+    assert meter.disturbed()
+    machine.spend(wall=1.0, own=1.0, others=0.0)
+    load.LoadMeter()
+    machine.spend(wall=0.6, own=0.6, others=0.0)  # quiet again
+    meter = load.LoadMeter()
+    machine.spend(wall=0.02, own=0.02, others=0.0)
+    assert not meter.disturbed() and meter.others() == pytest.approx(0.0)
 
 
 def test_a_measurement_made_while_others_took_the_cpus_is_used_but_not_kept(machine, fresh_store) -> None:
