@@ -104,9 +104,11 @@ class Store:
         self._told = (0.0, 0)  # (seconds, unkept measurements) said on stderr so far
         self._depth = 0  # measurements under way (one may make others: counted once)
 
-    def get(self, key: str, measure: Callable[[], T]) -> T:
+    def get(self, key: str, measure: Callable[[], T], timed: bool = True) -> T:
         """The measurement under ``key``: kept, else made by ``measure()`` (JSON-serialisable) and kept, unless other
-        programs took the CPUs meanwhile (:mod:`.load`): then this process uses it, and a later one measures again."""
+        programs took the CPUs meanwhile (:mod:`.load`): then this process uses it, and a later one measures again.
+        ``timed=False``: a check of bits, not of time (whether passes round alike), which the load cannot change:
+        kept whatever it was."""
         if key in self.known:
             return self.known[key]
         if key not in self.unkept:
@@ -118,7 +120,7 @@ class Store:
                 self._depth -= 1
             self.seconds += 0.0 if self._depth else time.perf_counter() - started
             self.made += 1
-            if not meter.disturbed():
+            if not timed or not meter.disturbed():
                 self.keep(key, value)
                 return self.known[key]
             self.unkept[key] = value

@@ -134,12 +134,12 @@ def product_rows(model: torch.nn.Module, applied: Callable[[], contextlib.Abstra
     """The most rows (up to :data:`PRODUCT_ROWS`) up to which every linear layer of ``model``, computed within
     ``applied()`` as an invariant pass computes it (``packed``: with prepacked weights), gives each of its rows the bits
     that row has in a product over :data:`STEP_WIDTH` rows (a one-token step's); 0 where that fails under 4 rows.
-    Found once per machine and model, kept."""
+    Found once per machine and model, kept (whatever the load: bits, not times)."""
     weight = next(model.parameters())
     key = store.key(
         weight.device, "invariant products: rows, packed untimed", _model_key(model), weight.dtype, packed, PRODUCT_ROWS
     )
-    return store.shared().get(key, lambda: _most_rows(model, applied))
+    return store.shared().get(key, lambda: _most_rows(model, applied), timed=False)
 
 
 @torch.no_grad()
@@ -192,7 +192,8 @@ def _chunked(forward: Callable[[torch.Tensor], torch.Tensor], rows: int) -> Call
 def holds(model: torch.nn.Module) -> bool:
     """Whether ``model``'s invariant passes (:class:`~specula.verifier.runner.CachedModel` with ``invariant=True``)
     give each row the bits of its one-token steps on this machine, whatever the pass's width and batch mates: checked
-    once per machine and model (:func:`_check`; with int8 weights, as :mod:`.int8` computes them), kept."""
+    once per machine and model (:func:`_check`; with int8 weights, as :mod:`.int8` computes them), kept whatever the
+    load (bits, not times)."""
     return _verdict(model)[0]
 
 
@@ -216,7 +217,7 @@ def _verdict(model: torch.nn.Module) -> list[bool]:
         *(["specula's attention kernel, flat passes"] if kernel else [KEY_BLOCK, QUERY_BLOCK]),
         *(["int8 numbers read"] if int8 else []),
     )
-    return store.shared().get(key, lambda: _check(model))
+    return store.shared().get(key, lambda: _check(model), timed=False)
 
 
 def _model_key(model: torch.nn.Module) -> str:

@@ -100,6 +100,22 @@ def test_a_measurement_made_while_others_took_the_cpus_is_used_but_not_kept(mach
     assert store.shared().get(key, measure(9.0, others=0.0)) == 1.3 and made == [2.0, 1.3]
 
 
+def test_a_check_of_bits_is_kept_whatever_the_load(machine, fresh_store) -> None:
+    """A check that compares bits, not times (``timed=False``: whether passes round alike), made while a core was
+    busy, is kept, and the next process reads it back (mutant: judged by the load like a timing)."""
+    made = []
+
+    def check():
+        machine.spend(wall=1.0, own=1.8, others=1.0)
+        made.append(True)
+        return True
+
+    key = store.key(__import__("torch").device("cpu"), "invariant passes", "a model")
+    assert store.shared().get(key, check, timed=False) is True
+    store.forget()  # the next process
+    assert store.shared().get(key, check, timed=False) is True and made == [True]
+
+
 def test_a_busy_runs_correction_holds_for_that_run_only(machine, fresh_store) -> None:
     """A kept table underpricing a run's passes is corrected in that run; kept only where other programs did not take
     the CPUs meanwhile."""
