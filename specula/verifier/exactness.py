@@ -6,9 +6,12 @@ by machine, from a few percent to several times an ordinary pass (docs/exactness
 specula measures it, once per machine
 and model: a pass over ``TIMED_ROWS`` tokens after :data:`CONTEXT` tokens, row-exact against ordinary, interleaved
 (a busy moment slows both), the lower median of the ratios. Exactness is chosen where it costs at most
-:data:`THRESHOLD` times an ordinary pass. The measurement is kept with the calibrations (:mod:`.calibration`), so
-a machine keeps its choice and a request decodes the same on every run (where exactness is not chosen, the loop takes
-passes invariant to drafts and batches where they hold: :mod:`.invariant`). ``exact=True`` forces exactness whatever
+:data:`THRESHOLD` times an ordinary pass, measured while the machine was quiet (one measured while other programs
+took the CPUs is taken as dear: its threads wait alike in both kinds of pass, and the answers must not follow the
+load; on the AMX Xeon a run with a core busy chose exactness where quiet ones measured 1.50-1.55x). The measurement
+is kept with the calibrations (:mod:`.calibration`), so a machine keeps its choice and a request decodes the same on
+every run (where exactness is not chosen, the loop takes passes invariant to drafts and batches where they hold:
+:mod:`.invariant`). ``exact=True`` forces exactness whatever
 it costs, ``exact=False`` never pays for it.
 
 In fp32, passes of other shapes round differently too, but far below the gaps between logits: the default there is
@@ -67,6 +70,12 @@ def choose(model: torch.nn.Module, exact: bool | None, verifies: bool = True) ->
     cost = measured_cost(model)
     if cost is None:
         return Exactness(False, reason="this model's row-exact passes are not supported")
+    if cost <= THRESHOLD and _cost_key(model) in store.shared().unkept:
+        # (a busy machine's threads wait at every operation of both kinds of pass alike: ratios near 1 that a quiet
+        # one does not measure; its answers must not follow the load)
+        return Exactness(
+            False, cost, "measured while other programs took the CPUs: taken as dear; exact=True forces it"
+        )
     return Exactness(
         cost <= THRESHOLD,
         cost,
@@ -90,11 +99,14 @@ def model_key(model: torch.nn.Module) -> str:
 def measured_cost(model: torch.nn.Module) -> float | None:
     """A row-exact pass's time over an ordinary one's for ``model`` on this machine (measured once, kept); ``None``
     where row-exact passes are not supported for it."""
+    return store.shared().get(_cost_key(model), lambda: _measure(model))
+
+
+def _cost_key(model: torch.nn.Module) -> str:
     weight = next(model.parameters())
-    key = store.key(
+    return store.key(
         weight.device, "exact pass", model_key(model), weight.dtype, model.config._attn_implementation, CONTEXT
     )
-    return store.shared().get(key, lambda: _measure(model))
 
 
 @torch.no_grad()

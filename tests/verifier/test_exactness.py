@@ -45,6 +45,21 @@ def test_exactness_is_chosen_where_it_is_cheap(exact_costs, cost: float, chosen:
     assert ("bitwise model.generate" in str(choice)) is chosen and f"{cost:.2f}x" in str(choice)
 
 
+def test_a_cheap_exactness_measured_while_the_machine_was_busy_is_taken_as_dear(exact_costs, monkeypatch) -> None:
+    """Measured while other programs took the CPUs (not kept), a cheap exactness is not chosen: a busy machine's
+    threads wait alike in both kinds of pass, and the answers must not follow the load; quiet, it is (mutant: the
+    load not looked at)."""
+    from specula.machine import load
+
+    exact_costs[0][0] = 1.04
+    monkeypatch.setattr(load.LoadMeter, "disturbed", lambda self: True)
+    busy = exactness.choose(model("llama"), None)
+    assert not busy.exact and "other programs" in str(busy) and busy.cost == pytest.approx(1.04)
+    monkeypatch.setattr(load.LoadMeter, "disturbed", lambda self: False)
+    store.forget()  # (the next process, quiet)
+    assert exactness.choose(model("llama"), None).exact
+
+
 def test_asked_for_is_what_is_done_whatever_it_costs(exact_costs) -> None:
     costs, measured = exact_costs
     costs[0] = 3.0
