@@ -46,6 +46,27 @@ def _reading() -> tuple[float, float, float] | None:
     return now
 
 
+def busy_now() -> bool:
+    """Whether other programs took at least :data:`BUSY` of the CPUs over the last :data:`MIN_SPAN` seconds (since
+    this process's first reading, made as specula was imported, where that is younger: waiting for the rest). Not
+    where that cannot be read."""
+    now = _reading()
+    if now is None:
+        return False
+    if now[2] - _READINGS[0][2] < MIN_SPAN:
+        time.sleep(min(MIN_SPAN - (now[2] - _READINGS[0][2]), MIN_SPAN))
+        now = _reading()
+    earlier = [reading for reading in _READINGS if reading[2] <= now[2] - MIN_SPAN]
+    start = earlier[-1] if earlier else _READINGS[0]
+    return now[2] > start[2] and _others(start, now) >= BUSY
+
+
+def _others(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
+    """CPUs' worth of time other programs took on average between two readings (beyond :data:`GRAIN`)."""
+    busy, own, wall = (after - before for after, before in zip(end, start))
+    return max(busy - own - GRAIN, 0.0) / wall
+
+
 class LoadMeter:
     """What other programs took of the CPUs since it was made (or :meth:`restart` ed); over a span shorter than
     :data:`MIN_SPAN`, since the latest reading at least that long before (else the oldest kept): over a few
@@ -71,8 +92,7 @@ class LoadMeter:
         if now[2] - start[2] < MIN_SPAN:
             earlier = [reading for reading in _READINGS if reading[2] <= now[2] - MIN_SPAN]
             start = min(start, earlier[-1] if earlier else min(_READINGS, key=_wall), key=_wall)
-        busy, own, wall = (end - begin for end, begin in zip(now, start))
-        return max(busy - own - GRAIN, 0.0) / wall
+        return _others(start, now)
 
     def disturbed(self) -> bool:
         """Whether other programs took at least :data:`BUSY` of the CPUs since the start."""
@@ -82,3 +102,6 @@ class LoadMeter:
 
 def _wall(reading: tuple[float, float, float]) -> float:
     return reading[2]
+
+
+_reading()  # (the first: what a measurement that starts soon after is judged by, busy_now)

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import torch
 
-from .load import LoadMeter
+from .load import LoadMeter, busy_now
 
 # How specula computes passes: part of every key, changed whenever what a kept measurement measured changes (pass
 # costs and the cost of exactness follow how ordinary passes are computed), so that none outlives its subject.
@@ -100,17 +100,26 @@ class Store:
             self.known = {}
         self.seconds = 0.0  # spent measuring in this process
         self.made = 0  # measurements made in this process (a pass that made one is no measure of its cost)
-        self.unkept: dict = {}  # measurements made while other programs took the CPUs: this process's only
-        self._told = (0.0, 0)  # (seconds, unkept measurements) said on stderr so far
+        self.unkept: dict = {}  # measurements made (or not made) while other programs took the CPUs: this process's
+        self.skipped = 0  # measurements not made for it (their ``busy`` taken instead)
+        self._told = (0.0, 0, 0)  # (seconds, unkept measurements, skipped ones) said on stderr so far
         self._depth = 0  # measurements under way (one may make others: counted once)
 
-    def get(self, key: str, measure: Callable[[], T], timed: bool = True) -> T:
+    def get(
+        self, key: str, measure: Callable[[], T], timed: bool = True, busy: Callable[[], T] | None = None
+    ) -> T:
         """The measurement under ``key``: kept, else made by ``measure()`` (JSON-serialisable) and kept, unless other
         programs took the CPUs meanwhile (:mod:`.load`): then this process uses it, and a later one measures again.
         ``timed=False``: a check of bits, not of time (whether passes round alike), which the load cannot change:
-        kept whatever it was."""
+        kept whatever it was. ``busy``: what to take instead, unmeasured and not kept, where other programs take the
+        CPUs as the measurement would start (:func:`~.load.busy_now`): timed then, it would measure the load more than
+        the machine, slowly (torch's threads wait for each other: on the 2-core AMX Xeon with a core busy, a first run
+        of the README's requests measured for 70 s), and not be kept anyway."""
         if key in self.known:
             return self.known[key]
+        if key not in self.unkept and busy is not None and timed and busy_now():
+            self.unkept[key] = busy()
+            self.skipped += 1
         if key not in self.unkept:
             meter, started = LoadMeter(), time.perf_counter()
             self._depth += 1
@@ -147,7 +156,13 @@ class Store:
 
     def tell(self) -> None:
         """Say on stderr what measuring cost since this was last said, if anything was measured."""
-        seconds, unkept = self.seconds - self._told[0], len(self.unkept) - self._told[1]
+        seconds, unkept = self.seconds - self._told[0], len(self.unkept) - self.skipped - self._told[1]
+        if self.skipped > self._told[2]:
+            print(
+                f"specula: other programs take the CPUs: {self.skipped - self._told[2]} measurement(s) not made, "
+                "defaults taken (a later run measures them; docs/hardware.md, 'While other programs run')",
+                file=sys.stderr,
+            )
         if seconds > 0:
             busy = (
                 (
@@ -162,7 +177,7 @@ class Store:
                 f"{self.path}; later runs reuse it{busy})",
                 file=sys.stderr,
             )
-            self._told = (self.seconds, len(self.unkept))
+        self._told = (self.seconds, len(self.unkept) - self.skipped, self.skipped)
 
 
 _SHARED: Store | None = None

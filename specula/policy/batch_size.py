@@ -63,9 +63,10 @@ def fastest_batch_size(
 def kept_batch_size(model: torch.nn.Module, largest: int = 32) -> int:
     """:func:`fastest_batch_size`, measured once per machine and model and kept with the calibrations: where the
     batch size changes what a request decodes to (ordinary bf16/fp16 verification rounds by the rows of a pass), it
-    must not follow the load of the moment, so every run on the machine takes the same."""
+    must not follow the load of the moment, so every run on the machine takes the same (``largest`` where other
+    programs take the CPUs as it would be measured: not kept, and the cache's memory budget still bounds it)."""
     weight = next(model.parameters())
     key = store.key(
         weight.device, "batch size", model_key(model), weight.dtype, model.config._attn_implementation, largest
     )
-    return store.shared().get(key, lambda: fastest_batch_size(model, largest, again=True))
+    return store.shared().get(key, lambda: fastest_batch_size(model, largest, again=True), busy=lambda: largest)

@@ -55,7 +55,8 @@ def tune_cpu_layout(model: nn.Module, repeats: int = 5, remember: bool = False) 
     getting busier or quieter meanwhile favours neither), and keeps column-major only when it is at least 10% faster.
     With ``remember``, the decision is kept in specula's store of measurements (:mod:`specula.machine.store`) and a
     decision already made for the same CPU, threads, torch build and weight shapes is reused instead of timing again
-    (timing takes a few seconds). The values and the ``Parameter`` objects stay the
+    (timing takes a few seconds; where other programs take the CPUs then, the weights stay as stored, not kept). The
+    values and the ``Parameter`` objects stay the
     same, only their strides change (``save_pretrained`` writes them as before); results differ from the row-major
     layout only by float summation order. Returns whether weights were changed. Does nothing to a model that is not
     entirely on the CPU.
@@ -68,7 +69,7 @@ def tune_cpu_layout(model: nn.Module, repeats: int = 5, remember: bool = False) 
     shapes = sorted({(tuple(w.shape), str(w.dtype)) for w in weights})
     key = store.key(weights[0].device, "cpu layout", *shapes)
     column_major = (
-        store.shared().get(key, lambda: _decide(model, weights, repeats))
+        store.shared().get(key, lambda: _decide(model, weights, repeats), busy=lambda: False)
         if remember
         else _decide(model, weights, repeats)
     )

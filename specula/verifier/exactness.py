@@ -8,7 +8,8 @@ and model: a pass over ``TIMED_ROWS`` tokens after :data:`CONTEXT` tokens, row-e
 (a busy moment slows both), the lower median of the ratios. Exactness is chosen where it costs at most
 :data:`THRESHOLD` times an ordinary pass, measured while the machine was quiet (one measured while other programs
 took the CPUs is taken as dear: its threads wait alike in both kinds of pass, and the answers must not follow the
-load; on the AMX Xeon a run with a core busy chose exactness where quiet ones measured 1.50-1.55x). The measurement
+load; on the AMX Xeon a run with a core busy chose exactness where quiet ones measured 1.50-1.55x), and one that would
+start while they take them is not made (taken as dear, :meth:`~specula.machine.store.Store.get`). The measurement
 is kept with the calibrations (:mod:`.calibration`), so a machine keeps its choice and a request decodes the same on
 every run (where exactness is not chosen, the loop takes passes invariant to drafts and batches where they hold:
 :mod:`.invariant`). ``exact=True`` forces exactness whatever
@@ -21,6 +22,7 @@ ordinary verification, unmeasured (``exact=True`` makes it bitwise).
 from __future__ import annotations
 
 import hashlib
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -70,6 +72,10 @@ def choose(model: torch.nn.Module, exact: bool | None, verifies: bool = True) ->
     cost = measured_cost(model)
     if cost is None:
         return Exactness(False, reason="this model's row-exact passes are not supported")
+    if cost == math.inf:
+        return Exactness(
+            False, reason="not measured while other programs took the CPUs: taken as dear; exact=True forces it"
+        )
     if cost <= THRESHOLD and _cost_key(model) in store.shared().unkept:
         # (a busy machine's threads wait at every operation of both kinds of pass alike: ratios near 1 that a quiet
         # one does not measure; its answers must not follow the load)
@@ -98,8 +104,9 @@ def model_key(model: torch.nn.Module) -> str:
 
 def measured_cost(model: torch.nn.Module) -> float | None:
     """A row-exact pass's time over an ordinary one's for ``model`` on this machine (measured once, kept); ``None``
-    where row-exact passes are not supported for it."""
-    return store.shared().get(_cost_key(model), lambda: _measure(model))
+    where row-exact passes are not supported for it; infinite where other programs took the CPUs as it would have
+    been measured (not measured: taken as dear)."""
+    return store.shared().get(_cost_key(model), lambda: _measure(model), busy=lambda: math.inf)
 
 
 def _cost_key(model: torch.nn.Module) -> str:

@@ -116,6 +116,53 @@ def test_a_check_of_bits_is_kept_whatever_the_load(machine, fresh_store) -> None
     assert store.shared().get(key, check, timed=False) is True and made == [True]
 
 
+def test_busy_now_reads_the_last_half_second_waiting_for_it_where_the_process_is_younger(machine, monkeypatch) -> None:
+    """Another program spinning on a CPU over the last half second is busy, one that stopped before it is not; a
+    process whose first reading is younger waits for the rest of the half second (mutants: the whole past read, no
+    wait)."""
+    waited = []
+    monkeypatch.setattr(load.time, "sleep", lambda s: waited.append(s) or machine.spend(wall=s, own=0.0, others=s))
+    load._reading()  # (specula imported)
+    machine.spend(wall=0.2, own=0.2, others=0.0)
+    assert load.busy_now() and waited == [pytest.approx(0.3)]  # (the 0.3 s waited for: another program spinning)
+    machine.spend(wall=0.6, own=0.6, others=0.0)  # it stopped: quiet since
+    assert not load.busy_now() and len(waited) == 1
+    machine.spend(wall=5.0, own=5.0, others=5.0)
+    machine.spend(wall=0.2, own=0.2, others=0.0)  # (readings: the load of the moment, say a model loading)
+    load._reading()
+    machine.spend(wall=0.2, own=0.2, others=0.0)
+    load._reading()
+    machine.spend(wall=0.6, own=0.6, others=0.0)
+    assert not load.busy_now()
+    machine.spend(wall=0.6, own=0.6, others=0.6)
+    assert load.busy_now()
+
+
+def test_a_measurement_that_would_start_while_others_take_the_cpus_is_not_made(machine, fresh_store, capsys) -> None:
+    """Busy as it would start: what ``busy`` gives is taken, nothing measured nor kept, and stderr says so; the next
+    process, quiet, measures and keeps (mutant: ``busy`` ignored, the measurement made)."""
+    made = []
+
+    def measure():
+        machine.spend(wall=1.0, own=1.8, others=0.0)
+        made.append(1.3)
+        return 1.3
+
+    key = store.key(__import__("torch").device("cpu"), "exact pass", "a model")
+    load._reading()  # (specula imported)
+    machine.spend(wall=1.0, own=1.0, others=1.0)  # a core busy
+    assert store.shared().get(key, measure, busy=lambda: 9.0) == 9.0 and not made
+    assert store.shared().get(key, measure, busy=lambda: 8.0) == 9.0  # (this process: as taken)
+    store.shared().tell()
+    assert "1 measurement(s) not made, defaults taken" in capsys.readouterr().err
+    assert not fresh_store.exists() or key not in json.loads(fresh_store.read_text())
+    store.forget()  # the next process, quiet
+    machine.spend(wall=1.0, own=1.0, others=0.0)
+    assert store.shared().get(key, measure, busy=lambda: 9.0) == 1.3 and made == [1.3]
+    store.forget()
+    assert store.shared().get(key, measure, busy=lambda: 9.0) == 1.3 and made == [1.3]
+
+
 def test_a_busy_runs_correction_holds_for_that_run_only(machine, fresh_store) -> None:
     """A kept table underpricing a run's passes is corrected in that run; kept only where other programs did not take
     the CPUs meanwhile."""

@@ -60,6 +60,24 @@ def test_a_machine_that_gets_busy_during_the_measurement_does_not_change_the_siz
     assert batch_size.fastest_batch_size(model, largest=8, again=True) == 8 and passes[0] > 0
 
 
+def test_the_kept_size_is_not_measured_while_other_programs_take_the_cpus(fresh_store, monkeypatch) -> None:
+    """Busy as it would be measured: the largest size (the cache's budget bounds it), nothing measured nor kept
+    (mutant: measured whatever the load); quiet, the next process measures and keeps it."""
+    from specula.machine import store
+
+    monkeypatch.setattr(store, "busy_now", lambda: True)
+    monkeypatch.setattr(batch_size, "fastest_batch_size", lambda *args, **kwargs: pytest.fail("measured"))
+    model = tiny_model("llama")
+    assert batch_size.kept_batch_size(model, largest=8) == 8
+    monkeypatch.setattr(store, "busy_now", lambda: False)
+    monkeypatch.setattr(batch_size, "fastest_batch_size", lambda *args, **kwargs: 2)
+    store.forget()
+    assert batch_size.kept_batch_size(model, largest=8) == 2
+    monkeypatch.setattr(batch_size, "fastest_batch_size", lambda *args, **kwargs: pytest.fail("measured again"))
+    store.forget()
+    assert batch_size.kept_batch_size(model, largest=8) == 2
+
+
 def test_models_that_cannot_be_batched_get_one() -> None:
     assert batch_size.fastest_batch_size(tiny_causal_lm("zaya"), largest=8) == 1  # (its state in its attention)
     assert batch_size.fastest_batch_size(tiny_causal_lm("mamba"), largest=4) in (1, 2, 4)  # (rows computed, not copied)

@@ -95,6 +95,20 @@ def test_decision_remembered_per_machine_and_shapes(fresh_store, monkeypatch):
     assert specula.tune_cpu_layout(tiny_model("gpt2"), remember=True) is False
 
 
+def test_not_timed_while_other_programs_take_the_cpus(fresh_store, monkeypatch):
+    """Busy as it would be timed: the weights stay as stored, nothing timed nor kept (mutant: timed whatever the
+    load); quiet, the next process times and keeps it."""
+    monkeypatch.setattr(store, "busy_now", lambda: True)
+    monkeypatch.setattr(cpu_layout, "_pass_cost_ms", lambda model, repeats: pytest.fail("timed"))
+    model = tiny_model("llama")
+    assert specula.tune_cpu_layout(model, remember=True) is False
+    assert not any(column_major(w) for w in linear_weights(model))
+    monkeypatch.setattr(store, "busy_now", lambda: False)
+    store.forget()
+    with_costs(monkeypatch, as_is=100.0, transposed=50.0)
+    assert specula.tune_cpu_layout(tiny_model("llama"), remember=True) is True
+
+
 def test_unreadable_measurements_file_means_timing_again(fresh_store, monkeypatch):
     fresh_store.write_text("{not json")
     with_costs(monkeypatch, as_is=100.0, transposed=50.0)

@@ -60,6 +60,20 @@ def test_a_cheap_exactness_measured_while_the_machine_was_busy_is_taken_as_dear(
     assert exactness.choose(model("llama"), None).exact
 
 
+def test_exactness_is_not_measured_while_the_machine_is_busy_as_it_would_start(exact_costs, monkeypatch) -> None:
+    """Other programs taking the CPUs as it would be measured: nothing measured, taken as dear, said; quiet, the next
+    process measures it (mutant: measured whatever the load)."""
+    from specula.machine import store as store_module
+
+    exact_costs[0][0] = 1.04
+    monkeypatch.setattr(store_module, "busy_now", lambda: True)
+    busy = exactness.choose(model("llama"), None)
+    assert not busy.exact and not exact_costs[1] and "not measured while other programs" in str(busy)
+    monkeypatch.setattr(store_module, "busy_now", lambda: False)
+    store.forget()  # (the next process, quiet)
+    assert exactness.choose(model("llama"), None).exact and len(exact_costs[1]) == 1
+
+
 def test_asked_for_is_what_is_done_whatever_it_costs(exact_costs) -> None:
     costs, measured = exact_costs
     costs[0] = 3.0
