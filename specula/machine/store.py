@@ -105,9 +105,7 @@ class Store:
         self._told = (0.0, 0, 0)  # (seconds, unkept measurements, skipped ones) said on stderr so far
         self._depth = 0  # measurements under way (one may make others: counted once)
 
-    def get(
-        self, key: str, measure: Callable[[], T], timed: bool = True, busy: Callable[[], T] | None = None
-    ) -> T:
+    def get(self, key: str, measure: Callable[[], T], timed: bool = True, busy: Callable[[], T] | None = None) -> T:
         """The measurement under ``key``: kept, else made by ``measure()`` (JSON-serialisable) and kept, unless other
         programs took the CPUs meanwhile (:mod:`.load`): then this process uses it, and a later one measures again.
         ``timed=False``: a check of bits, not of time (whether passes round alike), which the load cannot change:
