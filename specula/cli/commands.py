@@ -182,8 +182,9 @@ def _generate_file(
         + (
             f", ~{estimate:.2f}x plain decoding of the same requests (estimated from plain passes timed in the run)"
             if estimate
-            else ", no estimate against plain decoding (too few plain passes timed; `specula bench "
-            f"--workloads {args.input} --batch-sizes {max(sizes, default=1)}` measures it)"
+            else ", no estimate against plain decoding ("
+            + ("other programs took the CPUs meanwhile" if answerer.disturbed else "too few plain passes timed")
+            + f"; `specula bench --workloads {args.input} --batch-sizes {max(sizes, default=1)}` measures it)"
         )
         + (f"; {answerer.exactness}" if answerer.exactness is not None else "")
         + (f"; passes compiled {answerer.compiled}" if answerer.compiled else ""),

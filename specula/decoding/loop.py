@@ -288,6 +288,7 @@ class Decoder:
         self.passes = 0  # target forward passes, prefills included
         self.prefill_seconds = self.pass_seconds = 0.0  # time in prefills, and in the other passes (proposing included)
         self.estimate = PlainEstimate(slots)  # the summary's: the run's plain passes, what its requests needed
+        self.disturbed = False  # whether other programs took the CPUs during a run (its passes timed the load)
         self._guard: DraftGuard | None = None  # (where timings may decide: prepare())
         if proposer is not None:
             proposer.check_target(model)
@@ -468,7 +469,11 @@ class Decoder:
 
     def plain_comparison(self) -> tuple[float, float] | None:
         """What the run would have cost as plain decoding of the same requests in batches of as many rows, and what it
-        cost, in seconds (prefills and proposing included): :meth:`PlainEstimate.comparison`."""
+        cost, in seconds (prefills and proposing included): :meth:`PlainEstimate.comparison`; ``None`` where other
+        programs took the CPUs during a run (:attr:`disturbed`: its plain passes priced the load of their moments, on
+        the thread counts tried then: docs/cost-model.md)."""
+        if self.disturbed:
+            return None
         return self.estimate.comparison(self.prefill_seconds, self.pass_seconds)
 
     def plain_speedup(self) -> float | None:
@@ -503,6 +508,7 @@ class Decoder:
             for row in rows:
                 if row is not None and not row.finished:
                     self._finish(row)
+            self.disturbed = self.disturbed or load.disturbed()
             for count in range(1, self.slots + 1) if self._save_costs else ():
                 self._save_costs(count, load)
 

@@ -352,6 +352,7 @@ class Answerer:
         self.slots = settings.batch_size
         self.sizes: list[int] = []  # the batch sizes that ran, for the summary
         self.comparisons = []  # each decoder's Decoder.plain_comparison(), for the summary
+        self.disturbed = False  # whether other programs took the CPUs while a decoder ran (Decoder.disturbed)
         self.prefill_seconds = 0.0  # what its prefills took, for the summary
         self.exactness = None  # how the last call verified
         self.compiled: str | None = None  # ... and where its passes ran compiled (specula.verifier.static.compiles)
@@ -405,6 +406,7 @@ class Answerer:
             finally:
                 self.sizes.append(self.slots)
                 self.comparisons.append(decoder.plain_comparison())
+                self.disturbed = self.disturbed or decoder.disturbed
                 self.prefill_seconds += decoder.prefill_seconds
 
     def plain_speedup(self) -> float | None:

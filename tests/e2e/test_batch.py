@@ -301,6 +301,22 @@ def test_the_decoder_estimates_its_speedup_over_plain_decoding(monkeypatch, draf
     assert sampled.plain_speedup() is not None  # (under sampling too)
 
 
+def test_no_estimate_where_other_programs_took_the_cpus_meanwhile(monkeypatch, drafts_cost_nothing) -> None:
+    """A run during which other programs took the CPUs estimates nothing (its plain passes priced the load of their
+    moments), and says why; a quiet one does (mutant: estimated whatever the load)."""
+    from specula.machine import load
+
+    monkeypatch.setattr(estimate, "PLAIN_FIRST", 2)  # (short requests)
+    rows = prompts()
+    expected = [alone("llama", row, eos_token_id=[]) for row in rows]
+    references = [torch.tensor(row.tolist() + out) for row, out in zip(rows, expected)]
+    for busy in (True, False):
+        monkeypatch.setattr(load.LoadMeter, "disturbed", lambda self, busy=busy: busy)
+        decoder = specula.Decoder(model("llama"), Oracle(references, 6), slots=2)
+        list(decoder.run([specula.Job(row.numpy(), NEW_TOKENS, key=b) for b, row in enumerate(rows)]))
+        assert decoder.disturbed is busy and (decoder.plain_speedup() is None) is busy
+
+
 def timed_plain_passes(decoder: specula.Decoder, passes: dict[int, list[tuple[float, int]]]) -> None:
     """The run's plain passes, by rows: (seconds, tokens the longest row held)."""
     decoder.estimate.plain, decoder.estimate.plain_keys = {}, {}
