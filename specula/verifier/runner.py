@@ -171,6 +171,8 @@ class CachedModel(abc.ABC):
         # follow the clock)
         free = not is_half_precision(model) or (self.invariant and any_threads)
         self.threads = thread_choice(model) if free and not row_exact else None
+        # (prefills too in fp32; in bf16/fp16 a prefill's products round otherwise on one thread: docs/hardware.md)
+        self.prefill_threads = self.threads if not is_half_precision(model) else None
         # (invariant: the most rows a linear layer's product may take at once, a wider pass's computed in chunks)
         self.product_rows = product_rows(model, self._products, self.packed is not None) if self.invariant else None
         self.compiled: CompiledPasses | None = None
@@ -290,9 +292,16 @@ class CachedModel(abc.ABC):
         """The linear layers as a pass (:data:`PASS`), a one-token step or a prefill computes them."""
         return self.packed.applied(kind) if self.packed else contextlib.nullcontext()
 
-    def _prefilling(self) -> contextlib.AbstractContextManager:
-        """A prompt's prefill: with weights packed where that is faster, in ordinary decoding (``cheap_steps``)."""
-        return self._products(PREFILL) if self.cheap_steps else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _prefilling(self, tokens: int) -> Iterator[None]:
+        """A prompt's prefill of ``tokens`` tokens: with weights packed where that is faster, in ordinary decoding
+        (``cheap_steps``); in fp32 with the thread count the load calls for (:mod:`.threads`; a prefill's shape has
+        no rows, so that its times are not a pass's)."""
+        with (
+            self._products(PREFILL) if self.cheap_steps else contextlib.nullcontext(),
+            self.prefill_threads.applied((0, tokens)) if self.prefill_threads else contextlib.nullcontext(),
+        ):
+            yield
 
     @property
     def compiling(self) -> bool:
@@ -400,7 +409,7 @@ class OneSequence(CachedModel):
                 self.stepwise.applied(self.cache) if self.stepwise and verifies else contextlib.nullcontext(),
                 self.indexers.applied() if self.indexers and verifies else contextlib.nullcontext(),
                 per_row(self.adapter_layers, [self.adapter]),
-                self._prefilling() if start == 0 else contextlib.nullcontext(),
+                self._prefilling(len(token_ids)) if start == 0 else contextlib.nullcontext(),
             ):
                 logits = finish(self.model(**inputs).logits)[0, -num_logits:]
         except Exception as error:
@@ -576,7 +585,7 @@ class RaggedRows(CachedModel):
         inputs = {"input_ids": token_ids[None], self.cache_argument: alone, "use_cache": True}
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = positions
-        with per_row(self.adapter_layers, [adapter]), self._prefilling():
+        with per_row(self.adapter_layers, [adapter]), self._prefilling(len(token_ids)):
             logits = self.model(**inputs).logits[0, -positions:]
         for layer, computed in zip(self.cache.layers, alone.layers):
             if isinstance(layer, PreallocatedLayer) and not isinstance(computed, RowPrefill):

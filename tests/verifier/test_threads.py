@@ -92,7 +92,7 @@ def two_threads_at_least():
     torch.set_num_threads(threads)
 
 
-def test_only_ordinary_fp32_passes_over_several_tokens_change_the_thread_count(
+def test_only_ordinary_fp32_passes_over_several_tokens_and_prefills_change_the_thread_count(
     monkeypatch, two_threads_at_least
 ) -> None:
     seen = []
@@ -111,7 +111,8 @@ def test_only_ordinary_fp32_passes_over_several_tokens_change_the_thread_count(
         fp32, prompt(), Oracle(expected, 8), max_new_tokens=NEW_TOKENS, eos_token_id=[], adaptive_draft=False
     )
     assert out.sequences.tolist() == expected.tolist()
-    assert seen and all(tokens > 1 for _, tokens in seen) and len(seen) < out.stats.passes  # (not the prefill)
+    assert seen and all(tokens > 1 for _, tokens in seen) and len(seen) < out.stats.passes + 1  # (not the steps)
+    assert seen.count((0, prompt().shape[1])) == 1  # (the prompt's prefill: no rows)
     seen.clear()
     specula.generate(
         model("llama"),
@@ -133,6 +134,30 @@ def test_only_ordinary_fp32_passes_over_several_tokens_change_the_thread_count(
     )
     assert not seen  # bf16: row-exact, or ordinary whose rounding must not follow the clock
     assert threads_module.thread_choice(fp32) is threads_module.thread_choice(fp32)  # kept with the model
+
+
+def test_fp32_prefills_take_one_thread_under_load(monkeypatch, two_threads_at_least) -> None:
+    """fp32 with other programs taking the CPUs: the prompt's prefill runs on one thread (it waits for none), and the
+    output is still model.generate's (mutant: prefills keep torch's count)."""
+    counts = []
+    forward = torch.nn.Module.__call__
+    monkeypatch.setattr(threads_module.OthersBusy, "__call__", lambda self: True)
+    fp32 = model("llama", torch.float32)
+    threads_module.profile_of(fp32).threads = None  # (a new choice: nothing timed yet)
+    expected = fp32.generate(
+        prompt(), attention_mask=torch.ones_like(prompt()), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=[]
+    )
+
+    def recording(module, *args, **kwargs):
+        if module is fp32 and kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] == prompt().shape[1]:
+            counts.append(torch.get_num_threads())  # (the prefill: the prompt's tokens at once)
+        return forward(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", recording)
+    out = specula.generate(
+        fp32, prompt(), Oracle(expected, 8), max_new_tokens=NEW_TOKENS, eos_token_id=[], adaptive_draft=False
+    )
+    assert out.sequences.tolist() == expected.tolist() and counts == [1]
 
 
 def test_invariant_passes_that_round_alike_on_one_thread_follow_the_load(
