@@ -137,12 +137,15 @@ def _scores(head, query, keys, start, last, scores):
     ``start + j * dim`` (``head``: a tuple :data:`HEAD_UNIT` times shorter than a head, whose length the compiler
     takes as a constant)."""
     dim = len(head) * HEAD_UNIT
+    wide = carray(_stack_head(head), (dim,))  # (a key widened once for all the queries: in registers)
     for j in range(last):
         key = keys[start + j * dim : start + (j + 1) * dim]  # (indices from 0: no wraparound checks)
+        for d in range(dim):
+            wide[d] = _read(key, d)
         for r in range(query.shape[0]):
             s = np.float32(0.0)
             for d in range(dim):
-                s += query[r, d] * _read(key, d)
+                s += query[r, d] * wide[d]
             scores[r, j] = s
 
 
