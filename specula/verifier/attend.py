@@ -150,17 +150,32 @@ def _scores(head, query, keys, start, last, scores):
 
 
 @njit(cache=True, nogil=True, fastmath={"nnan", "reassoc", "contract"})
+def _largest(x: np.ndarray, n: int, part: np.ndarray) -> np.float32:
+    """The largest of ``x[:n]``, in :data:`LANES` running maxima (``part``: their scratch), which the compiler
+    vectorizes (one running maximum it does not)."""
+    part[:] = -np.inf
+    whole = n // LANES * LANES
+    for j0 in range(0, whole, LANES):
+        for lane in range(LANES):
+            part[lane] = max(part[lane], x[j0 + lane])
+    top = np.float32(-np.inf)
+    for j in range(whole, n):
+        top = max(top, x[j])
+    for lane in range(LANES):
+        top = max(top, part[lane])
+    return top
+
+
+@njit(cache=True, nogil=True, fastmath={"nnan", "reassoc", "contract"})
 def _softmax(scores, visible, n, ends, probs, bits, sums):
     """Each query's (row ``r``, token ``r % n``) exponentials of its scores less their largest, over its own keys
     (``< ends``, where ``visible``), in ``probs``, and their sum in ``sums`` (1 where it sees no key)."""
     part = np.empty(LANES, np.float32)
     for r in range(len(sums)):
         i, e = r % n, ends[r % n]
-        top = np.float32(-np.inf)
         for j in range(e):
-            s = scores[r, j] if visible[i, j] else np.float32(-np.inf)
-            scores[r, j] = s
-            top = max(top, s)
+            scores[r, j] = scores[r, j] if visible[i, j] else np.float32(-np.inf)
+        top = _largest(scores[r], e, part)
         if top == -np.inf:  # (it sees no key: zeros)
             sums[r] = np.float32(1.0)
             continue
