@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from specula.verifier.attend import applies, attend, exp_below_zero, visibility
+from specula.verifier.attend import LANES, _largest, applies, attend, exp_below_zero, visibility
 
 
 def _call(batch: int, n: int, keys: int, dim: int, dtype: torch.dtype, seed: int, group: int = 3):
@@ -92,6 +92,17 @@ def test_its_exponential_is_within_two_ulp_down_to_underflow() -> None:
     assert math.isclose(out[-3], 0.36787944, rel_tol=1e-7) and out[-4] == 1.0 and out[-2] == out[-1] == 0.0
     exact = np.exp(x[:-4].astype(np.float64))
     assert np.all(np.abs(out[:-4] - exact) <= 2 * np.spacing(exact.astype(np.float32)))
+
+
+def test_a_querys_largest_score_in_running_maxima_is_its_largest() -> None:
+    generator = np.random.default_rng(0)
+    part = np.empty(LANES, np.float32)
+    for n in [*range(1, 3 * LANES + 2), 700]:  # (a tail past the last whole vector, and none)
+        x = np.minimum(generator.standard_normal(n), 4.0).astype(np.float32)
+        x[generator.random(n) < 0.3] = -np.inf  # (masked keys)
+        x[generator.integers(n)] = 5.0  # (the largest anywhere: in a vector or in the tail)
+        assert _largest(x, n, part) == 5.0
+        assert _largest(np.full(n, -np.inf, np.float32), n, part) == -np.inf
 
 
 def test_only_a_cpus_bf16_and_fp32_rows_read_as_the_cache_holds_them() -> None:
