@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import re
@@ -891,6 +892,20 @@ def test_bad_files_are_one_line_errors_before_any_model_work(argv, message, tmp_
     assert message.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert (tmp_path / "old.jsonl").read_text().startswith('{"id": 1')  # nothing destroyed
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_checking_a_new_output_never_makes_that_file(tmp_path, monkeypatch) -> None:
+    """(Something watching the path, a test waiting for answers, would see a file come and go.)"""
+    from specula.cli.checks import _output_problem
+
+    opened, real_open = [], Path.open
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: opened.append(self) or real_open(self, *a, **k))
+    output = tmp_path / "out.jsonl"
+    args = argparse.Namespace(output=output, json=None, input=None, overwrite=False, resume=False)
+    assert _output_problem(args) is None
+    assert output not in opened and not output.exists()
+    output.write_text("")  # (one there already: tried as it is)
+    assert _output_problem(args) is None and output in opened
 
 
 def test_overwrite_replaces_an_earlier_output(model_folder, tmp_path) -> None:

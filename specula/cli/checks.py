@@ -8,6 +8,7 @@ import argparse
 import importlib.util
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import NoReturn
 
@@ -148,13 +149,12 @@ def _output_problem(args: argparse.Namespace) -> str | None:
                 f"--output {path} already holds answers; pass --resume to answer only the requests it lacks, "
                 "--overwrite to replace them, or choose another file"
             )
-        existed = path.exists()
-        try:
-            path.open("a").close()  # can it be written (permissions, read-only file systems)?
+        try:  # can it be written (permissions, read-only file systems)? (a file not there yet: one beside it, unnamed,
+            # so that nothing watching the path sees a file come and go)
+            with path.open("a") if path.exists() else tempfile.TemporaryFile(dir=path.parent):
+                pass
         except OSError as error:
             return f"--{flag} {path}: cannot be written ({error.strerror})"
-        if not existed:
-            path.unlink()
     return None
 
 
