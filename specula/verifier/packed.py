@@ -18,14 +18,16 @@ The packed copies cost memory (as much as the weights they copy): layers are pac
 most an eighth of the free memory. Where oneDNN cannot pack a dtype (bf16 without AVX512-BW or AVX-NE-CONVERT),
 nothing is packed. Int8 weight-only weights (torchao's, optimum-quanto's) are not copied: their int8 numbers are read
 as they are (:mod:`specula.verifier.int8`), where that is faster, in fp32 for passes up to the most rows it is
-faster for.
+faster for. Timed ordinary fp32 passes may take a weight laid out in panels instead (:mod:`specula.verifier.panels`),
+where a pass computes faster so; wider products (a prefill's) then take its oneDNN copy, where that was faster.
+Products are timed over copies of the weight that outgrow the CPU's caches, as a pass reads them (:func:`_faster`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -36,10 +38,13 @@ from ..machine.profile import profile_of
 from ..machine.timing import cheapest
 from .calibration import TIMED_ROWS
 from .int8 import Int8Weight, int8_forward, int8_weight
+from .panels import Panels, panel_forward, panels
 from .support import is_quantized, weight_state
 
 WIDER_ROWS = (16, 32, 64, 128)  # rows at which int8 weights, faster at TIMED_ROWS, are timed again
 PREFILL_ROWS = 256  # rows at which a prefill's products are timed
+STREAMED = 64 << 20  # bytes of weights a product read from memory is timed over (more than a CPU's caches hold)
+MOST_COPIES = 64  # copies of a weight it is timed over
 PASS, STEP, PREFILL = range(3)  # what :meth:`PackedLinears.applied` computes: a pass, a one-token step, a prefill
 
 
@@ -61,20 +66,75 @@ def _packable(module: nn.Module) -> bool:
     )
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor | Int8Weight | None:
-    """``weight`` reordered for oneDNN's linear (torchao's int8 weights: their numbers and scales), ``None`` where
-    neither applies on this CPU."""
+def _pack(weight: torch.Tensor, layer: nn.Linear | None = None) -> torch.Tensor | Int8Weight | Panels | None:
+    """``weight`` reordered for oneDNN's linear (torchao's int8 weights: their numbers and scales; with ``layer``, an
+    fp32 weight in panels where a pass computes faster so: :mod:`.panels`), ``None`` where none applies on this CPU."""
     if is_quantized(weight):
         return int8_weight(weight)
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     except (RuntimeError, AttributeError):
-        return None
+        packed = None
+    if layer is not None and weight.dtype == torch.float32 and _faster_in_panels(layer, packed):
+        return panels(weight)._replace(wider=packed)
+    return packed
 
 
-def _packed_forward(packed: torch.Tensor | Int8Weight, bias: torch.Tensor | None, layer: nn.Linear):
+def _faster_in_panels(layer: nn.Linear, packed: torch.Tensor | None) -> bool:
+    """Whether a pass's ``TIMED_ROWS`` rows through the fp32 ``layer`` are faster in panels than packed for oneDNN
+    (``packed``; ``None``: than as it is), timed once per shape on this machine (:func:`_faster`), remembered."""
+    weight = layer.weight
+    key = store.key(weight.device, "panel linear", tuple(weight.shape), layer.bias is not None, packed is not None)
+    return store.shared().get(key, lambda: _faster(layer, TIMED_ROWS, None if packed is None else _pack, panels))
+
+
+@torch.no_grad()
+def _faster(
+    layer: nn.Linear,
+    rows: int,
+    first: Callable[[torch.Tensor], torch.Tensor | Int8Weight | Panels] | None,
+    second: Callable[[torch.Tensor], torch.Tensor | Int8Weight | Panels],
+) -> bool:
+    """Whether ``rows`` rows through ``layer`` compute faster with its weight as ``second(weight)`` makes it than as
+    ``first`` does (``None``: as it is). Timed over copies of the layer that outgrow the CPU's caches
+    (:data:`STREAMED` bytes), as a pass reads its layers: one weight read again and again is read from a cache, where
+    another kernel may be the faster (the 2-core AVX2 EPYC, 576 x 576 fp32: oneDNN's at 9 rows, not the panels'
+    that are 1.5x faster read from memory). Int8 numbers are timed as they are, in one layer."""
+    weight = layer.weight
+    copies = [layer] if is_quantized(weight) else [_copy(layer) for _ in range(_copies(weight))]
+
+    def forwards(form):
+        own = [functools.partial(type(copy).forward, copy) for copy in copies]
+        return own if form is None else [_packed_forward(form(c.weight), c.bias, c) for c in copies]
+
+    x = torch.randn((1, rows, weight.shape[1]), generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    runs = {"first": forwards(first), "second": forwards(second)}
+    return cheapest({name: lambda run=run: [forward(x) for forward in run] for name, run in runs.items()}) == "second"
+
+
+def _copies(weight: torch.Tensor) -> int:
+    """How many copies of ``weight`` hold :data:`STREAMED` bytes (one at least, :data:`MOST_COPIES` at most: a small
+    model's weights are read from a cache in its passes too)."""
+    return min(max(1, -(-STREAMED // weight.nbytes)), MOST_COPIES)
+
+
+def _copy(layer: nn.Linear) -> nn.Linear:
+    """An ``nn.Linear`` holding a copy of ``layer``'s weight and bias."""
+    weight = layer.weight
+    copy = torch.nn.utils.skip_init(
+        nn.Linear, weight.shape[1], weight.shape[0], layer.bias is not None, dtype=weight.dtype
+    )
+    copy.load_state_dict(layer.state_dict())
+    return copy
+
+
+def _packed_forward(packed: torch.Tensor | Int8Weight | Panels, bias: torch.Tensor | None, layer: nn.Linear):
     if isinstance(packed, Int8Weight):
         return int8_forward(packed, bias, functools.partial(type(layer).forward, layer))
+    if isinstance(packed, Panels):
+        wider = packed.wider
+        own = functools.partial(type(layer).forward, layer) if wider is None else _packed_forward(wider, bias, layer)
+        return panel_forward(packed, bias, own)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -82,31 +142,29 @@ def _packed_forward(packed: torch.Tensor | Int8Weight, bias: torch.Tensor | None
     return forward
 
 
-@torch.no_grad()
-def _faster_packed(layer: nn.Linear, packed: torch.Tensor | Int8Weight, rows: int = TIMED_ROWS) -> bool:
-    """Whether ``rows`` rows through ``layer`` are faster packed (timed once per shape and dtype on this machine,
-    remembered): ``TIMED_ROWS`` for a pass, 1 for a one-token step, :data:`PREFILL_ROWS` for a prefill."""
+def _faster_packed(layer: nn.Linear, packed: torch.Tensor | Int8Weight | Panels, rows: int = TIMED_ROWS) -> bool:
+    """Whether ``rows`` rows through ``layer`` are faster packed (timed once per shape and dtype on this machine
+    (:func:`_faster`), remembered): ``TIMED_ROWS`` for a pass, 1 for a one-token step, :data:`PREFILL_ROWS` for a
+    prefill."""
     weight = layer.weight
 
-    def calibrate() -> bool:
-        x = torch.randn((1, rows, weight.shape[1]), generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        packed_forward = _packed_forward(packed, layer.bias, layer)
-        return (
-            cheapest({"ordinary": lambda: type(layer).forward(layer, x), "packed": lambda: packed_forward(x)})
-            == "packed"
-        )
+    def again(copied: torch.Tensor) -> torch.Tensor | Int8Weight | Panels:  # (``packed``'s form, of a copy's weight)
+        if isinstance(packed, Panels):
+            return panels(copied)._replace(wider=None if packed.wider is None else _pack(copied))
+        return packed if isinstance(packed, Int8Weight) else _pack(copied)
 
-    kind = [type(weight).__name__] if is_quantized(weight) else []
+    kind = [type(weight).__name__] if is_quantized(weight) else ["panels"] if isinstance(packed, Panels) else []
     key = store.key(
         weight.device, "packed linear", tuple(weight.shape), weight.dtype, layer.bias is not None, rows, *kind
     )
-    return store.shared().get(key, calibrate)
+    return store.shared().get(key, lambda: _faster(layer, rows, None, again))
 
 
-def _limited(layer: nn.Linear, packed: Int8Weight) -> Int8Weight:
+def _limited(layer: nn.Linear, packed: Int8Weight | Panels) -> Int8Weight | Panels:
     """``packed`` computing up to the most rows of :data:`WIDER_ROWS` that ``layer`` computes faster from its int8
-    numbers than as it is (``TIMED_ROWS`` where none; its cost grows with the rows, a matrix product's hardly); in bf16
-    and fp16, every width (a row must round alike in every pass: invariant passes, which time the wide ones)."""
+    numbers (or in panels) than as it is (``TIMED_ROWS`` where none; its cost grows with the rows, a matrix product's
+    hardly); in bf16 and fp16, every width (a row must round alike in every pass: invariant passes, which time the wide
+    ones)."""
     if layer.weight.dtype != torch.float32:
         return packed
     most = TIMED_ROWS
@@ -125,6 +183,7 @@ class PackedLinears:
     def __init__(self, model: nn.Module, timed: bool = True) -> None:
         # [layer, the weight and bias packed, the weight's state then, the packed forward, (for passes, for steps)]
         self.layers: list[list] = []
+        self.timed = timed
         spare = spare_bytes(torch.device("cpu"))
         budget = None if spare is None else spare // 8
         packed_by_weight: dict[int, torch.Tensor | None] = {}  # (tied weights: packed once)
@@ -135,21 +194,22 @@ class PackedLinears:
             weight = module.weight
             if id(weight) not in packed_by_weight:
                 copies = 0 if int8_weight(weight) else weight.nbytes  # (int8 numbers are read where they are)
-                packed = _pack(weight) if budget is None or copies <= budget else None
+                packed = _pack(weight, module if timed else None) if budget is None or copies <= budget else None
+                if isinstance(packed, Panels) and packed.wider is not None:
+                    copies *= 2  # (a pass's rows in panels, a prefill's packed for oneDNN)
                 uses = (False,) * 3
                 if packed is not None and not timed:
                     uses = (True, False, not isinstance(packed, Int8Weight) or module is head)
                 elif packed is not None:
                     uses = (_faster_packed(module, packed), _faster_packed(module, packed, rows=1))
                     # a prefill's: its products where packed anyway (no copy for prefills alone; int8 numbers: the
-                    # model's own), its LM head over its last token
+                    # model's own; panels: oneDNN's, past the panels' most rows), its LM head over its last token
+                    wider = packed.wider if isinstance(packed, Panels) else packed
                     prefill = (
-                        any(uses)
-                        and not isinstance(packed, Int8Weight)
-                        and _faster_packed(module, packed, PREFILL_ROWS)
+                        any(uses) and isinstance(wider, torch.Tensor) and _faster_packed(module, wider, PREFILL_ROWS)
                     )
                     uses += (uses[STEP] if module is head else prefill,)
-                if uses[0] and isinstance(packed, Int8Weight):
+                if uses[0] and isinstance(packed, (Int8Weight, Panels)):
                     packed = _limited(module, packed)
                 if any(uses) and budget is not None:
                     budget -= copies
@@ -170,8 +230,8 @@ class PackedLinears:
                 continue
             now, bias_now = layer._parameters.get("weight"), layer._parameters.get("bias")  # (not Module.__getattr__)
             if now is not weight or bias_now is not bias or weight_state(now) != state:
-                packed = _pack(now) if now is not None else None
-                if isinstance(packed, Int8Weight):
+                packed = _pack(now, layer if self.timed else None) if now is not None else None
+                if isinstance(packed, (Int8Weight, Panels)):
                     packed = _limited(layer, packed)
                 forward = None if packed is None else _packed_forward(packed, bias_now, layer)
                 entry[1:5] = [now, bias_now, None if now is None else weight_state(now), forward]

@@ -25,6 +25,7 @@ def always_packed(monkeypatch):
         pytest.skip("oneDNN cannot pack on this CPU")
     calls = []
     monkeypatch.setattr(packed_module, "_faster_packed", lambda layer, packed, rows=9: True)
+    monkeypatch.setattr(packed_module, "_faster_in_panels", lambda layer, packed: False)  # (panels: test_panels.py)
     forward = packed_module._packed_forward
 
     def counting(packed, bias, layer):
