@@ -18,9 +18,11 @@ The packed copies cost memory (as much as the weights they copy): layers are pac
 most an eighth of the free memory. Where oneDNN cannot pack a dtype (bf16 without AVX512-BW or AVX-NE-CONVERT),
 nothing is packed. Int8 weight-only weights (torchao's, optimum-quanto's) are not copied: their int8 numbers are read
 as they are (:mod:`specula.verifier.int8`), where that is faster, in fp32 for passes up to the most rows it is
-faster for. Timed ordinary fp32 passes may take a weight laid out in panels instead (:mod:`specula.verifier.panels`),
-where a pass computes faster so; wider products (a prefill's) then take its oneDNN copy, where that was faster.
-Products are timed over copies of the weight that outgrow the CPU's caches, as a pass reads them (:func:`_faster`).
+faster for. A model whose linear weights outgrow the CPU's caches (:data:`STREAMED` bytes) has its products timed over
+copies of each weight that outgrow them too, as its passes read them (:func:`_faster`), and its timed ordinary fp32
+passes may take a weight laid out in panels instead (:mod:`specula.verifier.panels`), where a pass computes faster so;
+wider products (a prefill's) then take its oneDNN copy, where that was faster. A smaller model's passes read their
+weights from the caches: each is timed as it is, and packed for oneDNN only.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from .support import is_quantized, weight_state
 
 WIDER_ROWS = (16, 32, 64, 128)  # rows at which int8 weights, faster at TIMED_ROWS, are timed again
 PREFILL_ROWS = 256  # rows at which a prefill's products are timed
-STREAMED = 64 << 20  # bytes of weights a product read from memory is timed over (more than a CPU's caches hold)
+STREAMED = 64 << 20  # bytes of weights past which a pass reads them from memory (more than a CPU's caches hold)
 MOST_COPIES = 64  # copies of a weight it is timed over
 PASS, STEP, PREFILL = range(3)  # what :meth:`PackedLinears.applied` computes: a pass, a one-token step, a prefill
 
@@ -67,8 +69,9 @@ def _packable(module: nn.Module) -> bool:
 
 
 def _pack(weight: torch.Tensor, layer: nn.Linear | None = None) -> torch.Tensor | Int8Weight | Panels | None:
-    """``weight`` reordered for oneDNN's linear (torchao's int8 weights: their numbers and scales; with ``layer``, an
-    fp32 weight in panels where a pass computes faster so: :mod:`.panels`), ``None`` where none applies on this CPU."""
+    """``weight`` reordered for oneDNN's linear (torchao's int8 weights: their numbers and scales; with ``layer``, of a
+    model whose weights are streamed from memory, an fp32 weight in panels where a pass computes faster so:
+    :mod:`.panels`), ``None`` where none applies on this CPU."""
     if is_quantized(weight):
         return int8_weight(weight)
     try:
@@ -85,7 +88,8 @@ def _faster_in_panels(layer: nn.Linear, packed: torch.Tensor | None) -> bool:
     (``packed``; ``None``: than as it is), timed once per shape on this machine (:func:`_faster`), remembered."""
     weight = layer.weight
     key = store.key(weight.device, "panel linear", tuple(weight.shape), layer.bias is not None, packed is not None)
-    return store.shared().get(key, lambda: _faster(layer, TIMED_ROWS, None if packed is None else _pack, panels))
+    form = None if packed is None else _pack
+    return store.shared().get(key, lambda: _faster(layer, TIMED_ROWS, form, panels, streamed=True))
 
 
 @torch.no_grad()
@@ -94,14 +98,17 @@ def _faster(
     rows: int,
     first: Callable[[torch.Tensor], torch.Tensor | Int8Weight | Panels] | None,
     second: Callable[[torch.Tensor], torch.Tensor | Int8Weight | Panels],
+    streamed: bool,
 ) -> bool:
     """Whether ``rows`` rows through ``layer`` compute faster with its weight as ``second(weight)`` makes it than as
-    ``first`` does (``None``: as it is). Timed over copies of the layer that outgrow the CPU's caches
-    (:data:`STREAMED` bytes), as a pass reads its layers: one weight read again and again is read from a cache, where
-    another kernel may be the faster (the 2-core AVX2 EPYC, 576 x 576 fp32: oneDNN's at 9 rows, not the panels'
-    that are 1.5x faster read from memory). Int8 numbers are timed as they are, in one layer."""
+    ``first`` does (``None``: as it is). ``streamed`` (a model whose weights outgrow the CPU's caches): timed over
+    copies of the layer that outgrow them too (:data:`STREAMED` bytes), as a pass reads its layers: one weight read
+    again and again is read from a cache, where another kernel may be the faster (the 2-core AVX2 EPYC, 576 x 576
+    fp32: oneDNN's at 9 rows, not the panels' that are 1.5x faster read from memory). Else, and int8 numbers: timed
+    in the one layer."""
     weight = layer.weight
-    copies = [layer] if is_quantized(weight) else [_copy(layer) for _ in range(_copies(weight))]
+    streamed = streamed and not is_quantized(weight)
+    copies = [_copy(layer) for _ in range(_copies(weight))] if streamed else [layer]
 
     def forwards(form):
         own = [functools.partial(type(copy).forward, copy) for copy in copies]
@@ -113,8 +120,7 @@ def _faster(
 
 
 def _copies(weight: torch.Tensor) -> int:
-    """How many copies of ``weight`` hold :data:`STREAMED` bytes (one at least, :data:`MOST_COPIES` at most: a small
-    model's weights are read from a cache in its passes too)."""
+    """How many copies of ``weight`` hold :data:`STREAMED` bytes (one at least, :data:`MOST_COPIES` at most)."""
     return min(max(1, -(-STREAMED // weight.nbytes)), MOST_COPIES)
 
 
@@ -142,10 +148,12 @@ def _packed_forward(packed: torch.Tensor | Int8Weight | Panels, bias: torch.Tens
     return forward
 
 
-def _faster_packed(layer: nn.Linear, packed: torch.Tensor | Int8Weight | Panels, rows: int = TIMED_ROWS) -> bool:
+def _faster_packed(
+    layer: nn.Linear, packed: torch.Tensor | Int8Weight | Panels, rows: int = TIMED_ROWS, streamed: bool = False
+) -> bool:
     """Whether ``rows`` rows through ``layer`` are faster packed (timed once per shape and dtype on this machine
-    (:func:`_faster`), remembered): ``TIMED_ROWS`` for a pass, 1 for a one-token step, :data:`PREFILL_ROWS` for a
-    prefill."""
+    (:func:`_faster`; ``streamed``: its model's weights outgrow the caches), remembered): ``TIMED_ROWS`` for a pass, 1
+    for a one-token step, :data:`PREFILL_ROWS` for a prefill."""
     weight = layer.weight
 
     def again(copied: torch.Tensor) -> torch.Tensor | Int8Weight | Panels:  # (``packed``'s form, of a copy's weight)
@@ -154,13 +162,14 @@ def _faster_packed(layer: nn.Linear, packed: torch.Tensor | Int8Weight | Panels,
         return packed if isinstance(packed, Int8Weight) else _pack(copied)
 
     kind = [type(weight).__name__] if is_quantized(weight) else ["panels"] if isinstance(packed, Panels) else []
+    kind += ["streamed"] if streamed else []
     key = store.key(
         weight.device, "packed linear", tuple(weight.shape), weight.dtype, layer.bias is not None, rows, *kind
     )
-    return store.shared().get(key, lambda: _faster(layer, rows, None, again))
+    return store.shared().get(key, lambda: _faster(layer, rows, None, again, streamed))
 
 
-def _limited(layer: nn.Linear, packed: Int8Weight | Panels) -> Int8Weight | Panels:
+def _limited(layer: nn.Linear, packed: Int8Weight | Panels, streamed: bool) -> Int8Weight | Panels:
     """``packed`` computing up to the most rows of :data:`WIDER_ROWS` that ``layer`` computes faster from its int8
     numbers (or in panels) than as it is (``TIMED_ROWS`` where none; its cost grows with the rows, a matrix product's
     hardly); in bf16 and fp16, every width (a row must round alike in every pass: invariant passes, which time the wide
@@ -169,10 +178,16 @@ def _limited(layer: nn.Linear, packed: Int8Weight | Panels) -> Int8Weight | Pane
         return packed
     most = TIMED_ROWS
     for rows in WIDER_ROWS:
-        if not _faster_packed(layer, packed, rows):
+        if not _faster_packed(layer, packed, rows, streamed):
             break
         most = rows
     return packed._replace(most_rows=most)
+
+
+def _streamed(model: nn.Module) -> bool:
+    """Whether ``model``'s linear weights (int8 numbers aside) outgrow the CPU's caches (:data:`STREAMED` bytes)."""
+    weights = {id(m.weight): m.weight for m in model.modules() if _packable(m) and not int8_weight(m.weight)}
+    return sum(weight.nbytes for weight in weights.values()) > STREAMED
 
 
 class PackedLinears:
@@ -184,6 +199,7 @@ class PackedLinears:
         # [layer, the weight and bias packed, the weight's state then, the packed forward, (for passes, for steps)]
         self.layers: list[list] = []
         self.timed = timed
+        self.streamed = _streamed(model)  # (its passes read their weights from memory, not from the caches)
         spare = spare_bytes(torch.device("cpu"))
         budget = None if spare is None else spare // 8
         packed_by_weight: dict[int, torch.Tensor | None] = {}  # (tied weights: packed once)
@@ -194,23 +210,25 @@ class PackedLinears:
             weight = module.weight
             if id(weight) not in packed_by_weight:
                 copies = 0 if int8_weight(weight) else weight.nbytes  # (int8 numbers are read where they are)
-                packed = _pack(weight, module if timed else None) if budget is None or copies <= budget else None
+                panel = module if timed and self.streamed else None
+                packed = _pack(weight, panel) if budget is None or copies <= budget else None
                 if isinstance(packed, Panels) and packed.wider is not None:
                     copies *= 2  # (a pass's rows in panels, a prefill's packed for oneDNN)
                 uses = (False,) * 3
                 if packed is not None and not timed:
                     uses = (True, False, not isinstance(packed, Int8Weight) or module is head)
                 elif packed is not None:
-                    uses = (_faster_packed(module, packed), _faster_packed(module, packed, rows=1))
+                    timed_at = functools.partial(_faster_packed, module, streamed=self.streamed)
+                    uses = (timed_at(packed), timed_at(packed, rows=1))
                     # a prefill's: its products where packed anyway (no copy for prefills alone; int8 numbers: the
                     # model's own; panels: oneDNN's, past the panels' most rows), its LM head over its last token
                     wider = packed.wider if isinstance(packed, Panels) else packed
                     prefill = (
-                        any(uses) and isinstance(wider, torch.Tensor) and _faster_packed(module, wider, PREFILL_ROWS)
+                        any(uses) and isinstance(wider, torch.Tensor) and timed_at(wider, PREFILL_ROWS)
                     )
                     uses += (uses[STEP] if module is head else prefill,)
                 if uses[0] and isinstance(packed, (Int8Weight, Panels)):
-                    packed = _limited(module, packed)
+                    packed = _limited(module, packed, self.streamed)
                 if any(uses) and budget is not None:
                     budget -= copies
                 packed_by_weight[id(weight)] = (packed, uses) if any(uses) else None
@@ -230,9 +248,9 @@ class PackedLinears:
                 continue
             now, bias_now = layer._parameters.get("weight"), layer._parameters.get("bias")  # (not Module.__getattr__)
             if now is not weight or bias_now is not bias or weight_state(now) != state:
-                packed = _pack(now, layer if self.timed else None) if now is not None else None
+                packed = _pack(now, layer if self.timed and self.streamed else None) if now is not None else None
                 if isinstance(packed, (Int8Weight, Panels)):
-                    packed = _limited(layer, packed)
+                    packed = _limited(layer, packed, self.streamed)
                 forward = None if packed is None else _packed_forward(packed, bias_now, layer)
                 entry[1:5] = [now, bias_now, None if now is None else weight_state(now), forward]
             if forward is not None:

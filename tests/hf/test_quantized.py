@@ -101,7 +101,7 @@ def int8_calls(monkeypatch):
     """torchao's int8 layers computed from their int8 numbers in every pass and step up to 16 rows (whatever the
     clock finds here); counts the kernel's calls by rows."""
     calls = []
-    monkeypatch.setattr(packed, "_faster_packed", lambda layer, weight, rows=9: rows <= 16)
+    monkeypatch.setattr(packed, "_faster_packed", lambda layer, weight, rows=9, streamed=False: rows <= 16)
     kernel = int8.int8_matmul
     monkeypatch.setattr(int8, "int8_matmul", lambda x, *args: calls.append(len(x)) or kernel(x, *args))
     return calls

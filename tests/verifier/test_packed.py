@@ -24,8 +24,7 @@ def always_packed(monkeypatch):
     if packed_module._pack(torch.zeros(4, 4)) is None:
         pytest.skip("oneDNN cannot pack on this CPU")
     calls = []
-    monkeypatch.setattr(packed_module, "_faster_packed", lambda layer, packed, rows=9: True)
-    monkeypatch.setattr(packed_module, "_faster_in_panels", lambda layer, packed: False)  # (panels: test_panels.py)
+    monkeypatch.setattr(packed_module, "_faster_packed", lambda layer, packed, rows=9, streamed=False: True)
     forward = packed_module._packed_forward
 
     def counting(packed, bias, layer):

@@ -57,8 +57,9 @@ def test_a_panel_forward_takes_its_bias_and_hands_wider_products_on() -> None:
 def test_a_model_in_panels_decodes_as_its_own_generate(monkeypatch) -> None:
     """Every fp32 layer in panels (whatever the clock finds here): passes and steps compute with them, and the output
     is model.generate's (mutant: a panel's last input left out of the sums fails)."""
+    monkeypatch.setattr(packed_module, "STREAMED", 0)  # (its weights outgrow the caches)
     monkeypatch.setattr(packed_module, "_faster_in_panels", lambda layer, packed: True)
-    monkeypatch.setattr(packed_module, "_faster_packed", lambda layer, packed, rows=9: True)
+    monkeypatch.setattr(packed_module, "_faster_packed", lambda layer, packed, rows=9, streamed=False: True)
     calls = []
     kernel = panels_module.panel_matmul
     monkeypatch.setattr(panels_module, "panel_matmul", lambda x, *rest: calls.append(len(x)) or kernel(x, *rest))
@@ -67,3 +68,19 @@ def test_a_model_in_panels_decodes_as_its_own_generate(monkeypatch) -> None:
     out = specula.generate(model, PROMPT, Oracle(expected, 6), max_new_tokens=24, eos_token_id=[], adaptive_draft=False)
     assert out.sequences.tolist() == expected.tolist() and out.stats.accepted > 12
     assert 7 in calls  # (passes of the last token and 6 drafts, in panels)
+
+
+def test_only_a_model_whose_weights_outgrow_the_caches_takes_panels(fresh_store, monkeypatch) -> None:
+    """A small model's passes read their weights from the caches: packed for oneDNN, each timed as it is, panels not
+    tried; past :data:`STREAMED` bytes, panels where faster, products timed over copies of each weight (mutant: panels
+    tried whatever the model's size fails)."""
+    asked, copied = [], []
+    monkeypatch.setattr(packed_module, "_faster_in_panels", lambda layer, packed: asked.append(layer) or True)
+    monkeypatch.setattr(packed_module, "_copies", lambda weight: copied.append(weight) or 2)
+    model = copy.deepcopy(tiny_model("llama"))
+    packed_module.PackedLinears(model)
+    assert not asked and not copied
+    weights = sum(m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear))
+    monkeypatch.setattr(packed_module, "STREAMED", weights // 2)
+    packed_module.PackedLinears(model)
+    assert asked and copied
