@@ -223,9 +223,7 @@ class PackedLinears:
                     # a prefill's: its products where packed anyway (no copy for prefills alone; int8 numbers: the
                     # model's own; panels: oneDNN's, past the panels' most rows), its LM head over its last token
                     wider = packed.wider if isinstance(packed, Panels) else packed
-                    prefill = (
-                        any(uses) and isinstance(wider, torch.Tensor) and timed_at(wider, PREFILL_ROWS)
-                    )
+                    prefill = any(uses) and isinstance(wider, torch.Tensor) and timed_at(wider, PREFILL_ROWS)
                     uses += (uses[STEP] if module is head else prefill,)
                 if uses[0] and isinstance(packed, (Int8Weight, Panels)):
                     packed = _limited(module, packed, self.streamed)
