@@ -108,7 +108,7 @@ def _faster(
     in the one layer."""
     weight = layer.weight
     streamed = streamed and not is_quantized(weight)
-    copies = [_copy(layer) for _ in range(_copies(weight))] if streamed else [layer]
+    copies = [layer] + [_copy(layer) for _ in range(_copies(weight) - 1)] if streamed else [layer]
 
     def forwards(form):
         own = [functools.partial(type(copy).forward, copy) for copy in copies]
@@ -221,9 +221,12 @@ class PackedLinears:
                     timed_at = functools.partial(_faster_packed, module, streamed=self.streamed)
                     uses = (timed_at(packed), timed_at(packed, rows=1))
                     # a prefill's: its products where packed anyway (no copy for prefills alone; int8 numbers: the
-                    # model's own; panels: oneDNN's, past the panels' most rows), its LM head over its last token
+                    # model's own; panels: oneDNN's, past the panels' most rows), its LM head over its last token;
+                    # timed in the one layer (so wide a product is bound by its sums, not by reading the weight)
                     wider = packed.wider if isinstance(packed, Panels) else packed
-                    prefill = any(uses) and isinstance(wider, torch.Tensor) and timed_at(wider, PREFILL_ROWS)
+                    prefill = (
+                        any(uses) and isinstance(wider, torch.Tensor) and _faster_packed(module, wider, PREFILL_ROWS)
+                    )
                     uses += (uses[STEP] if module is head else prefill,)
                 if uses[0] and isinstance(packed, (Int8Weight, Panels)):
                     packed = _limited(module, packed, self.streamed)
