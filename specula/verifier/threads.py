@@ -160,14 +160,18 @@ def kernel_threads() -> Iterator[None]:
 def _pool_started() -> None:
     """Start numba's thread pool with idle threads that sleep at once: by default (OpenMP's) they spin for a while
     after each call, and took half the cores from torch's operations for as long (a prefill ran 2-4x slower between
-    kernel calls: docs/hardware.md). torch's own OpenMP read its settings when it loaded, so it keeps them."""
-    asked = os.environ.get("OMP_WAIT_POLICY")
+    kernel calls: docs/hardware.md). torch's own OpenMP read its settings when it loaded, so it keeps them; its thread
+    count is set back after (where numba's pool shares torch's OpenMP, starting it set the count to numba's: a process
+    that had asked torch for one thread ran on all the cores after its first kernel call, its pytest workers on twice
+    the cores there are)."""
+    asked, threads = os.environ.get("OMP_WAIT_POLICY"), torch.get_num_threads()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         _touch(np.zeros(2))
     finally:
         if asked is None:
             del os.environ["OMP_WAIT_POLICY"]
+        torch.set_num_threads(threads)
 
 
 @njit(cache=True, parallel=True)

@@ -32,7 +32,8 @@ def smollm2():
     return load_model(dtype=torch.float32)
 
 
-def test_the_output_is_held_to_the_schema_as_model_generate_holds_it() -> None:
+def test_the_output_is_held_to_the_schema_as_model_generate_holds_it(drafts_cost_nothing) -> None:
+    """Drafts sent whatever the CI machine's clock (drafts_cost_nothing), so that they are held to the schema too."""
     model, tokenizer = smollm2()
     ids = encode(tokenizer, {"messages": [{"role": "user", "content": ASK}]})
     grammar = json_grammar({"type": "json_schema", "json_schema": {"schema": SCHEMA}})

@@ -37,7 +37,9 @@ def _released():
 
 
 @pytest.mark.parametrize("choice", ["required", NAMED])
-def test_a_required_call_is_held_to_the_tools_as_model_generate_holds_it(choice) -> None:
+def test_a_required_call_is_held_to_the_tools_as_model_generate_holds_it(choice, drafts_cost_nothing) -> None:
+    """Drafts sent whatever the CI machine's clock (drafts_cost_nothing): the cost model of a busy machine had sent
+    none, and the call was held to the tools by the processor alone."""
     model, tokenizer = qwen()
     ask = [{"role": "user", "content": "Write a haiku about autumn."}]  # (unheld, it writes one: no call)
     request = parse_request({"messages": ask, "tools": [WEATHER], "tool_choice": choice}, 1)

@@ -4,6 +4,9 @@ torch's."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from bf16_cases import NEW_TOKENS, model, prompt, reference
@@ -210,3 +213,22 @@ def test_invariant_passes_that_round_alike_on_one_thread_follow_the_load(
     threads_module.profile_of(model_).threads = None
     _, seen = decode()
     assert not seen
+
+
+def test_starting_numbas_pool_leaves_torchs_thread_count_as_asked(model_folder) -> None:
+    """A process that asked torch for one thread keeps one after specula's first parallel kernel call (numba's pool,
+    sharing torch's OpenMP once a model was loaded, had set the count to all the cores: each of CI's two pytest
+    workers then ran on two threads). In a new process: the pool starts once a process (mutant: not set back fails)."""
+    check = f"""
+import torch
+from transformers import AutoModelForCausalLM
+torch.set_num_threads(1)
+AutoModelForCausalLM.from_pretrained({str(model_folder)!r})
+from specula.verifier import panels, threads
+weight, x, out = panels.panels(torch.randn(64, 32)), torch.randn(3, 32), torch.empty(3, 64)
+with threads.kernel_threads():
+    panels.panel_matmul(x.numpy(), weight.panels.numpy(), out.numpy())
+assert torch.get_num_threads() == 1, torch.get_num_threads()
+"""
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
